@@ -1,0 +1,183 @@
+"""The ``torch.compile`` backend: Dynamo graph -> AOT ATen graph -> ep_fuse passes -> executor.
+
+Matching happens on the functionalized ATen graph *before* any decomposition (``traced-graphs.md``
+§5: Inductor's own custom-pass hooks only see decomposed forms such as ``silu`` ->
+``neg/exp/add/div``). The rewritten graph then goes to an executor:
+
+* ``inductor``: ``compile_fx`` on the rewritten ATen graph. Inductor re-traces it with its own
+  decompositions; ep_fuse ops are opaque custom ops and survive. Dynamo's input metadata is copied
+  over so parameters stay static inputs (CUDA graphs do not copy them each replay).
+* ``eager``: the rewritten ATen graph runs op by op (Ascend, debugging).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.log import configure_from_env
+from ep_fuse.pipeline import run_passes
+from ep_fuse.report import GraphReport, record
+
+log = logging.getLogger("ep_fuse")
+_graph_counter = itertools.count()
+
+INDUCTOR_DEVICES = ("cpu", "cuda")
+
+
+def ep_fuse_backend(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Entry point of ``torch.compile(model, backend="ep_fuse", mode=..., options={...})``."""
+    config = EpFuseConfig.from_options(options, mode)
+    return compile_graph(gm, example_inputs, config)
+
+
+def make_backend(**options: Any) -> Callable[..., Any]:
+    """A backend with ``options`` validated now: ``torch.compile(m, backend=ep_fuse.make_backend(executor="eager"))``."""
+    config = EpFuseConfig.from_options(options)
+
+    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
+        cfg = config
+        if kwargs.get("mode") or kwargs.get("options"):
+            cfg = EpFuseConfig.from_options({**_as_options(config), **(kwargs.get("options") or {})},
+                                            kwargs.get("mode"))
+        return compile_graph(gm, example_inputs, cfg)
+
+    backend.__name__ = "ep_fuse"
+    return backend
+
+
+def _as_options(config: EpFuseConfig) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in config.__dataclass_fields__:
+        value = getattr(config, name)
+        if name == "providers":
+            value = {d: list(o) for d, o in value}
+        elif name == "inductor_config":
+            value = dict(value)
+        out[name] = value
+    return out
+
+
+def graph_device(example_inputs: Sequence[Any]) -> str:
+    """The accelerator the graph runs on: cuda or npu if any input lives there, else cpu."""
+    types = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+    for dev in ("cuda", "npu"):
+        if dev in types:
+            return dev
+    return "cpu" if types <= {"cpu"} else sorted(types - {"cpu"})[0]
+
+
+def resolve_executor(config: EpFuseConfig, device: str) -> str:
+    if config.executor == "auto":
+        return "inductor" if device in INDUCTOR_DEVICES else "eager"
+    if config.executor == "inductor" and device not in INDUCTOR_DEVICES:
+        raise ConfigError(
+            f"ep_fuse: executor='inductor' does not support device {device!r}; use executor='eager' or 'auto'."
+        )
+    return config.executor
+
+
+def _graph_id() -> str:
+    from torch._guards import CompileContext
+
+    cid = CompileContext.current_compile_id()
+    return str(cid) if cid is not None else f"g{next(_graph_counter)}"
+
+
+def _needs_autograd(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    )
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpFuseConfig) -> Callable[..., Any]:
+    """Compile one Dynamo graph with ``config`` (no global state is changed)."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    configure_from_env()
+    device = graph_device(example_inputs)
+    executor = resolve_executor(config, device)
+    if config.mode and executor != "inductor":
+        log.warning("ep_fuse: mode=%r only applies to the Inductor executor; executor=%s ignores it",
+                    config.mode, executor)
+    report = GraphReport(graph=_graph_id(), device=device, executor=executor)
+
+    if _needs_autograd(example_inputs):
+        report.skipped = "the graph needs autograd; ep_fuse rewrites inference graphs (use torch.no_grad())"
+        record(report)
+        log.info("ep_fuse: graph %s: %s", report.graph, report.skipped)
+        if executor == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(fw_compiler=_boxed_forward)(gm, example_inputs)
+
+    def inference_compiler(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
+        run_passes(aten_gm, config, report)
+        record(report)
+        if executor == "eager":
+            return make_boxed_func(aten_gm.forward)
+        from torch._inductor.compile_fx import compile_fx
+
+        _copy_dynamo_metadata(gm, aten_gm)
+        compiled = compile_fx(aten_gm, list(aten_inputs), config_patches=_inductor_patches(config))
+        return make_boxed_func(compiled)
+
+    return aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=inference_compiler,
+        inference_compiler=inference_compiler,
+        decompositions={},
+        keep_inference_input_mutations=True,
+    )
+
+
+def _boxed_forward(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:
+    from functorch.compile import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def _inductor_patches(config: EpFuseConfig) -> dict[str, Any]:
+    patches: dict[str, Any] = {}
+    if config.mode:
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(config.mode))
+    patches.update(config.inductor_patches())
+    return patches
+
+
+def _copy_dynamo_metadata(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:
+    """Let Inductor see which ATen inputs are parameters (static for CUDA graphs).
+
+    In an inference graph without lifted parameters the AOT placeholders are Dynamo's, in order;
+    where the counts differ nothing is copied and Inductor treats every input as dynamic.
+    """
+    if "dynamo_compile_id" not in dynamo_gm.meta:
+        return
+    src = list(dynamo_gm.graph.find_nodes(op="placeholder"))
+    dst = list(aten_gm.graph.find_nodes(op="placeholder"))
+    if len(src) != len(dst) or not all(hasattr(n, "_dynamo_source") for n in src):
+        return
+    aten_gm.meta["dynamo_compile_id"] = dynamo_gm.meta["dynamo_compile_id"]
+    aten_gm._param_name_to_source = {}  # type: ignore[assignment]
+    for s, d in zip(src, dst):
+        d._dynamo_source = s._dynamo_source  # type: ignore[attr-defined]
+        if "tensor_dict" in s.meta:
+            d.meta["tensor_dict"] = s.meta["tensor_dict"]

@@ -1,0 +1,171 @@
+"""Typed, validated configuration behind ``torch.compile(..., backend="ep_fuse", options={...})``."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+EXECUTORS = ("auto", "inductor", "eager")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+DEVICES = ("cpu", "cuda", "npu")
+
+
+class ConfigError(ValueError):
+    """An ep_fuse option is unknown or has a bad value."""
+
+
+def _suggest(name: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class EpFuseConfig:
+    """Options of the ep_fuse backend.
+
+    Attributes:
+        executor: ``"inductor"`` compiles the rewritten ATen graph with Inductor, ``"eager"`` runs it
+            op by op (NPU, debugging), ``"auto"`` picks Inductor where it supports the device.
+        patterns: pattern names to run (``None``: every pattern in the catalog).
+        disable: pattern names to skip.
+        providers: per-device provider priority, e.g. ``{"cuda": ("reference",)}``; ``"reference"``
+            is always appended last.
+        perf_guard: providers decline shapes where they measured slower than Inductor.
+        mode: ``torch.compile`` mode for the Inductor executor (``torch.compile`` refuses ``mode``
+            together with ``options``, so it can be given here too).
+        inductor_config: extra Inductor config patches for the Inductor executor.
+        dump_dir: write graphs before/after each pass and the match table under this folder
+            (also ``EP_FUSE_DUMP_DIR``).
+    """
+
+    executor: str = "auto"
+    patterns: tuple[str, ...] | None = None
+    disable: tuple[str, ...] = ()
+    providers: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    perf_guard: bool = True
+    mode: str | None = None
+    inductor_config: tuple[tuple[str, Any], ...] = ()
+    dump_dir: str | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any] | None = None, mode: str | None = None) -> EpFuseConfig:
+        """Build a config from ``options`` (and ``torch.compile``'s ``mode``); fail on anything unknown."""
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in options:
+            if key not in valid:
+                raise ConfigError(
+                    f"ep_fuse: unknown option {key!r}.{_suggest(key, valid)} Valid options: {', '.join(valid)}."
+                )
+        if mode is not None and options.get("mode") not in (None, mode):
+            raise ConfigError(f"ep_fuse: mode given twice ({mode!r} and options['mode']={options['mode']!r}).")
+        if mode is not None:
+            options["mode"] = mode
+        if "dump_dir" not in options and os.environ.get("EP_FUSE_DUMP_DIR"):
+            options["dump_dir"] = os.environ["EP_FUSE_DUMP_DIR"]
+        return cls(**_normalise(options))
+
+    def __post_init__(self) -> None:
+        from ep_fuse.ops.registry import known_providers
+        from ep_fuse.patterns import pattern_names
+
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"ep_fuse: executor={self.executor!r} is not one of {', '.join(EXECUTORS)}.")
+        if self.mode not in MODES:
+            raise ConfigError(
+                f"ep_fuse: mode={self.mode!r} is not one of {', '.join(repr(m) for m in MODES)}."
+            )
+        if not isinstance(self.perf_guard, bool):
+            raise ConfigError(f"ep_fuse: perf_guard must be True or False, got {self.perf_guard!r}.")
+        names = pattern_names()
+        for field in ("patterns", "disable"):
+            for name in getattr(self, field) or ():
+                if name not in names:
+                    raise ConfigError(
+                        f"ep_fuse: {field} names unknown pattern {name!r}.{_suggest(name, names)} "
+                        f"Known patterns: {', '.join(names)}."
+                    )
+        provs = known_providers()
+        for device, order in self.providers:
+            if device not in DEVICES:
+                raise ConfigError(f"ep_fuse: providers has unknown device {device!r}; devices: {', '.join(DEVICES)}.")
+            for p in order:
+                if p not in provs:
+                    raise ConfigError(
+                        f"ep_fuse: providers[{device!r}] names unknown provider {p!r}.{_suggest(p, provs)} "
+                        f"Known providers: {', '.join(provs)}."
+                    )
+        if self.inductor_config:
+            import torch._inductor.config as inductor_config
+
+            known = list(inductor_config.get_config_copy())
+            for key, _value in self.inductor_config:
+                if key not in known:
+                    raise ConfigError(
+                        f"ep_fuse: unknown Inductor config {key!r} in inductor_config.{_suggest(key, known)} "
+                        "See torch._inductor.config for the valid keys."
+                    )
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            raise ConfigError(f"ep_fuse: dump_dir must be a path string, got {self.dump_dir!r}.")
+
+    # ------------------------------------------------------------------ queries
+    def pattern_enabled(self, name: str) -> bool:
+        if name in self.disable:
+            return False
+        return self.patterns is None or name in self.patterns
+
+    def provider_order(self, device: str) -> tuple[str, ...] | None:
+        """User-given provider priority for ``device`` (``None``: the registry default)."""
+        for dev, order in self.providers:
+            if dev == device:
+                return order
+        return None
+
+    def inductor_patches(self) -> dict[str, Any]:
+        return dict(self.inductor_config)
+
+    def compute_hash(self) -> str:
+        """Stable hash of every option; part of cache keys and dump names."""
+        blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _normalise(options: dict[str, Any]) -> dict[str, Any]:
+    """Turn user-friendly values (lists, dicts, single strings) into the frozen field types."""
+    out = dict(options)
+    for key in ("patterns", "disable"):
+        if key in out and out[key] is not None:
+            val = out[key]
+            if isinstance(val, str):
+                val = (val,)
+            if not isinstance(val, (list, tuple, set, frozenset)):
+                raise ConfigError(f"ep_fuse: {key} must be a list of pattern names, got {val!r}.")
+            out[key] = tuple(val)
+    if "providers" in out:
+        val = out["providers"]
+        if not isinstance(val, Mapping):
+            raise ConfigError(
+                f"ep_fuse: providers must map a device to a priority list, e.g. {{'cuda': ['triton', 'reference']}}; got {val!r}."
+            )
+        items = []
+        for dev, order in val.items():
+            if isinstance(order, str):
+                order = (order,)
+            if not isinstance(order, (list, tuple)):
+                raise ConfigError(f"ep_fuse: providers[{dev!r}] must be a list of provider names, got {order!r}.")
+            items.append((dev, tuple(order)))
+        out["providers"] = tuple(sorted(items))
+    if "inductor_config" in out:
+        val = out["inductor_config"]
+        if not isinstance(val, Mapping):
+            raise ConfigError(f"ep_fuse: inductor_config must be a dict of Inductor config patches, got {val!r}.")
+        out["inductor_config"] = tuple(sorted(val.items()))
+    if out.get("mode") == "default":
+        out["mode"] = None
+    return out

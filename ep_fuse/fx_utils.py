@@ -1,0 +1,130 @@
+"""Small helpers over torch.fx graphs of ATen ops."""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+MISSING = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_args(target: torch._ops.OpOverload) -> tuple[tuple[str, Any, bool], ...]:
+    out = []
+    for a in target._schema.arguments:
+        out.append((a.name, a.default_value if a.has_default_value() else MISSING, a.kwarg_only))
+    return tuple(out)
+
+
+def op_args(node: fx.Node) -> dict[str, Any]:
+    """Arguments of an OpOverload call by schema name, defaults filled in."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        raise TypeError(f"{node.format_node()} does not call an OpOverload")
+    out: dict[str, Any] = {}
+    for i, (name, default, _kw_only) in enumerate(_schema_args(target)):
+        if i < len(node.args):
+            out[name] = node.args[i]
+        elif name in node.kwargs:
+            out[name] = node.kwargs[name]
+        else:
+            out[name] = default
+    return out
+
+
+def schema_defaults(target: torch._ops.OpOverload) -> dict[str, Any]:
+    return {name: default for name, default, _ in _schema_args(target)}
+
+
+def val(node: Any) -> Any:
+    """The fake value (``meta['val']``) of a node, or the literal itself."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("val", node.meta.get("example_value"))
+    return node
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted module path from ``nn_module_stack`` (``model.layers.0.input_layernorm``), or ``''``."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    key, (path, _cls) = list(stack.items())[-1]
+    return clean_module_path(path)
+
+
+def module_class(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    _key, (_path, cls) = list(stack.items())[-1]
+    return getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].rstrip("'>"))
+
+
+def clean_module_path(path: str) -> str:
+    """``L['self'].model.layers[0].norm`` / ``L['self'].model.layers.0.norm`` -> ``model.layers.0.norm``."""
+    p = path
+    for prefix in ("L['self'].", "L['self']", "self."):
+        if p.startswith(prefix):
+            p = p[len(prefix):]
+            break
+    p = p.replace("['", ".").replace("']", "").replace("[", ".").replace("]", "")
+    return p.strip(".")
+
+
+def op_histogram(graph: fx.Graph) -> dict[str, int]:
+    """Count call_function targets by name (``aten.add.Tensor`` ...)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for n in graph.nodes:
+        if n.op == "call_function":
+            counts[target_name(n.target)] += 1
+    return dict(sorted(counts.items()))
+
+
+def target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns, name = target.name().split("::", 1)
+        return f"{ns}.{name}" if "." in name else f"{ns}.{name}.default"
+    return getattr(target, "__name__", str(target))
+
+
+def stable_topological_sort(graph: fx.Graph) -> None:
+    """Reorder nodes minimally so each comes after its inputs (the existing order is kept otherwise)."""
+    done: set[fx.Node] = set()
+    waiting: dict[fx.Node, list[fx.Node]] = collections.defaultdict(list)
+    order: list[fx.Node] = []
+    stack = list(reversed(graph.nodes))
+    while stack:
+        node = stack.pop()
+        if node in done:
+            continue
+        missing = next((i for i in node.all_input_nodes if i not in done), None)
+        if missing is not None:
+            waiting[missing].append(node)
+            continue
+        done.add(node)
+        order.append(node)
+        stack.extend(reversed(waiting.pop(node, [])))
+    if len(order) != len(graph.nodes):
+        raise RuntimeError("ep_fuse: the rewritten graph has a cycle; this is a bug in a pattern, please report it")
+    prev = graph._root  # type: ignore[attr-defined]
+    for node in order:
+        if node.prev is not prev:
+            prev.append(node)
+        prev = node
+
+
+def fake_mode_of(gm: fx.GraphModule):
+    """The FakeTensorMode that produced the graph's ``meta['val']`` (or ``None``)."""
+    from torch._guards import detect_fake_mode
+
+    vals = [val(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])

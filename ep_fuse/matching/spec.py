@@ -1,0 +1,162 @@
+"""Pattern specifications (what the catalog declares) and the generic graph surgery that applies them."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from ep_fuse.fx_utils import module_class, module_path, val
+from ep_fuse.matching.matcher import CAST_TARGETS, State, external_users, match_tree, Mismatch
+from ep_fuse.matching.pattern import Alt, Cast, Op, Opt, Pat
+
+Guard = Callable[["Match"], "str | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """How a match becomes one canonical op call.
+
+    ``outputs`` maps each output index of ``op`` to the binding whose uses it takes over
+    (``"root"`` is the pattern's root node).
+    """
+
+    op: torch._ops.OpOverload
+    args: tuple[Any, ...]
+    outputs: tuple[str, ...] = ("root",)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pattern:
+    """One variant of a fusion: a tree, guards and the canonical op it becomes."""
+
+    name: str
+    variant: str
+    tree: Pat
+    build: Callable[[Match], Replacement]
+    guards: tuple[Guard, ...] = ()
+    anchors: tuple[Any, ...] = ()
+    """Ops whose presence marks a candidate site (for near-miss explanations)."""
+    description: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}[{self.variant}]"
+
+    def root_targets(self) -> set[Any]:
+        return _root_targets(self.tree)
+
+
+def _root_targets(p: Any) -> set[Any]:
+    if isinstance(p, Op):
+        return set(p.targets)
+    if isinstance(p, Cast):
+        return set(CAST_TARGETS)
+    if isinstance(p, Alt):
+        out: set[Any] = set()
+        for o in p.options:
+            out |= _root_targets(o)
+        return out
+    if isinstance(p, Opt):
+        return _root_targets(p.inner) | (_root_targets(p.inner.inner) if isinstance(p.inner, Cast) else set())
+    raise TypeError(f"a pattern root must be an op, a cast or a choice of them, got {p!r}")
+
+
+@dataclasses.dataclass
+class Match:
+    pattern: Pattern
+    root: fx.Node
+    bindings: dict[str, Any]
+    nodes: list[fx.Node]
+
+    def __getitem__(self, name: str) -> Any:
+        return self.bindings[name]
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.bindings.get(name, default)
+
+    def val(self, name: str) -> Any:
+        return val(self.bindings[name])
+
+    @property
+    def module_path(self) -> str:
+        return module_path(self.root)
+
+    @property
+    def module_class(self) -> str:
+        return module_class(self.root)
+
+
+def try_match(pattern: Pattern, node: fx.Node) -> Match | Mismatch:
+    """Match ``pattern`` rooted at ``node``: structure, exclusive use of interior nodes, then guards."""
+    res = match_tree(pattern.tree, node, State())
+    if isinstance(res, Mismatch):
+        return res
+    ext = external_users(res, node)
+    if ext is not None:
+        return ext
+    m = Match(pattern, node, res.bindings, res.nodes)
+    for guard in pattern.guards:
+        reason = guard(m)
+        if reason:
+            return Mismatch(node, f"guard {guard.__name__}: {reason}", tuple(res.nodes))
+    return m
+
+
+def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode: Any) -> list[fx.Node]:
+    """Insert ``rep`` before the match root, redirect uses, erase dead matched nodes.
+
+    Returns the new nodes (the op call and its ``getitem`` projections).
+    """
+    graph = gm.graph
+    meta = {k: m.root.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in m.root.meta}
+    with graph.inserting_before(m.root):
+        call = graph.call_function(rep.op, rep.args)
+    call.meta.update(meta)
+    out_val = _fake_run(rep.op, rep.args, fake_mode)
+    if out_val is not None:
+        call.meta["val"] = out_val
+    new_nodes = [call]
+    if len(rep.outputs) == 1:
+        targets = [call]
+    else:
+        targets = []
+        for i in range(len(rep.outputs)):
+            with graph.inserting_after(new_nodes[-1]):
+                g = graph.call_function(operator.getitem, (call, i))
+            g.meta.update(meta)
+            if out_val is not None:
+                g.meta["val"] = out_val[i]
+            new_nodes.append(g)
+            targets.append(g)
+    matched = set(m.nodes)
+    for name, new in zip(rep.outputs, targets):
+        old = m.root if name == "root" else m.bindings[name]
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in matched or old is m.root)
+    erase_dead(graph, m.nodes)
+    return new_nodes
+
+
+def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
+    """Erase the given nodes that have no users left (users first, until nothing changes)."""
+    alive = [n for n in nodes]
+    changed = True
+    while changed:
+        changed = False
+        for node in list(alive):
+            if not node.users:
+                graph.erase_node(node)
+                alive.remove(node)
+                changed = True
+
+
+def _fake_run(op: torch._ops.OpOverload, args: Sequence[Any], fake_mode: Any) -> Any:
+    if fake_mode is None:
+        return None
+    fake_args = [val(a) if isinstance(a, fx.Node) else a for a in args]
+    with fake_mode:
+        return op(*fake_args)

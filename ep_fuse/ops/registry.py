@@ -1,0 +1,194 @@
+"""Canonical ops, their providers, and how a provider is chosen for a call.
+
+A *canonical op* (``torch.ops.ep_fuse.<name>``) is device-neutral; its kernel is the pure-torch
+reference. A *provider* (``triton``, ``npu``) is a second op with the same schema in its own
+namespace (``torch.ops.ep_fuse_triton.<name>``) whose kernel launches fused code; it declares the
+devices it runs on and which calls it supports. Lowering replaces a canonical node by the first
+provider, in the device's priority order, that is available and supports the call; ``reference``
+is always last. At run time a provider op re-checks its inputs and falls back to the reference
+(with a warning) when its kernel raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ep_fuse.ops.library import define_op
+
+log = logging.getLogger("ep_fuse.ops")
+
+REFERENCE = "reference"
+Check = Callable[[tuple[Any, ...]], "str | None"]
+
+
+@dataclasses.dataclass
+class CanonicalOp:
+    name: str
+    schema: str
+    reference: Callable[..., Any]
+    op: torch._ops.OpOverload
+    providers: dict[str, Provider] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Provider:
+    """A fused implementation of one canonical op.
+
+    Attributes:
+        name: provider name (``triton``, ``npu``).
+        canonical: the canonical op it implements.
+        op: the provider op (same schema as the canonical op).
+        devices: device types it runs on right now.
+        available: ``None`` when its runtime (triton, torch_npu) can be used, else why not.
+        supports: ``None`` when it can run these arguments (fake or real tensors), else why not.
+        prefers: ``None`` when it is at least as fast as Inductor's own code for these arguments,
+            else why not (consulted only for the Inductor executor with ``perf_guard``).
+    """
+
+    name: str
+    canonical: CanonicalOp
+    op: torch._ops.OpOverload
+    devices: Callable[[], frozenset[str]]
+    available: Callable[[], str | None]
+    supports: Check
+    prefers: Check | None = None
+
+
+_OPS: dict[str, CanonicalOp] = {}
+_PROVIDER_NAMES: list[str] = [REFERENCE]
+_DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("triton",), "npu": ("npu",), "cpu": ()}
+_warned: set[tuple[str, str, str]] = set()
+_warn_lock = threading.Lock()
+
+
+def triton_interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def default_priority(device: str) -> tuple[str, ...]:
+    """Provider order for ``device``; the Triton interpreter makes ``triton`` a CPU provider too."""
+    order = _DEFAULT_PRIORITY.get(device, ())
+    if device == "cpu" and triton_interpret():
+        order = ("triton", *order)
+    return (*order, REFERENCE)
+
+
+def define_canonical(name: str, schema: str, reference: Callable[..., Any]) -> CanonicalOp:
+    """Define ``torch.ops.ep_fuse.<name>`` whose kernel and fake impl are ``reference``."""
+    if name in _OPS:
+        return _OPS[name]
+    op = define_op("ep_fuse", name, schema, reference, reference)
+    _OPS[name] = CanonicalOp(name, schema, reference, op)
+    return _OPS[name]
+
+
+def register_provider(
+    canonical: CanonicalOp,
+    name: str,
+    kernel: Callable[..., Any],
+    *,
+    devices: Callable[[], frozenset[str]],
+    available: Callable[[], str | None],
+    supports: Check,
+    prefers: Check | None = None,
+) -> Provider:
+    """Define ``torch.ops.ep_fuse_<name>.<op>`` running ``kernel`` with a guarded fallback to the reference."""
+    if name in canonical.providers:
+        return canonical.providers[name]
+    if name not in _PROVIDER_NAMES:
+        _PROVIDER_NAMES.insert(len(_PROVIDER_NAMES) - 1, name)
+    reference = canonical.reference
+
+    def guarded(*args: Any) -> Any:
+        reason = supports(args)
+        if reason is None:
+            try:
+                return kernel(*args)
+            except Exception as exc:  # a provider must never crash the model
+                _warn_once(name, canonical.name, f"{type(exc).__name__}: {exc}")
+        else:
+            log.debug("ep_fuse: %s %s declined at run time: %s", name, canonical.name, reason)
+        return reference(*args)
+
+    op = define_op(f"ep_fuse_{name}", canonical.name, canonical.schema, guarded, reference)
+    prov = Provider(name, canonical, op, devices, available, supports, prefers)
+    canonical.providers[name] = prov
+    return prov
+
+
+def _warn_once(provider: str, op: str, error: str) -> None:
+    key = (provider, op, error.split(":")[0])
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    log.warning("ep_fuse: provider %r failed for %s (%s); using the reference implementation", provider, op, error)
+
+
+def canonical_ops() -> dict[str, CanonicalOp]:
+    _load_builtin()
+    return dict(_OPS)
+
+
+def canonical_for(target: Any) -> CanonicalOp | None:
+    for c in canonical_ops().values():
+        if c.op is target:
+            return c
+    return None
+
+
+def known_providers() -> list[str]:
+    _load_builtin()
+    return list(_PROVIDER_NAMES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    provider: str
+    op: torch._ops.OpOverload
+    declined: tuple[tuple[str, str], ...] = ()
+    """(provider, reason) for every provider tried before the chosen one."""
+
+
+def choose(
+    canonical: CanonicalOp,
+    args: tuple[Any, ...],
+    device: str,
+    order: tuple[str, ...] | None = None,
+    check_perf: bool = False,
+) -> Choice:
+    """First provider in ``order`` (default: the device's) that is available, runs on ``device``,
+    supports ``args`` and, with ``check_perf``, is not slower than Inductor; else the reference."""
+    order = tuple(order) if order is not None else default_priority(device)
+    declined: list[tuple[str, str]] = []
+    for name in order:
+        if name == REFERENCE:
+            break
+        prov = canonical.providers.get(name)
+        if prov is None:
+            declined.append((name, f"no {name} implementation of {canonical.name}"))
+            continue
+        reason = prov.available()
+        if reason is None and device not in prov.devices():
+            reason = f"does not run on {device}"
+        if reason is None:
+            reason = prov.supports(args)
+        if reason is None and check_perf and prov.prefers is not None:
+            reason = prov.prefers(args)
+        if reason is not None:
+            declined.append((name, reason))
+            continue
+        return Choice(name, prov.op, tuple(declined))
+    return Choice(REFERENCE, canonical.op, tuple(declined))
+
+
+def _load_builtin() -> None:
+    import ep_fuse.ops.canonical  # noqa: F401  (defines the canonical ops)
+    import ep_fuse.providers  # noqa: F401  (registers triton / npu providers)

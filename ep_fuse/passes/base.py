@@ -1,0 +1,32 @@
+"""Pass interface and the state passes share while one graph is compiled."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+import torch.fx as fx
+
+from ep_fuse.config import EpFuseConfig
+from ep_fuse.report import GraphReport
+
+
+@dataclasses.dataclass
+class PassContext:
+    config: EpFuseConfig
+    device: str
+    executor: str
+    report: GraphReport
+    fake_mode: Any = None
+    match_by_node: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Fused node name -> its :class:`~ep_fuse.report.MatchRecord` (lowering fills in the provider)."""
+
+
+class GraphPass(abc.ABC):
+    """One transformation of the ATen graph; returns how many sites it changed."""
+
+    name: str = "pass"
+
+    @abc.abstractmethod
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int: ...

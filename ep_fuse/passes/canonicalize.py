@@ -1,0 +1,125 @@
+"""Canonicalize: replace ATen subgraphs matched by the pattern catalog with canonical ``ep_fuse`` ops."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ep_fuse.fx_utils import module_class, module_path, val
+from ep_fuse.matching import Match, Mismatch, Pattern, try_match
+from ep_fuse.matching.spec import apply_replacement
+from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.report import MatchRecord, NearMiss
+
+log = logging.getLogger("ep_fuse.passes")
+
+
+class Canonicalize(GraphPass):
+    """Walk the graph from outputs to inputs; at each node try the enabled patterns in priority order."""
+
+    name = "canonicalize"
+
+    def __init__(self, patterns: list[Pattern]):
+        self.patterns = patterns
+        self._by_root: dict[Any, list[Pattern]] = {}
+        for p in patterns:
+            for t in p.root_targets():
+                self._by_root.setdefault(t, []).append(p)
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        graph = gm.graph
+        misses: list[tuple[Pattern, Mismatch]] = []
+        erased: set[fx.Node] = set()
+        changes = 0
+        for node in reversed(list(graph.nodes)):
+            if node in erased or node.op != "call_function":
+                continue
+            for pattern in self._by_root.get(node.target, ()):
+                res = try_match(pattern, node)
+                if isinstance(res, Mismatch):
+                    misses.append((pattern, res))
+                    continue
+                rep = pattern.build(res)
+                reason = _same_result(node, rep, ctx.fake_mode)
+                if reason:
+                    misses.append((pattern, Mismatch(node, reason, tuple(res.nodes))))
+                    continue
+                record = self._record(res, ctx)
+                new = apply_replacement(gm, res, rep, ctx.fake_mode)
+                record.fused_node = new[0].name
+                ctx.report.matches.append(record)
+                ctx.match_by_node[new[0].name] = record
+                erased.update(res.nodes)
+                changes += 1
+                log.debug("ep_fuse: %s matched at %s (%s)", pattern.key, node.name, record.module_path)
+                break
+        ctx.report.matches.reverse()  # report in graph order
+        self._near_misses(graph, misses, ctx)
+        return changes
+
+    def _record(self, m: Match, ctx: PassContext) -> MatchRecord:
+        return MatchRecord(
+            graph=ctx.report.graph,
+            pattern=m.pattern.name,
+            variant=m.pattern.variant,
+            root=m.root.name,
+            nodes=[n.name for n in m.nodes],
+            module_path=module_path(m.root),
+            module_class=module_class(m.root),
+            fused_node="",
+        )
+
+    def _near_misses(self, graph: fx.Graph, misses: list[tuple[Pattern, Mismatch]], ctx: PassContext) -> None:
+        anchors: dict[Any, list[Pattern]] = {}
+        for p in self.patterns:
+            for a in p.anchors:
+                anchors.setdefault(a, []).append(p)
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in anchors:
+                continue
+            names = {p.name for p in anchors[node.target]}
+            best: tuple[Pattern, Mismatch] | None = None
+            for pattern, miss in misses:
+                if pattern.name not in names:
+                    continue
+                if node in miss.matched or miss.node is node:
+                    if best is None or miss.depth > best[1].depth:
+                        best = (pattern, miss)
+            if best is None:
+                users = ", ".join(f"{u.name}={u.target}" for u in list(node.users)[:3]) or "none"
+                ctx.report.near_misses.append(
+                    NearMiss(ctx.report.graph, node.name, "/".join(sorted(names)), node.name,
+                             f"no pattern root reaches this {node.target}; its users: {users}", 0,
+                             module_path(node))
+                )
+                continue
+            pattern, miss = best
+            ctx.report.near_misses.append(
+                NearMiss(ctx.report.graph, node.name, pattern.key, miss.where(), miss.reason, miss.depth,
+                         module_path(node))
+            )
+
+
+def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> str | None:
+    """Fake-run the replacement: its first output must have the root's dtype and shape."""
+    if fake_mode is None:
+        return None
+    old = val(root)
+    if not isinstance(old, torch.Tensor):
+        return None
+    args = [val(a) if isinstance(a, fx.Node) else a for a in rep.args]
+    try:
+        with fake_mode:
+            new = rep.op(*args)
+    except Exception as exc:  # the canonical op rejected the arguments
+        return f"replacement {rep.op} rejects the matched arguments: {exc}"
+    new = new[0] if isinstance(new, (tuple, list)) else new
+    if new.dtype != old.dtype:
+        return f"replacement would produce {new.dtype} where the graph has {old.dtype}"
+    if new.dim() != old.dim() or not all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
+        return f"replacement would produce shape {list(new.shape)} where the graph has {list(old.shape)}"
+    return None

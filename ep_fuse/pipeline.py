@@ -1,0 +1,49 @@
+"""The rewrite pipeline on one ATen graph: canonicalize -> lower -> cleanup, with timing, report and dumps."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch.fx as fx
+
+from ep_fuse.config import EpFuseConfig
+from ep_fuse.dump import Dumper
+from ep_fuse.fx_utils import fake_mode_of, op_histogram
+from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.passes.canonicalize import Canonicalize
+from ep_fuse.passes.cleanup import Cleanup
+from ep_fuse.passes.lower import Lower
+from ep_fuse.patterns import all_patterns
+from ep_fuse.report import GraphReport, PassRecord
+
+log = logging.getLogger("ep_fuse")
+
+
+def build_passes(config: EpFuseConfig) -> list[GraphPass]:
+    patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
+    return [Canonicalize(patterns), Cleanup(), Lower(), Cleanup()]
+
+
+def run_passes(gm: fx.GraphModule, config: EpFuseConfig, report: GraphReport) -> GraphReport:
+    """Rewrite ``gm`` in place; fills and returns ``report``."""
+    ctx = PassContext(config=config, device=report.device, executor=report.executor, report=report,
+                      fake_mode=fake_mode_of(gm))
+    dumper = Dumper.for_config(config, report.graph)
+    report.ops_before = op_histogram(gm.graph)
+    dumper.graph("00_aten", gm)
+    for i, p in enumerate(build_passes(config), start=1):
+        t0 = time.perf_counter()
+        changes = p(gm, ctx)
+        report.passes.append(PassRecord(p.name, time.perf_counter() - t0, changes))
+        dumper.graph(f"{i:02d}_{p.name}", gm)
+    report.ops_after = op_histogram(gm.graph)
+    canon = {c.op for c in canonical_ops().values()}
+    report.unlowered = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in canon]
+    dumper.report(report)
+    for m in report.matches:
+        log.info("ep_fuse: graph %s: %s[%s] at %s -> %s", report.graph, m.pattern, m.variant,
+                 m.module_path or m.root, m.provider)
+    log.info("ep_fuse: %s", report.summary())
+    return report

@@ -1,0 +1,73 @@
+"""Argument checks shared by providers of the RMSNorm ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ep_fuse.ops.reference import RMS_NORM_MODES
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def contiguous(t: torch.Tensor) -> bool:
+    try:
+        return bool(t.is_contiguous())
+    except Exception:  # symbolic strides that cannot be decided
+        return False
+
+
+def unpack_norm_args(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | None, tuple[Any, ...]]:
+    """Split ``(x[, residual], weight, eps, eps_t, mode, upcast, out_dtype)``."""
+    if len(args) == 8:
+        return args[0], args[1], args[2:]
+    return args[0], None, args[1:]
+
+
+def rms_norm_out_dtype(
+    x: torch.Tensor, weight: torch.Tensor | None, mode: str, upcast: bool, out_dtype: torch.dtype | None
+) -> torch.dtype:
+    """Output dtype of ``rms_norm_ref`` (type promotion of its last op)."""
+    stat = torch.float32 if upcast else x.dtype
+    if mode == "llama":
+        assert weight is not None and out_dtype is not None
+        return torch.promote_types(weight.dtype, out_dtype)
+    if out_dtype is not None:
+        return out_dtype
+    if mode == "weight_fp32":
+        assert weight is not None
+        return torch.promote_types(weight.dtype, stat)
+    if mode == "gemma":
+        return torch.promote_types(stat, torch.float32)
+    return stat
+
+
+def check_norm_call(args: tuple[Any, ...]) -> str | None:
+    """Structural limits every fused RMSNorm kernel shares (contiguous rows, fp32 statistics)."""
+    x, residual, (weight, _eps, eps_t, mode, upcast, out_dtype) = unpack_norm_args(args)
+    if mode not in RMS_NORM_MODES:
+        return f"unknown mode {mode!r}"
+    if x.dtype not in KERNEL_DTYPES:
+        return f"input dtype {x.dtype} is not one of fp16/bf16/fp32"
+    if not upcast and x.dtype != torch.float32:
+        return f"statistics in {x.dtype} (no upcast); fused kernels compute them in fp32"
+    if x.dim() == 0:
+        return "0-d input"
+    if not contiguous(x):
+        return "input is not contiguous"
+    if residual is not None:
+        if residual.dtype != x.dtype or residual.shape != x.shape:
+            return "residual differs from the input in dtype or shape"
+        if not contiguous(residual):
+            return "residual is not contiguous"
+    if weight is not None:
+        if weight.dtype not in KERNEL_DTYPES:
+            return f"weight dtype {weight.dtype} is not one of fp16/bf16/fp32"
+        if weight.dim() != 1 or not contiguous(weight):
+            return "weight is not a contiguous vector"
+    if out_dtype is not None and out_dtype not in KERNEL_DTYPES:
+        return f"output dtype {out_dtype} is not one of fp16/bf16/fp32"
+    if eps_t is not None and eps_t.dim() != 0:
+        return "eps tensor is not 0-d"
+    return None

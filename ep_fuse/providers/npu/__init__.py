@@ -1,0 +1,102 @@
+"""Ascend provider: ``torch_npu.npu_rms_norm`` / ``npu_add_rms_norm`` (op-contracts.md §1, §2, §9).
+
+Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
+
+* ``npu_rms_norm(x, gamma, epsilon) -> (y, rstd)``: statistics in fp32, ``y = cast(x * rstd * gamma)``
+  rounded once; (x, gamma) dtypes fp16/fp16, bf16/bf16, fp32/fp32, fp16/fp32, bf16/fp32.
+* ``npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x1 + x2)``; gamma has x1's dtype; it
+  normalises the unrounded fp32 sum.
+
+So the NPU result can differ from the HF ``llama`` order (round ``n``, then multiply) by one bf16/fp16
+ulp; calls whose output dtype or gamma dtype the ops cannot produce are declined (reference runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+
+from ep_fuse.ops import canonical
+from ep_fuse.ops.registry import register_provider
+from ep_fuse.providers.common import check_norm_call, rms_norm_out_dtype, unpack_norm_args
+
+
+@functools.lru_cache(maxsize=1)
+def _available() -> str | None:
+    try:
+        importlib.import_module("torch_npu")
+    except Exception as exc:  # ImportError, or a CANN library missing
+        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc}); install torch_npu with CANN"
+    return None
+
+
+def _npu() -> Any:
+    return importlib.import_module("torch_npu")
+
+
+def _devices() -> frozenset[str]:
+    return frozenset({"npu"})
+
+
+def supports(args: tuple[Any, ...]) -> str | None:
+    reason = check_norm_call(args)
+    if reason:
+        return reason
+    x, residual, (weight, _eps, _eps_t, mode, upcast, out_dtype) = unpack_norm_args(args)
+    if not 1 <= x.dim() <= 8:
+        return "npu_rms_norm takes 1-D to 8-D inputs"
+    if x.numel() == 0:
+        return "npu_(add_)rms_norm rejects empty tensors"
+    if rms_norm_out_dtype(x, weight, mode, upcast, out_dtype) != x.dtype:
+        return "the NPU ops return the input dtype; this call produces another"
+    gamma_dtype = _gamma_dtype(x, weight, mode)
+    if residual is not None and gamma_dtype != x.dtype:
+        return f"npu_add_rms_norm needs gamma in {x.dtype}, this call needs {gamma_dtype}"
+    if residual is None and gamma_dtype not in (x.dtype, torch.float32):
+        return f"npu_rms_norm does not take ({x.dtype}, {gamma_dtype}) inputs"
+    return None
+
+
+def _gamma_dtype(x: torch.Tensor, weight: torch.Tensor | None, mode: str) -> torch.dtype:
+    if mode == "gemma":
+        return torch.float32 if x.dtype != torch.float32 else x.dtype
+    return weight.dtype if weight is not None else x.dtype
+
+
+def gamma(x: torch.Tensor, weight: torch.Tensor | None, mode: str) -> torch.Tensor:
+    """The ``gamma`` the NPU op multiplies by for ``mode``."""
+    if mode == "gemma":
+        assert weight is not None
+        return weight.to(torch.float32) + 1.0
+    if mode == "none":
+        return _ones(x.shape[-1], x.dtype, x.device)
+    assert weight is not None
+    return weight
+
+
+@functools.lru_cache(maxsize=64)
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.ones(n, dtype=dtype, device=device)
+
+
+def _eps(eps: float, eps_t: torch.Tensor | None) -> float:
+    return float(eps_t.item()) if eps_t is not None else float(eps)
+
+
+def rms_norm_kernel(x, weight, eps, eps_t, mode, upcast, out_dtype):  # noqa: ANN001, ANN201 - schema-typed
+    y, _rstd = _npu().npu_rms_norm(x, gamma(x, weight, mode), epsilon=_eps(eps, eps_t))
+    return y
+
+
+def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype):  # noqa: ANN001, ANN201
+    y, _rstd, s = _npu().npu_add_rms_norm(x, residual, gamma(x, weight, mode), epsilon=_eps(eps, eps_t))
+    return y, s
+
+
+register_provider(canonical.rms_norm, "npu", rms_norm_kernel, devices=_devices, available=_available,
+                  supports=supports)
+register_provider(canonical.add_rms_norm, "npu", add_rms_norm_kernel, devices=_devices, available=_available,
+                  supports=supports)

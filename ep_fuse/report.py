@@ -1,0 +1,145 @@
+"""What each compile fused, where, and with which provider (``ep_fuse.last_report()``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+from typing import Any
+
+
+@dataclasses.dataclass
+class MatchRecord:
+    """One rewritten site."""
+
+    graph: str
+    pattern: str
+    variant: str
+    root: str
+    """Name of the node the pattern was rooted at (in the ATen graph before the rewrite)."""
+    nodes: list[str]
+    """Every ATen node the match replaced."""
+    module_path: str
+    module_class: str
+    fused_node: str
+    """Name of the inserted canonical op node."""
+    provider: str | None = None
+    declined: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    """(provider, reason) for providers passed over before ``provider``."""
+
+
+@dataclasses.dataclass
+class NearMiss:
+    """A candidate site (e.g. an ``rsqrt`` not absorbed by any match) and the deepest reason it failed."""
+
+    graph: str
+    anchor: str
+    pattern: str
+    failed_at: str
+    reason: str
+    depth: int
+    module_path: str
+
+
+@dataclasses.dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    changes: int
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """Everything ep_fuse did to one captured graph."""
+
+    graph: str
+    device: str
+    executor: str
+    matches: list[MatchRecord] = dataclasses.field(default_factory=list)
+    near_misses: list[NearMiss] = dataclasses.field(default_factory=list)
+    passes: list[PassRecord] = dataclasses.field(default_factory=list)
+    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    unlowered: list[str] = dataclasses.field(default_factory=list)
+    skipped: str | None = None
+    """Why the graph was compiled without rewriting (e.g. it needs autograd)."""
+
+    def count(self, pattern: str | None = None, variant: str | None = None, provider: str | None = None) -> int:
+        return sum(
+            1
+            for m in self.matches
+            if (pattern is None or m.pattern == pattern)
+            and (variant is None or m.variant == variant)
+            and (provider is None or m.provider == provider)
+        )
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for m in self.matches:
+            out[m.pattern] = out.get(m.pattern, 0) + 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def table(self) -> str:
+        """A plain-text table of the matches, one row per fused site."""
+        head = ("pattern", "variant", "module", "provider", "replaced")
+        rows = [
+            (m.pattern, m.variant, m.module_path or "?", m.provider or "-", str(len(m.nodes)) + " nodes")
+            for m in self.matches
+        ]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        counts = ", ".join(f"{k} x{v}" for k, v in self.counts().items()) or "nothing fused"
+        providers: dict[str, int] = {}
+        for m in self.matches:
+            providers[m.provider or "-"] = providers.get(m.provider or "-", 0) + 1
+        prov = ", ".join(f"{k} x{v}" for k, v in providers.items())
+        text = f"graph {self.graph} ({self.device}, executor={self.executor}): {counts}"
+        if prov:
+            text += f"; providers: {prov}"
+        if self.skipped:
+            text += f"; not rewritten: {self.skipped}"
+        if self.near_misses:
+            text += f"; {len(self.near_misses)} near miss(es)"
+        return text
+
+    def __str__(self) -> str:
+        return self.summary() + ("\n" + self.table() if self.matches else "")
+
+
+_lock = threading.Lock()
+_reports: dict[str, GraphReport] = {}
+
+
+def record(report: GraphReport) -> None:
+    """Keep ``report``; a recompile of the same graph id (Dynamo may call a backend twice) replaces it."""
+    with _lock:
+        _reports.pop(report.graph, None)
+        _reports[report.graph] = report
+
+
+def reports() -> list[GraphReport]:
+    """Reports of every graph compiled since the last :func:`reset_reports`, oldest first."""
+    with _lock:
+        return list(_reports.values())
+
+
+def last_report() -> GraphReport | None:
+    """The report of the most recently compiled graph (``None`` before any compile)."""
+    with _lock:
+        return next(reversed(_reports.values()), None)
+
+
+def reset_reports() -> None:
+    with _lock:
+        _reports.clear()

@@ -1,0 +1,78 @@
+"""Tiny Hugging Face MoE models built from configs with random weights (nothing is downloaded).
+
+Used by the example, the tests and the debug tools. Each has 2 decoder layers, hidden 64, 4 heads
+(2 KV heads), top-2 routing and a vocabulary of 128.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+EXPECTED_NORMS = {
+    # name: (add + RMSNorm sites, plain RMSNorm sites) in the one inference graph
+    "mixtral": (4, 1),
+    "qwen2_moe": (4, 1),
+    "qwen3_moe": (4, 5),  # + q_norm/k_norm over head_dim in both layers
+    "deepseek_v3": (4, 5),  # + q_a_layernorm/kv_a_layernorm in both layers
+}
+
+
+def _config(name: str, **overrides: Any) -> Any:
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+    if name == "mixtral":
+        cfg = tf.MixtralConfig(**common, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)
+    elif name == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=96, num_experts=8, num_experts_per_tok=2)
+    elif name == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96, moe_intermediate_size=48,
+                                num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    elif name == "deepseek_v3":
+        common["num_key_value_heads"] = common["num_attention_heads"]  # MLA: no grouped KV heads
+        cfg = tf.DeepseekV3Config(**common, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8,
+                                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32,
+                                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    else:
+        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODELS)}")
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build(
+    name: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    experts_implementation: str = "grouped_mm",
+    **config_overrides: Any,
+) -> torch.nn.Module:
+    """A tiny causal-LM ``name`` in eval mode with seeded random weights."""
+    import transformers as tf
+
+    from ep_fuse.hf import prepare
+
+    cls = {
+        "mixtral": tf.MixtralForCausalLM,
+        "qwen2_moe": tf.Qwen2MoeForCausalLM,
+        "qwen3_moe": tf.Qwen3MoeForCausalLM,
+        "deepseek_v3": tf.DeepseekV3ForCausalLM,
+    }[name]
+    torch.manual_seed(seed)
+    model = cls._from_config(_config(name, **config_overrides), dtype=dtype, attn_implementation="sdpa")
+    prepare(model, experts_implementation)
+    return model.to(device).eval()
+
+
+def example_inputs(batch: int = 2, seq: int = 16, device: str | torch.device = "cpu", seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (batch, seq), generator=g).to(device)
+    return {"input_ids": ids, "use_cache": False}

@@ -1,0 +1,160 @@
+"""RMSNorm and residual add + RMSNorm (``traced-graphs.md`` §4.1, §6.1-6.2).
+
+Core, in every variant::
+
+    xf   = x | _to_copy(x, float32)                     # upcast or not
+    rstd = rsqrt(mean(pow(xf, 2) | xf*xf, [-1], True) + eps)   # eps literal or 0-d tensor
+    n    = xf * rstd
+
+Tails (the ``mode`` of ``ep_fuse::rms_norm``):
+
+* ``llama``        ``w * _to_copy(n, D)``          (weight left or right, any ``type_as`` kwargs)
+* ``weight_fp32``  ``_to_copy(w * n, D)`` or ``w * n``  (GPT-OSS; plain fp32 models)
+* ``gemma``        ``[_to_copy](n * (_to_copy(w, f32) + 1.0), D)``   (Qwen3-Next)
+* ``none``         ``_to_copy(n, D)`` or ``n``     (weightless L2 q/k-norm)
+
+``add_rms_norm`` is the same tree with ``x = a + b``; the sum keeps its other users through the
+fused op's second output. The reduction may be over hidden or over head_dim of a 4-D view.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ep_fuse.fx_utils import tensor_val
+from ep_fuse.matching import Cast, Lit, Match, Opt, Pattern, Replacement, Var, alt, equals, is_number, op
+from ep_fuse.ops import canonical
+
+aten = torch.ops.aten
+F32 = torch.float32
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+DESCRIPTION = "RMSNorm and residual add + RMSNorm -> ep_fuse::rms_norm / ep_fuse::add_rms_norm"
+
+
+# --------------------------------------------------------------------------- value checks
+def _float_tensor(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None:
+        return f"expected a tensor, got {v!r}"
+    if t.dtype not in FLOATS:
+        return f"expected a floating tensor, got {t.dtype}"
+    return None
+
+
+def _scalar_float_tensor(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dtype not in FLOATS or t.dim() != 0:
+        return "eps must be a number or a 0-d floating tensor"
+    return None
+
+
+def _dim_list(v: Any) -> str | None:
+    if isinstance(v, (list, tuple)) and len(v) == 1 and isinstance(v[0], int):
+        return None
+    return f"expected a single reduction dim, got {v!r}"
+
+
+# --------------------------------------------------------------------------- trees
+def _trees(x: Any) -> dict[str, Any]:
+    xf = alt(Cast(x, F32, bind="upcast_node"), x, bind="xf")
+    sq = alt(
+        op(aten.pow.Tensor_Scalar, self=xf, exponent=Lit(equals(2))),
+        op(aten.mul.Tensor, self=xf, other=xf),
+    )
+    var = op(aten.mean.dim, self=sq, dim=Lit(_dim_list, bind="dims"), keepdim=Lit(equals(True)))
+    eps = alt(Lit(is_number, bind="eps"), Var("eps_t", _scalar_float_tensor))
+    rstd = op(aten.rsqrt.default, self=op((aten.add.Tensor, aten.add.Scalar), self=var, other=eps,
+                                          commutative=("self", "other")))
+    n = op(aten.mul.Tensor, self=xf, other=rstd, commutative=("self", "other"), bind="n")
+    w = Var("weight", _float_tensor)
+    mul_w = op(aten.mul.Tensor, self=w, other=n, commutative=("self", "other"))
+    one_plus_w = op((aten.add.Tensor, aten.add.Scalar), self=Opt(Cast(w, F32)), other=Lit(equals(1.0)),
+                    commutative=("self", "other"))
+    return {
+        "llama": op(aten.mul.Tensor, self=w, other=Cast(n, "out_dtype"), commutative=("self", "other")),
+        "weight_fp32": Opt(Cast(mul_w, "out_dtype")),
+        "gemma": Opt(Cast(op(aten.mul.Tensor, self=n, other=one_plus_w, commutative=("self", "other")),
+                          "out_dtype")),
+        "none": Opt(Cast(n, "out_dtype")),
+    }
+
+
+# --------------------------------------------------------------------------- guards
+def reduces_last_dim(m: Match) -> str | None:
+    x = tensor_val(m["x"])
+    (d,) = m["dims"]
+    if d not in (-1, x.dim() - 1):
+        return f"mean over dim {d} of a {x.dim()}-D tensor is not over the last dim"
+    return None
+
+
+def weight_is_row(m: Match) -> str | None:
+    if "weight" not in m.bindings:
+        return None
+    w, x = tensor_val(m["weight"]), tensor_val(m["x"])
+    if w.dim() != 1 or not statically_known_true(w.shape[0] == x.shape[-1]):
+        return f"weight of shape {list(w.shape)} is not a vector over the normalised dim ({x.shape[-1]})"
+    return None
+
+
+def add_is_plain(m: Match) -> str | None:
+    a, b = tensor_val(m["a"]), tensor_val(m["b"])
+    if a.dtype != b.dtype:
+        return f"residual add mixes {a.dtype} and {b.dtype}"
+    if a.dim() != b.dim() or not all(statically_known_true(p == q) for p, q in zip(a.shape, b.shape)):
+        return f"residual add broadcasts {list(a.shape)} with {list(b.shape)}"
+    return None
+
+
+GUARDS = (reduces_last_dim, weight_is_row)
+
+
+# --------------------------------------------------------------------------- replacements
+def _norm_args(m: Match, mode: str) -> tuple[Any, ...]:
+    eps_t = m.get("eps_t")
+    eps = float(m["eps"]) if eps_t is None else 0.0
+    return (m.get("weight"), eps, eps_t, mode, m.get("upcast_node") is not None, m.get("out_dtype"))
+
+
+def _build_plain(mode: str):
+    def build(m: Match) -> Replacement:
+        return Replacement(canonical.rms_norm.op, (m["x"], *_norm_args(m, mode)))
+
+    return build
+
+
+def _build_add(mode: str):
+    def build(m: Match) -> Replacement:
+        return Replacement(canonical.add_rms_norm.op, (m["a"], m["b"], *_norm_args(m, mode)), ("root", "x"))
+
+    return build
+
+
+def _patterns() -> list[Pattern]:
+    out: list[Pattern] = []
+    add_x = op(aten.add.Tensor, self=Var("a", _float_tensor), other=Var("b", _float_tensor), bind="x", shared=True)
+    plain_x = Var("x", _float_tensor)
+    for name, x, build, extra in (
+        ("add_rms_norm", add_x, _build_add, (add_is_plain,)),
+        ("rms_norm", plain_x, _build_plain, ()),
+    ):
+        for mode, tree in _trees(x).items():
+            out.append(
+                Pattern(
+                    name=name,
+                    variant=mode,
+                    tree=tree,
+                    build=build(mode),
+                    guards=(*GUARDS, *extra),
+                    anchors=(aten.rsqrt.default,),
+                    description=f"{'residual add + ' if name == 'add_rms_norm' else ''}RMSNorm, {mode} weight",
+                )
+            )
+    return out
+
+
+PATTERNS = _patterns()

@@ -1,0 +1,22 @@
+"""Test setup: the Triton interpreter (before any kernel module is imported) and quiet Dynamo."""
+
+import os
+import warnings
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles from scratch and sees only its own reports."""
+    import ep_fuse
+
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    yield
+    torch._dynamo.reset()

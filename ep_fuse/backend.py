@@ -88,10 +88,11 @@ def resolve_executor(config: EpFuseConfig, device: str) -> str:
     return config.executor
 
 
-def _graph_id() -> str:
+def _graph_id(gm: fx.GraphModule) -> str:
+    """Dynamo's compile id (``frame/recompile``): a re-run of the backend on the same frame keeps it."""
     from torch._guards import CompileContext
 
-    cid = CompileContext.current_compile_id()
+    cid = gm.meta.get("dynamo_compile_id") or CompileContext.current_compile_id()
     return str(cid) if cid is not None else f"g{next(_graph_counter)}"
 
 
@@ -112,7 +113,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
     if config.mode and executor != "inductor":
         log.warning("ep_fuse: mode=%r only applies to the Inductor executor; executor=%s ignores it",
                     config.mode, executor)
-    report = GraphReport(graph=_graph_id(), device=device, executor=executor)
+    report = GraphReport(graph=_graph_id(gm), device=device, executor=executor)
 
     if _needs_autograd(example_inputs):
         report.skipped = "the graph needs autograd; ep_fuse rewrites inference graphs (use torch.no_grad())"

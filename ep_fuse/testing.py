@@ -9,16 +9,19 @@ import torch
 import torch.fx as fx
 
 
-def capture_aten(fn: Callable[..., Any], *args: Any, dynamic: bool | None = False, **kwargs: Any) -> list[fx.GraphModule]:
-    """The functionalized ATen inference graphs of ``fn(*args, **kwargs)``, before any ep_fuse pass."""
+def capture_aten(
+    fn: Callable[..., Any], *args: Any, dynamic: bool | None = False, **kwargs: Any
+) -> list[tuple[fx.GraphModule, list[Any]]]:
+    """The functionalized ATen inference graphs of ``fn(*args, **kwargs)`` before any ep_fuse pass,
+    each with the real inputs (parameters included) it takes, in placeholder order."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    graphs: list[fx.GraphModule] = []
+    graphs: list[tuple[fx.GraphModule, list[Any]]] = []
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         def fw(g: fx.GraphModule, _inputs: list[Any]) -> Callable[..., Any]:
-            graphs.append(g)
+            graphs.append((g, list(example_inputs)))
             return make_boxed_func(g.forward)
 
         return aot_module_simplified(gm, example_inputs, fw_compiler=fw, inference_compiler=fw,

@@ -76,9 +76,10 @@ def _trees(x: Any) -> dict[str, Any]:
                     commutative=("self", "other"))
     return {
         "llama": op(aten.mul.Tensor, self=w, other=Cast(n, "out_dtype"), commutative=("self", "other")),
-        "weight_fp32": Opt(Cast(mul_w, "out_dtype")),
+        # gemma before weight_fp32: ``n * (1 + w)`` is also ``w' * n`` with ``w' = 1 + w``
         "gemma": Opt(Cast(op(aten.mul.Tensor, self=n, other=one_plus_w, commutative=("self", "other")),
                           "out_dtype")),
+        "weight_fp32": Opt(Cast(mul_w, "out_dtype")),
         "none": Opt(Cast(n, "out_dtype")),
     }
 

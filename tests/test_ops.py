@@ -135,8 +135,29 @@ def test_choose_by_device_priority_and_support():
     assert choose(canonical.rms_norm, args, "cpu", ("reference",)).provider == "reference"
     bad = (args[0].t().contiguous().t(), *args[1:])
     c = choose(canonical.rms_norm, bad, "cpu")
-    assert c.provider == "reference" and c.declined == (("triton", "input is not contiguous"),)
+    assert c.provider == "reference" and c.declined == (("triton", "input rows are not unit-stride rows with one row stride"),)
     c = choose(canonical.rms_norm, args, "npu")
     assert c.provider == "reference" and c.declined[0][0] == "npu" and "torch_npu" in c.declined[0][1]
     no_upcast = (args[0], args[1], args[2], None, "llama", False, torch.bfloat16)
     assert "no upcast" in choose(canonical.rms_norm, no_upcast, "cpu").declined[0][1]
+
+
+def test_triton_on_row_slices_of_a_wider_projection():
+    """DeepSeek kv_a_layernorm reads split(kv_a_proj(x), [kv_lora, rope])[0]: strided rows."""
+    proj = torch.randn(2, 7, 48).to(torch.bfloat16)
+    x, _rope = proj.split([32, 16], dim=-1)
+    r = torch.randn(2, 7, 48).to(torch.bfloat16)[..., 8:40]
+    w = torch.randn(32).to(torch.bfloat16)
+    for args, ref_fn, op in (
+        ((x, w, 1e-6, None, "llama", True, torch.bfloat16), rms_norm_ref, OPS[False][1]),
+        ((x, r, w, 1e-6, None, "llama", True, torch.bfloat16), add_rms_norm_ref, OPS[True][1]),
+    ):
+        out, ref = op(*args), ref_fn(*args)
+        out, ref = (out, ref) if isinstance(out, tuple) else ((out,), (ref,))
+        for o, e in zip(out, ref):
+            assert o.stride() == e.stride(), "provider output layout equals the reference layout"
+            ulp_close(o, e, torch.bfloat16)
+    assert choose(canonical.rms_norm, (x, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu").provider == "triton"
+    permuted = torch.randn(7, 2, 32).to(torch.bfloat16).transpose(0, 1)
+    c = choose(canonical.rms_norm, (permuted, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu")
+    assert c.provider == "reference"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ep_fuse.providers.common import rms_norm_out_dtype
+from ep_fuse.providers.common import rms_norm_out_dtype, rows_2d
 
 
 def _eps(eps: float, eps_t: torch.Tensor | None) -> float:
@@ -25,7 +25,7 @@ def rms_norm_kernel(
 
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=rms_norm_out_dtype(x, weight, mode, upcast, out_dtype), device=x.device)
-    launch(x.view(-1, n), None, weight, y.view(-1, n), None, _eps(eps, eps_t), mode, out_dtype)
+    launch(rows_2d(x), None, weight, y.view(-1, n), None, _eps(eps, eps_t), mode, out_dtype)
     return y
 
 
@@ -43,7 +43,7 @@ def add_rms_norm_kernel(
 
     n = x.shape[-1]
     y = torch.empty(x.shape, dtype=rms_norm_out_dtype(x, weight, mode, upcast, out_dtype), device=x.device)
-    s = torch.empty_like(x)
-    launch(x.view(-1, n), residual.view(-1, n), weight, y.view(-1, n), s.view(-1, n),
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    launch(rows_2d(x), rows_2d(residual), weight, y.view(-1, n), s.view(-1, n),
            _eps(eps, eps_t), mode, out_dtype)
     return y, s

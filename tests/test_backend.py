@@ -1,0 +1,182 @@
+"""The backend: executors, side-effect freedom, autograd graphs, reports, logging and dumps."""
+
+import logging
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ep_fuse
+from ep_fuse.testing import compile_and_run
+from ep_fuse.backend import ep_fuse_backend, resolve_executor
+from ep_fuse.config import ConfigError, EpFuseConfig
+
+BF16 = torch.bfloat16
+
+
+class Block(nn.Module):
+    def __init__(self, h=64):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(h) * 0.1 + 1)
+        self.proj = nn.Linear(h, h, bias=False)
+
+    def forward(self, x, r):
+        s = x + r
+        hf = s.float()
+        n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return self.proj(self.weight * n) + s
+
+
+def _inputs(t=8, h=64):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(t, h, generator=g).to(BF16), torch.randn(t, h, generator=g).to(BF16)
+
+
+def _dynamo_graph(mod, *args):
+    captured = {}
+
+    def grab(gm, example_inputs):
+        captured["gm"], captured["ex"] = gm, example_inputs
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(mod, backend=grab)(*args)
+    return captured["gm"], captured["ex"]
+
+
+def test_backend_is_side_effect_free_when_called_twice():
+    mod = Block().to(BF16)
+    x, r = _inputs()
+    gm, ex = _dynamo_graph(mod, x, r)
+    code_before = gm.code
+    with torch.no_grad():
+        ref = mod(x, r)
+        outs = [ep_fuse_backend(gm, ex, options={"executor": "eager"})(*ex) for _ in range(2)]
+    assert gm.code == code_before, "the Dynamo graph is not modified"
+    assert len(ep_fuse.reports()) == 1 and ep_fuse.last_report().count("add_rms_norm") == 1
+    for out in outs:
+        torch.testing.assert_close(out[0].float(), ref.float(), rtol=0.02, atol=0.05)
+
+
+def test_graph_needing_autograd_is_compiled_unchanged():
+    mod = Block().to(BF16)
+    x, r = _inputs()
+    out = torch.compile(mod, backend="ep_fuse", options={"executor": "eager"})(x, r)
+    out.float().sum().backward()
+    rep = ep_fuse.last_report()
+    assert rep.matches == [] and "autograd" in rep.skipped
+    assert mod.weight.grad is not None
+
+
+@pytest.mark.slow
+def test_inductor_executor_calls_the_fused_op():
+    from torch._inductor.utils import run_and_get_code
+
+    mod = Block().to(BF16)
+    x, r = _inputs()
+    with torch.no_grad():
+        ref = mod(x, r)
+        compiled = torch.compile(mod, backend="ep_fuse", options={"executor": "inductor"})
+        out, codes = run_and_get_code(compiled, x, r)
+    rep = ep_fuse.last_report()
+    assert rep.executor == "inductor" and rep.matches[0].provider == "triton"
+    assert any("ep_fuse_triton.add_rms_norm" in c for c in codes), "the provider op survives Inductor"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)
+
+
+@pytest.mark.slow
+def test_inductor_executor_inlines_declined_sites():
+    """With only the reference provider, Inductor sees the original ATen math again."""
+    mod = Block().to(BF16)
+    x, r = _inputs()
+    with torch.no_grad():
+        plain = torch.compile(mod, backend="inductor")(x, r)
+        torch._dynamo.reset()
+        out = torch.compile(mod, backend="ep_fuse", options={"providers": {"cpu": ["reference"]}})(x, r)
+    rep = ep_fuse.last_report()
+    assert rep.matches[0].provider == "reference"
+    assert rep.ops_after.get("aten.rsqrt.default") == 1 and not any(k.startswith("ep_fuse") for k in rep.ops_after)
+    assert torch.equal(out, plain), "declining a site leaves Inductor's own code"
+
+
+@pytest.mark.slow
+def test_mode_is_passed_to_inductor():
+    mod = Block().to(BF16)
+    x, r = _inputs()
+    with torch.no_grad():
+        ref = mod(x, r)
+        out = torch.compile(mod, backend="ep_fuse", mode="reduce-overhead")(x, r)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)
+    assert ep_fuse.last_report().executor == "inductor"
+
+
+def test_executor_resolution():
+    cfg = EpFuseConfig.from_options({})
+    assert resolve_executor(cfg, "cpu") == "inductor"
+    assert resolve_executor(cfg, "npu") == "eager"
+    with pytest.raises(ConfigError, match="does not support device 'npu'"):
+        resolve_executor(EpFuseConfig.from_options({"executor": "inductor"}), "npu")
+
+
+def test_parameters_stay_static_inputs_for_inductor():
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from ep_fuse.backend import _copy_dynamo_metadata
+
+    mod = Block().to(BF16)
+    gm, ex = _dynamo_graph(mod, *_inputs())
+    seen = {}
+
+    def fw(g, _i):
+        seen["g"] = g
+        return make_boxed_func(g.forward)
+
+    with torch.no_grad():
+        aot_module_simplified(gm, ex, fw_compiler=fw, inference_compiler=fw, decompositions={})
+    aten = seen["g"]
+    _copy_dynamo_metadata(gm, aten)
+    src = [n._dynamo_source for n in gm.graph.find_nodes(op="placeholder")]
+    dst = [n._dynamo_source for n in aten.graph.find_nodes(op="placeholder")]
+    assert src == dst and aten.meta["dynamo_compile_id"] == gm.meta["dynamo_compile_id"]
+    static = [n.name for n in aten.graph.find_nodes(op="placeholder")
+              if n.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")]
+    assert len(static) == 2, "weight and proj.weight are parameters"
+
+
+def test_report_logged_through_logging(caplog):
+    mod = Block().to(BF16)
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        compile_and_run(mod, *_inputs(), executor="eager")
+    text = caplog.text
+    assert "add_rms_norm[llama]" in text and "-> triton" in text
+
+
+def test_env_switch_attaches_a_handler(monkeypatch):
+    from ep_fuse import log
+
+    monkeypatch.setenv("EP_FUSE_LOG", "debug")
+    monkeypatch.setattr(log, "_configured", None)
+    log.configure_from_env()
+    logger = logging.getLogger("ep_fuse")
+    assert logger.level == logging.DEBUG and any(getattr(h, "_ep_fuse", False) for h in logger.handlers)
+    logger.setLevel(logging.NOTSET)
+
+
+def test_dump_dir_writes_graphs_and_report(tmp_path):
+    mod = Block().to(BF16)
+    compile_and_run(mod, *_inputs(), executor="eager", dump_dir=str(tmp_path))
+    (graph_dir,) = list(tmp_path.iterdir())
+    names = sorted(p.name for p in graph_dir.iterdir())
+    assert names == ["00_aten.py", "01_canonicalize.py", "02_cleanup.py", "03_lower.py", "04_cleanup.py",
+                     "report.json", "summary.txt"]
+    assert "ep_fuse.add_rms_norm" in (graph_dir / "01_canonicalize.py").read_text()
+    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "03_lower.py").read_text()
+    assert "rsqrt" in (graph_dir / "00_aten.py").read_text()
+
+
+def test_env_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("EP_FUSE_DUMP_DIR", str(tmp_path))
+    assert EpFuseConfig.from_options({}).dump_dir == str(tmp_path)
+    assert os.environ["EP_FUSE_DUMP_DIR"] == str(tmp_path)

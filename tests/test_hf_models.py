@@ -1,0 +1,109 @@
+"""Tiny HF MoE models (random weights, built from configs): exact site counts and eager-matching outputs."""
+
+import pytest
+import torch
+
+import ep_fuse
+from ep_fuse import tiny_models
+
+pytestmark = pytest.mark.hf
+
+MODELS = list(tiny_models.TINY_MODELS)
+
+
+def _run(model, inputs, **options):
+    with torch.no_grad():
+        return torch.compile(model, backend="ep_fuse", options=options).__call__(**inputs).logits
+
+
+def _check_counts(name, report):
+    adds, plains = tiny_models.EXPECTED_NORMS[name]
+    assert report.count("add_rms_norm") == adds, report
+    assert report.count("rms_norm") == plains, report
+    assert len(ep_fuse.reports()) == 1, "the model is one graph"
+    assert report.ops_after.get("aten.rsqrt.default", 0) == 0
+    assert not report.near_misses, report.near_misses
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_reference_provider_is_bitwise_eager(name):
+    model = tiny_models.build(name)
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = _run(model, inputs, executor="eager", providers={"cpu": ["reference"]})
+    _check_counts(name, ep_fuse.last_report())
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_triton_kernels_match_eager(name):
+    model = tiny_models.build(name)
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = _run(model, inputs, executor="eager")
+    rep = ep_fuse.last_report()
+    _check_counts(name, rep)
+    assert {m.provider for m in rep.matches} == {"triton"}
+    # one bf16 ulp in a norm output moves tiny-model logits by at most a few bf16 ulps of their scale
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02 * ref.float().abs().max().item())
+
+
+def test_module_paths_in_report():
+    model = tiny_models.build("qwen3_moe")
+    _run(model, tiny_models.example_inputs(), executor="eager")
+    paths = [m.module_path for m in ep_fuse.last_report().matches]
+    assert paths == [
+        "model.layers.0.input_layernorm", "model.layers.0.self_attn.q_norm", "model.layers.0.self_attn.k_norm",
+        "model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm",
+        "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.k_norm",
+        "model.layers.1.post_attention_layernorm", "model.norm",
+    ]
+    assert {m.module_class for m in ep_fuse.last_report().matches} == {"Qwen3MoeRMSNorm"}
+
+
+def test_fp32_model_uses_weight_fp32_variant():
+    model = tiny_models.build("mixtral", dtype=torch.float32)
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = _run(model, inputs, executor="eager")
+    rep = ep_fuse.last_report()
+    _check_counts("mixtral", rep)
+    assert {m.variant for m in rep.matches} == {"weight_fp32"}
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v3_without_rope_interleave():
+    model = tiny_models.build("deepseek_v3", rope_interleave=False)
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = _run(model, inputs, executor="eager", providers={"cpu": ["reference"]})
+    _check_counts("deepseek_v3", ep_fuse.last_report())
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.slow
+def test_inductor_executor_keeps_fused_ops():
+    model = tiny_models.build("mixtral")
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = _run(model, inputs, executor="inductor")
+    rep = ep_fuse.last_report()
+    _check_counts("mixtral", rep)
+    assert rep.executor == "inductor" and {m.provider for m in rep.matches} == {"triton"}
+    assert rep.ops_after.get("ep_fuse_triton.add_rms_norm.default") == 4
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02 * ref.float().abs().max().item())
+
+
+def test_prepare_selects_a_traceable_experts_implementation():
+    model = tiny_models.build("mixtral", experts_implementation="batched_mm")
+    assert model.config._experts_implementation == "batched_mm"
+    ep_fuse.prepare(model)
+    assert model.config._experts_implementation == "grouped_mm"
+    with pytest.raises(ValueError, match="cannot be captured as one graph"):
+        ep_fuse.prepare(model, "eager")
+    assert ep_fuse.prepare(torch.nn.Linear(2, 2)) is not None  # models without experts pass through

@@ -1,0 +1,107 @@
+"""Ascend provider against a test double of the documented torch_npu semantics (no Ascend hardware here)."""
+
+import sys
+
+import pytest
+import torch
+
+import npu_double
+from _norm_cases import norm_args, ulp_close
+from ep_fuse.config import EpFuseConfig
+from ep_fuse.ops import canonical, choose
+from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref
+from ep_fuse.pipeline import run_passes
+from ep_fuse.providers import npu
+from ep_fuse.report import GraphReport
+from ep_fuse.testing import capture_aten
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def torch_npu_double(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
+    npu._available.cache_clear()
+    yield
+    npu._available.cache_clear()
+
+
+def test_unavailable_without_torch_npu(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    npu._available.cache_clear()
+    reason = npu._available()
+    npu._available.cache_clear()
+    assert reason is not None and "install torch_npu with CANN" in reason
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("mode", ["llama", "weight_fp32", "gemma", "none"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
+def test_npu_kernels_match_reference(torch_npu_double, mode, residual, dtype):
+    args = norm_args(11, 64, dtype, mode, residual, out_dtype=dtype)
+    reason = npu.supports(args)
+    if residual and mode == "gemma" and dtype != torch.float32:
+        assert reason and "gamma" in reason  # npu_add_rms_norm takes gamma in x's dtype only
+        return
+    assert reason is None, reason
+    kernel = npu.add_rms_norm_kernel if residual else npu.rms_norm_kernel
+    ref_fn = add_rms_norm_ref if residual else rms_norm_ref
+    out, ref = kernel(*args), ref_fn(*args)
+    if residual:
+        assert torch.equal(out[1], ref[1])
+        out, ref = out[0], ref[0]
+    ulp_close(out, ref, dtype)  # the NPU rounds once where HF's llama order rounds twice
+
+
+def test_npu_declines_what_the_ops_cannot_produce(torch_npu_double):
+    args = norm_args(4, 32, BF16, "weight_fp32", False, out_dtype=None)  # fp32 output
+    assert "return the input dtype" in npu.supports(args)
+    args = norm_args(0, 32, BF16, "llama", True)
+    assert "empty" in npu.supports(args)
+    args = norm_args(4, 32, BF16, "llama", False, w_dtype=torch.float16, out_dtype=BF16)
+    assert npu.supports(args) is not None
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_opcheck_npu_ops(torch_npu_double, residual):
+    args = norm_args(5, 40, BF16, "llama", residual)
+    op = torch.ops.ep_fuse_npu.add_rms_norm.default if residual else torch.ops.ep_fuse_npu.rms_norm.default
+    torch.library.opcheck(op, args)
+
+
+def test_lowering_for_an_npu_graph_emits_npu_ops(torch_npu_double):
+    """The pipeline on an 'npu' graph picks ep_fuse_npu ops; run on CPU tensors through the double."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.randn(64) * 0.1 + 1)
+            self.w2 = torch.nn.Parameter(torch.randn(64) * 0.1 + 1)
+
+        def forward(self, x, r):
+            s = x + r
+            hf = s.float()
+            a = self.w1 * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            xf = a.float()
+            b = self.w2 * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+            return b, s
+
+    mod = Block().to(BF16)
+    x, r = torch.randn(6, 64).to(BF16), torch.randn(6, 64).to(BF16)
+    ((gm, inputs),) = capture_aten(mod, x, r)
+    report = run_passes(gm, EpFuseConfig.from_options({"executor": "eager"}),
+                        GraphReport(graph="npu-test", device="npu", executor="eager"))
+    assert report.ops_after.get("ep_fuse_npu.add_rms_norm.default") == 1
+    assert report.ops_after.get("ep_fuse_npu.rms_norm.default") == 1
+    assert {m.provider for m in report.matches} == {"npu"}
+    with torch.no_grad():
+        ref = mod(x, r)
+        out = gm(*inputs)
+    ulp_close(out[0], ref[0], BF16)
+    assert torch.equal(out[1], ref[1])
+
+
+def test_choose_prefers_npu_on_npu(torch_npu_double):
+    args = norm_args(4, 32, BF16, "llama", True)
+    assert choose(canonical.add_rms_norm, args, "npu").provider == "npu"
+    assert choose(canonical.add_rms_norm, args, "cuda").provider == "triton"

@@ -93,7 +93,7 @@ def test_triton_chunked_path_for_wide_rows():
 
     x, r, w, eps, _, mode, _, out_dtype = norm_args(6, 300, torch.bfloat16, "llama", True)
     y, s = torch.empty_like(x), torch.empty_like(x)
-    launch(x, r, w, y, s, eps, mode, out_dtype, config=LaunchConfig(64, 1, 4, chunked=True))
+    launch(x, r, w, y, s, eps, mode, out_dtype, 300, 300, config=LaunchConfig(64, 1, 4, chunked=True))
     ref_y, ref_s = add_rms_norm_ref(x, r, w, eps, None, mode, True, out_dtype)
     assert torch.equal(s, ref_s)
     ulp_close(y, ref_y, torch.bfloat16)

@@ -1,10 +1,17 @@
-"""Host side of the Triton RMSNorm provider: output allocation and the launch."""
+"""Host side of the Triton RMSNorm provider: output allocation and the launch.
+
+The same host code serves the opaque provider op (eager executor, or Inductor calling the op) and,
+with ``wrap_triton``, the traced form Inductor inlines into its own generated code.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from ep_fuse.providers.common import rms_norm_out_dtype, rows_2d
+from ep_fuse.providers.common import rms_norm_out_dtype, row_stride
 
 
 def _eps(eps: float, eps_t: torch.Tensor | None) -> float:
@@ -12,38 +19,32 @@ def _eps(eps: float, eps_t: torch.Tensor | None) -> float:
     return float(eps_t.item()) if eps_t is not None else float(eps)
 
 
-def rms_norm_kernel(
+def _run(
     x: torch.Tensor,
+    residual: torch.Tensor | None,
     weight: torch.Tensor | None,
     eps: float,
-    eps_t: torch.Tensor | None,
     mode: str,
     upcast: bool,
     out_dtype: torch.dtype | None,
-) -> torch.Tensor:
+    wrap: Callable[[Any], Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     from ep_fuse.providers.triton.rms_norm_kernel import launch
 
-    n = x.shape[-1]
     y = torch.empty(x.shape, dtype=rms_norm_out_dtype(x, weight, mode, upcast, out_dtype), device=x.device)
-    launch(rows_2d(x), None, weight, y.view(-1, n), None, _eps(eps, eps_t), mode, out_dtype)
-    return y
-
-
-def add_rms_norm_kernel(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    eps_t: torch.Tensor | None,
-    mode: str,
-    upcast: bool,
-    out_dtype: torch.dtype | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    from ep_fuse.providers.triton.rms_norm_kernel import launch
-
-    n = x.shape[-1]
-    y = torch.empty(x.shape, dtype=rms_norm_out_dtype(x, weight, mode, upcast, out_dtype), device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    launch(rows_2d(x), rows_2d(residual), weight, y.view(-1, n), s.view(-1, n),
-           _eps(eps, eps_t), mode, out_dtype)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    sx = row_stride(x)
+    sr = row_stride(residual) if residual is not None else 0
+    assert sx is not None and sr is not None, "checked by the provider's supports()"
+    launch(x, residual, weight, y, s, eps, mode, out_dtype, sx, sr, wrap=wrap)
     return y, s
+
+
+def rms_norm_kernel(x, weight, eps, eps_t, mode, upcast, out_dtype, wrap=None):  # noqa: ANN001, ANN201
+    """``ep_fuse_triton::rms_norm`` (canonical schema)."""
+    return _run(x, None, weight, _eps(eps, eps_t), mode, upcast, out_dtype, wrap)[0]
+
+
+def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype, wrap=None):  # noqa: ANN001, ANN201
+    """``ep_fuse_triton::add_rms_norm`` (canonical schema)."""
+    return _run(x, residual, weight, _eps(eps, eps_t), mode, upcast, out_dtype, wrap)

@@ -1,0 +1,308 @@
+"""GPU check + benchmark of add+RMSNorm / RMSNorm: eager vs Inductor vs ep_fuse (vs Liger) in one run.
+
+    python bench/bench_rms_norm.py [--quick] [--sweep]
+
+Writes ``$OUT/rms_norm.json`` and ``$OUT/rms_norm.md``. Correctness checks run first (fresh random
+inputs, Triton provider vs the reference, compiled models vs eager); a failed check stops the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_us, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json  # noqa: E402
+
+import ep_fuse  # noqa: E402
+from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
+import ep_fuse.providers.triton as tri  # noqa: E402
+
+BF16 = torch.bfloat16
+EPS = 1e-6
+GRID = [  # (op, rows, hidden): baseline-h200.md grid first, then the row sweep for the decline rule
+    ("add_rms_norm", 64, 7168), ("add_rms_norm", 16384, 7168), ("add_rms_norm", 16384, 4096),
+    ("add_rms_norm", 1, 7168), ("add_rms_norm", 512, 7168), ("add_rms_norm", 4096, 7168),
+    ("add_rms_norm", 64, 4096), ("add_rms_norm", 4096, 2048),
+    ("rms_norm", 64, 7168), ("rms_norm", 16384, 7168),
+]
+
+
+def hf_add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+    s = x + r
+    hf = s.to(torch.float32)
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * n.to(x.dtype), s
+
+
+def hf_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+    hf = x.to(torch.float32)
+    n = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + EPS)
+    return w * n.to(x.dtype)
+
+
+FNS = {"add_rms_norm": hf_add_rms_norm, "rms_norm": hf_rms_norm}
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def inputs(rows: int, h: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, h, device="cuda", dtype=BF16, generator=g)
+    r = torch.randn(rows, h, device="cuda", dtype=BF16, generator=g)
+    w = (torch.randn(h, device="cuda", generator=g) * 0.1 + 1).to(BF16)
+    return x, r, w
+
+
+def close(out: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 2e-5}[out.dtype]
+    if torch.isnan(out).any():
+        raise AssertionError(f"{name}: NaN in output")
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+# --------------------------------------------------------------------------- correctness
+def check_kernels() -> int:
+    n = 0
+    ops = {False: torch.ops.ep_fuse_triton.rms_norm.default, True: torch.ops.ep_fuse_triton.add_rms_norm.default}
+    for dtype in (BF16, torch.float16, torch.float32):
+        for mode in ("llama", "weight_fp32", "gemma", "none"):
+            for residual in (False, True):
+                for rows, h in ((1, 7168), (37, 4096), (1000, 96), (3, 32768), (129, 5120)):
+                    g = torch.Generator(device="cuda").manual_seed(n)
+                    x = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
+                    r = torch.randn(rows, h, device="cuda", generator=g).to(dtype)
+                    w = None if mode == "none" else torch.randn(h, device="cuda", generator=g).to(dtype)
+                    out_dtype = dtype if mode == "llama" else (dtype if n % 2 else None)
+                    rest = (w, EPS, None, mode, True, out_dtype)
+                    args = (x, r, *rest) if residual else (x, *rest)
+                    out = ops[residual](*args)
+                    ref = (add_rms_norm_ref if residual else rms_norm_ref)(*args)
+                    if residual:
+                        if not torch.equal(out[1], ref[1]):
+                            raise AssertionError(f"residual sum differs {dtype} {mode} {rows}x{h}")
+                        out, ref = out[0], ref[0]
+                    close(out, ref, f"triton {dtype} {mode} res={residual} {rows}x{h}")
+                    n += 1
+    # strided rows (split of a wider projection) and a 4-D head_dim view
+    proj = torch.randn(64, 48 + 64, device="cuda").to(BF16)
+    x, _ = proj.split([48, 64], dim=-1)
+    w = torch.randn(48, device="cuda").to(BF16)
+    close(ops[False](x, w, EPS, None, "llama", True, BF16), rms_norm_ref(x, w, EPS, None, "llama", True, BF16), "split")
+    q = torch.randn(2, 16, 8, 128, device="cuda").to(BF16)
+    w = torch.randn(128, device="cuda").to(BF16)
+    close(ops[False](q, w, EPS, None, "llama", True, BF16), rms_norm_ref(q, w, EPS, None, "llama", True, BF16), "4d")
+    # eps as a 0-d CPU tensor (dynamic shapes)
+    x, r, w = inputs(33, 4096, seed=7)
+    et = torch.tensor(1e-5)
+    o, s = ops[True](x, r, w, 0.0, et, "llama", True, BF16)
+    e, es = add_rms_norm_ref(x, r, w, 0.0, et, "llama", True, BF16)
+    close(o, e, "eps tensor")
+    return n + 3
+
+
+def check_compiled() -> list[str]:
+    done = []
+    for inline in (True, False):
+        tri.INLINE_IN_INDUCTOR = inline
+        for name, fn in FNS.items():
+            for rows, h in ((64, 7168), (1000, 4096)):
+                torch._dynamo.reset()
+                x, r, w = inputs(rows, h, seed=rows)
+                with torch.no_grad():
+                    ref = fn(x, r, w)
+                    out = torch.compile(fn, backend="ep_fuse", dynamic=False)(x, r, w)
+                    x2, r2, w2 = inputs(rows, h, seed=rows + 1)
+                    out2, ref2 = torch.compile(fn, backend="ep_fuse", dynamic=False)(x2, r2, w2), fn(x2, r2, w2)
+                rep = ep_fuse.last_report()
+                assert rep.matches and rep.matches[0].provider == "triton", rep
+                for o, e in ((out, ref), (out2, ref2)):
+                    o, e = (o, e) if isinstance(o, tuple) else ((o,), (e,))
+                    for a, b in zip(o, e):
+                        close(a, b, f"compiled {name} inline={inline} {rows}x{h}")
+                done.append(f"{name} inline={inline} {rows}x{h}")
+    tri.INLINE_IN_INDUCTOR = True
+    # dynamic shapes (eps stays a literal here; HF models make it a tensor input)
+    torch._dynamo.reset()
+    f = torch.compile(hf_add_rms_norm, backend="ep_fuse", dynamic=True)
+    for rows in (17, 300):
+        x, r, w = inputs(rows, 4096, seed=rows)
+        with torch.no_grad():
+            o, e = f(x, r, w), hf_add_rms_norm(x, r, w)
+        close(o[0], e[0], f"dynamic {rows}")
+    done.append("dynamic=True")
+    # CUDA graphs through Inductor
+    torch._dynamo.reset()
+    f = torch.compile(hf_add_rms_norm, backend="ep_fuse", mode="reduce-overhead")
+    x, r, w = inputs(64, 7168, seed=3)
+    with torch.no_grad():
+        for _ in range(3):
+            o = f(x, r, w)
+        close(o[0], hf_add_rms_norm(x, r, w)[0], "reduce-overhead")
+    done.append("reduce-overhead")
+    return done
+
+
+def check_hf_models() -> list[str]:
+    from ep_fuse import tiny_models
+
+    done = []
+    for name, dynamic in (("mixtral", False), ("qwen3_moe", False), ("deepseek_v3", False), ("mixtral", True)):
+        torch._dynamo.reset()
+        ep_fuse.reset_reports()
+        model = tiny_models.build(name, device="cuda")
+        inp = tiny_models.example_inputs(device="cuda")
+        with torch.no_grad():
+            ref = model(**inp).logits
+            out = torch.compile(model, backend="ep_fuse", dynamic=dynamic)(**inp).logits
+        rep = ep_fuse.last_report()
+        adds, plains = tiny_models.EXPECTED_NORMS[name]
+        assert rep.count("add_rms_norm") == adds and rep.count("rms_norm") == plains, rep
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02 * scale)
+        done.append(f"{name} dynamic={dynamic}: {rep.summary()} maxdiff={(out.float()-ref.float()).abs().max().item():.4f}")
+    return done
+
+
+# --------------------------------------------------------------------------- timing
+def liger_fn(op: str):
+    try:
+        if op == "add_rms_norm":
+            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as F
+
+            return lambda x, r, w: F.apply(x, r, w, EPS, 0.0, "llama", False)
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction as F
+
+        return lambda x, r, w: F.apply(x, w, EPS, 0.0, "llama", False)
+    except Exception as exc:  # not installed here
+        log("liger unavailable:", exc)
+        return None
+
+
+def sweep(rows: int, h: int) -> list[dict[str, Any]]:
+    """Raw kernel time per launch config (no torch.compile)."""
+    from ep_fuse.providers.triton.rms_norm_kernel import LaunchConfig, launch, launch_config
+
+    x, r, w = inputs(rows, h, seed=11)
+    y, s = torch.empty_like(x), torch.empty_like(x)
+    block = 1 << (h - 1).bit_length()
+    out = []
+    cfgs = {launch_config(h, 2)}
+    for warps in (4, 8, 16, 32):
+        for nrows in (1, 2, 4):
+            if block * nrows <= 16384:
+                cfgs.add(LaunchConfig(block, nrows, warps))
+    for cfg in sorted(cfgs, key=lambda c: (c.rows, c.num_warps)):
+        try:
+            us = bench_us(lambda: launch(x, r, w, y, s, EPS, "llama", BF16, h, h, config=cfg))
+            out.append({"rows": rows, "h": h, "cfg": str(cfg), "us": us})
+        except Exception as exc:
+            out.append({"rows": rows, "h": h, "cfg": str(cfg), "error": str(exc)[:200]})
+    return out
+
+
+def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    results = []
+    for op, rows, h in grid:
+        fn = FNS[op]
+        x, r, w = inputs(rows, h, seed=rows + h)
+        nbytes = (4 if op == "add_rms_norm" else 2) * rows * h * 2 + h * 2
+        row: dict[str, Any] = {"op": op, "rows": rows, "h": h, "bytes": nbytes}
+        with torch.no_grad():
+            row["eager"] = bench_us(lambda: fn(x, r, w))
+            torch._dynamo.reset()
+            ind = torch.compile(fn, dynamic=False)
+            ind(x, r, w)
+            row["inductor"] = bench_us(lambda: ind(x, r, w))
+            for label, inline in (("ep_fuse", True), ("ep_fuse_opaque", False)):
+                tri.INLINE_IN_INDUCTOR = inline
+                torch._dynamo.reset()
+                epf = torch.compile(fn, backend="ep_fuse", dynamic=False, options={"perf_guard": False})
+                epf(x, r, w)
+                row[label] = bench_us(lambda: epf(x, r, w))
+            tri.INLINE_IN_INDUCTOR = True
+            kern = torch.ops.ep_fuse_triton.add_rms_norm.default if op == "add_rms_norm" else None
+            if kern is not None:
+                row["kernel_op"] = bench_us(lambda: kern(x, r, w, EPS, None, "llama", True, BF16))
+            lf = liger_fn(op)
+            row["liger"] = bench_us(lambda: lf(x, r, w)) if lf else None
+        for k in ("eager", "inductor", "ep_fuse", "ep_fuse_opaque", "liger", "kernel_op"):
+            if row.get(k):
+                row[k + "_gbs"] = nbytes / (row[k] * 1e-6) / 1e9
+        row["ep_fuse_pct_copy"] = 100 * row["ep_fuse_gbs"] / copy_gbs
+        row["speedup_vs_inductor"] = row["inductor"] / row["ep_fuse"]
+        log(f"{op} {rows}x{h}: eager {row['eager']:.1f} inductor {row['inductor']:.1f} "
+            f"ep_fuse {row['ep_fuse']:.1f} (opaque {row['ep_fuse_opaque']:.1f}, op {row.get('kernel_op', 0):.1f}) "
+            f"liger {row['liger'] or 0:.1f} us; ep_fuse {row['ep_fuse_gbs']:.0f} GB/s = {row['ep_fuse_pct_copy']:.1f}% copy")
+        results.append(row)
+    return results
+
+
+def time_cudagraphs(rows: int, h: int) -> dict[str, Any]:
+    x, r, w = inputs(rows, h, seed=5)
+    out: dict[str, Any] = {"rows": rows, "h": h}
+    with torch.no_grad():
+        for label, backend in (("inductor_cg", "inductor"), ("ep_fuse_cg", "ep_fuse")):
+            torch._dynamo.reset()
+            f = torch.compile(hf_add_rms_norm, backend=backend, mode="reduce-overhead", dynamic=False)
+            for _ in range(3):
+                f(x, r, w)
+            out[label] = bench_us(lambda: f(x, r, w))
+    log(f"reduce-overhead {rows}x{h}: inductor {out['inductor_cg']:.1f} ep_fuse {out['ep_fuse_cg']:.1f} us")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="baseline grid only, no sweep")
+    ap.add_argument("--sweep", action="store_true", help="time launch configs of the raw kernel")
+    ap.add_argument("--skip-checks", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    res: dict[str, Any] = {"env": env_info()}
+    log(res["env"])
+    res["copy_gbs"] = copy_bandwidth_gbs()
+    log(f"copy bandwidth {res['copy_gbs']:.0f} GB/s")
+    if not args.skip_checks:
+        res["checks"] = {"kernels": check_kernels()}
+        log(f"kernel checks ok: {res['checks']['kernels']} cases ({time.time() - t0:.0f}s)")
+        res["checks"]["compiled"] = check_compiled()
+        log("compiled checks ok:", res["checks"]["compiled"], f"({time.time() - t0:.0f}s)")
+        try:
+            res["checks"]["hf"] = check_hf_models()
+            log("hf checks ok:", *res["checks"]["hf"], sep="\n  ")
+        except Exception:
+            res["checks"]["hf_error"] = traceback.format_exc()
+            log(res["checks"]["hf_error"])
+        write_json("rms_norm.json", res)
+    if args.sweep:
+        res["sweep"] = []
+        for rows, h in ((16384, 7168), (16384, 4096), (4096, 2048)):
+            res["sweep"] += sweep(rows, h)
+        for s in res["sweep"]:
+            log(s)
+        write_json("rms_norm.json", res)
+    grid = GRID[:3] if args.quick else GRID
+    res["grid"] = time_grid(res["copy_gbs"], grid)
+    write_json("rms_norm.json", res)
+    res["cudagraphs"] = [time_cudagraphs(64, 7168), time_cudagraphs(1, 4096)]
+    write_json("rms_norm.json", res)
+    head = ["op", "T×H", "eager µs", "Inductor µs", "ep_fuse µs", "ep_fuse GB/s", "% copy", "vs Inductor", "Liger µs"]
+    rows = [[r["op"], f"{r['rows']}×{r['h']}", r["eager"], r["inductor"], r["ep_fuse"], r["ep_fuse_gbs"],
+             r["ep_fuse_pct_copy"], f"{r['speedup_vs_inductor']:.2f}×", r["liger"]] for r in res["grid"]]
+    table = markdown_table(head, rows)
+    (out_dir() / "rms_norm.md").write_text(table + "\n")
+    log(table)
+    log(f"total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

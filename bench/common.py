@@ -1,0 +1,83 @@
+"""Shared helpers for the GPU benchmarks: timing, ceilings, environment, tables."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def out_dir() -> Path:
+    p = Path(os.environ.get("OUT", "bench_out"))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def env_info() -> dict[str, Any]:
+    import triton
+
+    info = {
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, mem_gib=round(p.total_memory / 2**30))
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except Exception:
+        pass
+    try:
+        import liger_kernel  # noqa: F401
+        from importlib.metadata import version
+
+        info["liger_kernel"] = version("liger-kernel")
+    except Exception:
+        pass
+    return info
+
+
+def bench_us(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median time of ``fn()`` in µs (CUDA events, ``triton.testing.do_bench``)."""
+    from triton.testing import do_bench
+
+    return 1000.0 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    us = bench_us(lambda: b.copy_(a))
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def write_json(name: str, payload: Any) -> Path:
+    path = out_dir() / name
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def markdown_table(head: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        if v is None:
+            return "—"
+        if isinstance(v, float):
+            return f"{v:.1f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_us, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import bench_graph_us, bench_us, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
 from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
@@ -50,8 +50,8 @@ def hf_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
 FNS = {"add_rms_norm": hf_add_rms_norm, "rms_norm": hf_rms_norm}
 
 
-def log(*a: Any) -> None:
-    print(*a, flush=True)
+def log(*a: Any, sep: str = " ") -> None:
+    print(*a, sep=sep, flush=True)
 
 
 def inputs(rows: int, h: int, seed: int = 0):
@@ -188,76 +188,68 @@ def liger_fn(op: str):
 
 
 def sweep(rows: int, h: int) -> list[dict[str, Any]]:
-    """Raw kernel time per launch config (no torch.compile)."""
+    """GPU time (CUDA-graph replay) of the raw kernel per launch config."""
     from ep_fuse.providers.triton.rms_norm_kernel import LaunchConfig, launch, launch_config
 
     x, r, w = inputs(rows, h, seed=11)
     y, s = torch.empty_like(x), torch.empty_like(x)
     block = 1 << (h - 1).bit_length()
-    out = []
     cfgs = {launch_config(h, 2)}
-    for warps in (4, 8, 16, 32):
-        for nrows in (1, 2, 4):
-            if block * nrows <= 16384:
-                cfgs.add(LaunchConfig(block, nrows, warps))
-    for cfg in sorted(cfgs, key=lambda c: (c.rows, c.num_warps)):
+    for evict in (True, False):
+        for warps in (8, 16, 32):
+            for nrows in (1, 2):
+                if block * nrows <= 16384:
+                    cfgs.add(LaunchConfig(block, nrows, warps, evict=evict))
+        for cb, warps in ((1024, 4), (1024, 8), (2048, 8), (2048, 16)):
+            cfgs.add(LaunchConfig(cb, 1, warps, chunked=True, evict=evict))
+    out = []
+    for cfg in sorted(cfgs, key=lambda c: (c.chunked, c.evict, c.rows, c.block_n, c.num_warps)):
         try:
-            us = bench_us(lambda: launch(x, r, w, y, s, EPS, "llama", BF16, h, h, config=cfg))
+            us = bench_graph_us(lambda: launch(x, r, w, y, s, EPS, "llama", BF16, h, h, config=cfg))
             out.append({"rows": rows, "h": h, "cfg": str(cfg), "us": us})
         except Exception as exc:
             out.append({"rows": rows, "h": h, "cfg": str(cfg), "error": str(exc)[:200]})
+        log(out[-1])
     return out
 
 
 def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """Per shape and implementation: GPU time (CUDA-graph replay) and call time (with CPU overhead)."""
     results = []
     for op, rows, h in grid:
         fn = FNS[op]
         x, r, w = inputs(rows, h, seed=rows + h)
         nbytes = (4 if op == "add_rms_norm" else 2) * rows * h * 2 + h * 2
         row: dict[str, Any] = {"op": op, "rows": rows, "h": h, "bytes": nbytes}
+        impls: dict[str, Any] = {"eager": lambda a, b, c: fn(a, b, c)}
         with torch.no_grad():
-            row["eager"] = bench_us(lambda: fn(x, r, w))
             torch._dynamo.reset()
-            ind = torch.compile(fn, dynamic=False)
-            ind(x, r, w)
-            row["inductor"] = bench_us(lambda: ind(x, r, w))
+            impls["inductor"] = torch.compile(fn, dynamic=False)
             for label, inline in (("ep_fuse", True), ("ep_fuse_opaque", False)):
                 tri.INLINE_IN_INDUCTOR = inline
                 torch._dynamo.reset()
-                epf = torch.compile(fn, backend="ep_fuse", dynamic=False, options={"perf_guard": False})
-                epf(x, r, w)
-                row[label] = bench_us(lambda: epf(x, r, w))
+                f = torch.compile(fn, backend="ep_fuse", dynamic=False, options={"perf_guard": False})
+                f(x, r, w)
+                impls[label] = f
             tri.INLINE_IN_INDUCTOR = True
-            kern = torch.ops.ep_fuse_triton.add_rms_norm.default if op == "add_rms_norm" else None
-            if kern is not None:
-                row["kernel_op"] = bench_us(lambda: kern(x, r, w, EPS, None, "llama", True, BF16))
             lf = liger_fn(op)
-            row["liger"] = bench_us(lambda: lf(x, r, w)) if lf else None
-        for k in ("eager", "inductor", "ep_fuse", "ep_fuse_opaque", "liger", "kernel_op"):
-            if row.get(k):
-                row[k + "_gbs"] = nbytes / (row[k] * 1e-6) / 1e9
+            if lf is not None:
+                impls["liger"] = lf
+            for label, f in impls.items():
+                try:
+                    f(x, r, w)
+                    row[label] = bench_graph_us(lambda: f(x, r, w))
+                    row[label + "_call"] = bench_us(lambda: f(x, r, w))
+                    row[label + "_gbs"] = nbytes / (row[label] * 1e-6) / 1e9
+                except Exception as exc:
+                    row[label + "_error"] = str(exc)[:300]
         row["ep_fuse_pct_copy"] = 100 * row["ep_fuse_gbs"] / copy_gbs
         row["speedup_vs_inductor"] = row["inductor"] / row["ep_fuse"]
-        log(f"{op} {rows}x{h}: eager {row['eager']:.1f} inductor {row['inductor']:.1f} "
-            f"ep_fuse {row['ep_fuse']:.1f} (opaque {row['ep_fuse_opaque']:.1f}, op {row.get('kernel_op', 0):.1f}) "
-            f"liger {row['liger'] or 0:.1f} us; ep_fuse {row['ep_fuse_gbs']:.0f} GB/s = {row['ep_fuse_pct_copy']:.1f}% copy")
+        log(f"{op} {rows}x{h} GPU us: " + " ".join(f"{k} {row[k]:.1f}" for k in impls if k in row)
+            + f" | call us: " + " ".join(f"{k} {row[k + '_call']:.1f}" for k in impls if k + "_call" in row)
+            + f" | ep_fuse {row['ep_fuse_gbs']:.0f} GB/s = {row['ep_fuse_pct_copy']:.1f}% copy")
         results.append(row)
     return results
-
-
-def time_cudagraphs(rows: int, h: int) -> dict[str, Any]:
-    x, r, w = inputs(rows, h, seed=5)
-    out: dict[str, Any] = {"rows": rows, "h": h}
-    with torch.no_grad():
-        for label, backend in (("inductor_cg", "inductor"), ("ep_fuse_cg", "ep_fuse")):
-            torch._dynamo.reset()
-            f = torch.compile(hf_add_rms_norm, backend=backend, mode="reduce-overhead", dynamic=False)
-            for _ in range(3):
-                f(x, r, w)
-            out[label] = bench_us(lambda: f(x, r, w))
-    log(f"reduce-overhead {rows}x{h}: inductor {out['inductor_cg']:.1f} ep_fuse {out['ep_fuse_cg']:.1f} us")
-    return out
 
 
 def main() -> None:
@@ -285,19 +277,17 @@ def main() -> None:
         write_json("rms_norm.json", res)
     if args.sweep:
         res["sweep"] = []
-        for rows, h in ((16384, 7168), (16384, 4096), (4096, 2048)):
+        for rows, h in ((16384, 7168), (4096, 7168), (16384, 4096), (64, 7168), (4096, 2048)):
             res["sweep"] += sweep(rows, h)
-        for s in res["sweep"]:
-            log(s)
         write_json("rms_norm.json", res)
     grid = GRID[:3] if args.quick else GRID
     res["grid"] = time_grid(res["copy_gbs"], grid)
     write_json("rms_norm.json", res)
-    res["cudagraphs"] = [time_cudagraphs(64, 7168), time_cudagraphs(1, 4096)]
-    write_json("rms_norm.json", res)
-    head = ["op", "T×H", "eager µs", "Inductor µs", "ep_fuse µs", "ep_fuse GB/s", "% copy", "vs Inductor", "Liger µs"]
-    rows = [[r["op"], f"{r['rows']}×{r['h']}", r["eager"], r["inductor"], r["ep_fuse"], r["ep_fuse_gbs"],
-             r["ep_fuse_pct_copy"], f"{r['speedup_vs_inductor']:.2f}×", r["liger"]] for r in res["grid"]]
+    head = ["op", "T×H", "eager µs", "Inductor µs", "ep_fuse µs", "ep_fuse GB/s", "% copy", "vs Inductor",
+            "Liger µs", "Inductor call µs", "ep_fuse call µs"]
+    rows = [[r["op"], f"{r['rows']}×{r['h']}", r.get("eager"), r.get("inductor"), r.get("ep_fuse"), r.get("ep_fuse_gbs"),
+             r.get("ep_fuse_pct_copy"), f"{r['speedup_vs_inductor']:.2f}×", r.get("liger"), r.get("inductor_call"),
+             r.get("ep_fuse_call")] for r in res["grid"]]
     table = markdown_table(head, rows)
     (out_dir() / "rms_norm.md").write_text(table + "\n")
     log(table)

@@ -54,6 +54,20 @@ def bench_us(fn: Callable[[], Any], warmup_ms: int = 50, rep_ms: int = 300) -> f
     return 1000.0 * do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def bench_graph_us(fn: Callable[[], Any]) -> float:
+    """Median GPU time of ``fn`` replayed from a captured CUDA graph (no CPU launch overhead)."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_us(graph.replay)
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()

@@ -7,6 +7,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation . 2>&1 | tail -2
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
 script=$1; shift
 cd /tmp && python3 "$OLDPWD/$script" "$@"

@@ -69,24 +69,33 @@ def _row_kernel(
     n_rows, N, eps, stride_x, stride_r,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr, CAST_CODE: tl.constexpr,
     SUM_CODE: tl.constexpr, OUT_CODE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                eviction_policy="evict_first").to(tl.float32)
-    if HAS_RES:
-        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0,
+    if EVICT:
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        if EVICT:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+        else:
+            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, SUM_CODE, EMULATE_RTNE)
         tl.store(S + rows[:, None] * N + cols[None, :], _for_store(x, SUM_CODE, EMULATE_RTNE), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     n = x * rstd[:, None]
     if HAS_W:
-        w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        if EVICT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        else:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = _weigh(n, w[None, :], MODE, CAST_CODE, EMULATE_RTNE)
     else:
         y = n
@@ -99,7 +108,7 @@ def _chunked_kernel(
     n_rows, N, eps, stride_x, stride_r,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr, CAST_CODE: tl.constexpr,
     SUM_CODE: tl.constexpr, OUT_CODE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, EVICT: tl.constexpr,
 ):
     # one row per program: pass 1 accumulates the sum of squares (writing the residual sum),
     # pass 2 re-reads the rounded row and writes the output
@@ -137,6 +146,8 @@ class LaunchConfig:
     rows: int
     num_warps: int
     chunked: bool = False
+    evict: bool = True
+    """L2 eviction hints: stream the activations (evict first), keep the weight (evict last)."""
 
 
 @functools.lru_cache(maxsize=256)
@@ -184,6 +195,6 @@ def launch(
         n_rows, n, eps, stride_x, stride_r,
         HAS_RES=residual is not None, HAS_W=weight is not None, MODE=MODES[mode],
         CAST_CODE=DTYPE_CODES[cast_dtype or torch.float32], SUM_CODE=DTYPE_CODES[x.dtype],
-        OUT_CODE=DTYPE_CODES[y.dtype], BLOCK_N=cfg.block_n, ROWS=rows, EMULATE_RTNE=INTERPRET,
+        OUT_CODE=DTYPE_CODES[y.dtype], BLOCK_N=cfg.block_n, ROWS=rows, EMULATE_RTNE=INTERPRET, EVICT=cfg.evict,
         num_warps=cfg.num_warps,
     )

@@ -30,7 +30,8 @@ GRID = [  # (op, rows, hidden): baseline-h200.md grid first, then the row sweep 
     ("add_rms_norm", 64, 7168), ("add_rms_norm", 16384, 7168), ("add_rms_norm", 16384, 4096),
     ("add_rms_norm", 1, 7168), ("add_rms_norm", 512, 7168), ("add_rms_norm", 4096, 7168),
     ("add_rms_norm", 64, 4096), ("add_rms_norm", 4096, 2048),
-    ("rms_norm", 64, 7168), ("rms_norm", 16384, 7168),
+    ("rms_norm", 64, 7168), ("rms_norm", 16384, 7168), ("rms_norm", 16384, 4096),
+    ("rms_norm", 262144, 128),  # q/k-norm over head_dim: 16384 tokens x 16 heads
 ]
 
 
@@ -195,15 +196,14 @@ def sweep(rows: int, h: int) -> list[dict[str, Any]]:
     y, s = torch.empty_like(x), torch.empty_like(x)
     block = 1 << (h - 1).bit_length()
     cfgs = {launch_config(h, 2)}
-    for evict in (True, False):
-        for warps in (8, 16, 32):
-            for nrows in (1, 2):
-                if block * nrows <= 16384:
-                    cfgs.add(LaunchConfig(block, nrows, warps, evict=evict))
-        for cb, warps in ((1024, 4), (1024, 8), (2048, 8), (2048, 16)):
-            cfgs.add(LaunchConfig(cb, 1, warps, chunked=True, evict=evict))
+    for warps in (8, 16, 32):
+        for nrows in (1, 2):
+            if block * nrows <= 16384:
+                cfgs.add(LaunchConfig(block, nrows, warps))
+    for cb, warps in ((1024, 8), (2048, 8)):
+        cfgs.add(LaunchConfig(cb, 1, warps, chunked=True))
     out = []
-    for cfg in sorted(cfgs, key=lambda c: (c.chunked, c.evict, c.rows, c.block_n, c.num_warps)):
+    for cfg in sorted(cfgs, key=lambda c: (c.chunked, c.rows, c.block_n, c.num_warps)):
         try:
             us = bench_graph_us(lambda: launch(x, r, w, y, s, EPS, "llama", BF16, h, h, config=cfg))
             out.append({"rows": rows, "h": h, "cfg": str(cfg), "us": us})

@@ -127,25 +127,54 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
 
         return aot_autograd(fw_compiler=_boxed_forward)(gm, example_inputs)
 
-    def inference_compiler(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
-        run_passes(aten_gm, config, report)
-        record(report)
-        if executor == "eager":
-            return make_boxed_func(aten_gm.forward)
-        from torch._inductor.compile_fx import compile_fx
+    # 1. capture: AOT traces the functional ATen graph; its compiler only records it and hands
+    #    back a forwarding stub, so no decision about execution is taken inside AOT.
+    captured: dict[str, Any] = {}
+    impl: list[Callable[..., Any]] = []
 
-        _copy_dynamo_metadata(gm, aten_gm)
-        compiled = compile_fx(aten_gm, list(aten_inputs), config_patches=_inductor_patches(config))
-        return make_boxed_func(compiled)
+    def capture(aten_gm: fx.GraphModule, aten_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._guards import TracingContext
 
-    return aot_module_simplified(
-        gm,
-        example_inputs,
-        fw_compiler=inference_compiler,
-        inference_compiler=inference_compiler,
-        decompositions={},
+        ctx = TracingContext.try_get()
+        captured.update(gm=aten_gm, inputs=list(aten_inputs), meta=ctx.fw_metadata if ctx else None)
+        return make_boxed_func(lambda *args: impl[0](*args))
+
+    wrapped = aot_module_simplified(
+        gm, example_inputs, fw_compiler=capture, inference_compiler=capture, decompositions={},
         keep_inference_input_mutations=True,
     )
+    # 2. rewrite
+    aten_gm = captured["gm"]
+    run_passes(aten_gm, config, report)
+    record(report)
+    if executor == "eager":
+        impl.append(aten_gm.forward)  # bound after the rewrite recompiled the module
+        return wrapped
+    # 3. Inductor. When the ATen graph has Dynamo's signature (no input mutation, no aliased
+    #    output), hand it to Inductor directly: one runtime wrapper, as with backend="inductor".
+    #    Otherwise Inductor compiles behind AOT's wrapper, which replays mutations and aliasing.
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = _inductor_patches(config)
+    if _same_signature(captured, example_inputs):
+        _copy_dynamo_metadata(gm, aten_gm)
+        return compile_fx(aten_gm, captured["inputs"], config_patches=patches)
+    impl.append(compile_fx(aten_gm, captured["inputs"], config_patches=patches))
+    return wrapped
+
+
+def _same_signature(captured: dict[str, Any], example_inputs: Sequence[Any]) -> bool:
+    """The ATen graph takes Dynamo's inputs in order and returns fresh tensors, mutating nothing."""
+    meta = captured.get("meta")
+    if meta is None or len(captured["inputs"]) != len(example_inputs):
+        return False
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        return False
+    if getattr(meta, "num_intermediate_bases", 0) or getattr(meta, "tokens", None):
+        return False
+    return all(o.output_type == OutputType.non_alias for o in meta.output_info)
 
 
 def _boxed_forward(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:

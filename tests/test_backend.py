@@ -180,3 +180,52 @@ def test_env_dump_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("EP_FUSE_DUMP_DIR", str(tmp_path))
     assert EpFuseConfig.from_options({}).dump_dir == str(tmp_path)
     assert os.environ["EP_FUSE_DUMP_DIR"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_the_rewritten_graph_is_what_runs(executor, monkeypatch):
+    import ep_fuse.providers.triton.rms_norm_kernel as k
+
+    calls = []
+    real = k.launch
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(k, "launch", counting)
+    mod = Block().to(BF16)
+    x, r = _inputs()
+    with torch.no_grad():
+        ref = mod(x, r)
+        out = torch.compile(mod, backend="ep_fuse", options={"executor": executor})(x, r)
+        calls.clear()
+        out = torch.compile(mod, backend="ep_fuse", options={"executor": executor})(x, r)
+    assert len(calls) == 1, "the fused kernel ran exactly once per call"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)
+
+
+class MutatesInput(nn.Module):
+    """An in-place update of an input (KV-cache style): Inductor runs behind AOT's mutation epilogue."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64) * 0.1 + 1)
+
+    def forward(self, x, r, cache):
+        cache.add_(1)
+        hf = (x + r).float()
+        return self.weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_input_mutation_is_replayed(executor):
+    mod = MutatesInput().to(BF16)
+    x, r = _inputs()
+    cache = torch.zeros(4)
+    with torch.no_grad():
+        ref = mod(x, r, torch.zeros(4))
+        out = torch.compile(mod, backend="ep_fuse", options={"executor": executor})(x, r, cache)
+    assert torch.equal(cache, torch.ones(4))
+    assert ep_fuse.last_report().count("add_rms_norm") == 1
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)

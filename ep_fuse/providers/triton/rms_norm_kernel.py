@@ -69,33 +69,22 @@ def _row_kernel(
     n_rows, N, eps, stride_x, stride_r,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr, CAST_CODE: tl.constexpr,
     SUM_CODE: tl.constexpr, OUT_CODE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr, EVICT: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
-    if EVICT:
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-    else:
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        if EVICT:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-        else:
-            r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = _round(x + r, SUM_CODE, EMULATE_RTNE)
         tl.store(S + rows[:, None] * N + cols[None, :], _for_store(x, SUM_CODE, EMULATE_RTNE), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     n = x * rstd[:, None]
     if HAS_W:
-        if EVICT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        else:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = _weigh(n, w[None, :], MODE, CAST_CODE, EMULATE_RTNE)
     else:
         y = n
@@ -108,7 +97,7 @@ def _chunked_kernel(
     n_rows, N, eps, stride_x, stride_r,
     HAS_RES: tl.constexpr, HAS_W: tl.constexpr, MODE: tl.constexpr, CAST_CODE: tl.constexpr,
     SUM_CODE: tl.constexpr, OUT_CODE: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr, EVICT: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
 ):
     # one row per program: pass 1 accumulates the sum of squares (writing the residual sum),
     # pass 2 re-reads the rounded row and writes the output
@@ -146,19 +135,26 @@ class LaunchConfig:
     rows: int
     num_warps: int
     chunked: bool = False
-    evict: bool = True
-    """L2 eviction hints: stream the activations (evict first), keep the weight (evict last)."""
 
 
 @functools.lru_cache(maxsize=256)
 def launch_config(n: int, elem_bytes: int) -> LaunchConfig:
-    """Block shape per row width (never per row count, so one config serves dynamic batch sizes)."""
+    """Block shape per row width (never per row count, so one config serves dynamic batch sizes).
+
+    Tuned on an H200 (docs/benchmarks.md): one row per program with many warps for wide rows,
+    several rows per program for narrow ones. No L2 eviction hints: evict-first loads cost 2-4% there.
+    """
     block = triton.next_power_of_2(n)
     if block > MAX_BLOCK:
-        return LaunchConfig(4096, 1, 16, chunked=True)
-    if block >= 4096:
-        return LaunchConfig(block, 1, 16 if block * elem_bytes >= 16384 else 8)
-    rows = max(1, 4096 // block)
+        return LaunchConfig(2048, 1, 8, chunked=True)
+    row_bytes = block * elem_bytes
+    if row_bytes >= 16384:
+        return LaunchConfig(block, 1, 32)
+    if row_bytes >= 8192:
+        return LaunchConfig(block, 1, 16)
+    if row_bytes >= 4096:
+        return LaunchConfig(block, 2, 8)
+    rows = max(1, 8192 // row_bytes)
     return LaunchConfig(block, rows, 4 if block * rows <= 2048 else 8)
 
 
@@ -195,6 +191,6 @@ def launch(
         n_rows, n, eps, stride_x, stride_r,
         HAS_RES=residual is not None, HAS_W=weight is not None, MODE=MODES[mode],
         CAST_CODE=DTYPE_CODES[cast_dtype or torch.float32], SUM_CODE=DTYPE_CODES[x.dtype],
-        OUT_CODE=DTYPE_CODES[y.dtype], BLOCK_N=cfg.block_n, ROWS=rows, EMULATE_RTNE=INTERPRET, EVICT=cfg.evict,
+        OUT_CODE=DTYPE_CODES[y.dtype], BLOCK_N=cfg.block_n, ROWS=rows, EMULATE_RTNE=INTERPRET,
         num_warps=cfg.num_warps,
     )

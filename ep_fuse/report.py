@@ -87,15 +87,16 @@ class GraphReport:
 
     def table(self) -> str:
         """A plain-text table of the matches, one row per fused site."""
-        head = ("pattern", "variant", "module", "provider", "replaced")
+        head = ("pattern", "variant", "module", "provider", "replaced", "declined")
         rows = [
-            (m.pattern, m.variant, m.module_path or "?", m.provider or "-", str(len(m.nodes)) + " nodes")
+            (m.pattern, m.variant, m.module_path or "?", m.provider or "-", str(len(m.nodes)) + " nodes",
+             "; ".join(f"{p}: {r}" for p, r in m.declined)[:70])
             for m in self.matches
         ]
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         return "\n".join(lines)
 
     def summary(self) -> str:

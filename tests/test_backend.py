@@ -77,7 +77,7 @@ def test_inductor_executor_calls_the_fused_op():
     x, r = _inputs()
     with torch.no_grad():
         ref = mod(x, r)
-        compiled = torch.compile(mod, backend="ep_fuse", options={"executor": "inductor"})
+        compiled = torch.compile(mod, backend="ep_fuse", options={"executor": "inductor", "perf_guard": False})
         out, codes = run_and_get_code(compiled, x, r)
     rep = ep_fuse.last_report()
     assert rep.executor == "inductor" and rep.matches[0].provider == "triton"
@@ -98,6 +98,20 @@ def test_inductor_executor_inlines_declined_sites():
     assert rep.matches[0].provider == "reference"
     assert rep.ops_after.get("aten.rsqrt.default") == 1 and not any(k.startswith("ep_fuse") for k in rep.ops_after)
     assert torch.equal(out, plain), "declining a site leaves Inductor's own code"
+
+
+@pytest.mark.slow
+def test_perf_guard_keeps_inductor_code_where_the_kernel_is_not_faster():
+    mod = Block().to(BF16)
+    x, r = _inputs(t=512, h=64)  # a batch size where Inductor's own kernel measured as fast
+    with torch.no_grad():
+        ref = mod(x, r)
+        out = torch.compile(mod, backend="ep_fuse")(x, r)
+    m = ep_fuse.last_report().matches[0]
+    assert m.provider == "reference" and m.declined[0][0] == "triton"
+    assert "measured as fast" in m.declined[0][1]
+    assert ep_fuse.last_report().ops_after.get("aten.rsqrt.default") == 1
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)
 
 
 @pytest.mark.slow
@@ -198,9 +212,10 @@ def test_the_rewritten_graph_is_what_runs(executor, monkeypatch):
     x, r = _inputs()
     with torch.no_grad():
         ref = mod(x, r)
-        out = torch.compile(mod, backend="ep_fuse", options={"executor": executor})(x, r)
+        opts = {"executor": executor, "perf_guard": False}
+        out = torch.compile(mod, backend="ep_fuse", options=opts)(x, r)
         calls.clear()
-        out = torch.compile(mod, backend="ep_fuse", options={"executor": executor})(x, r)
+        out = torch.compile(mod, backend="ep_fuse", options=opts)(x, r)
     assert len(calls) == 1, "the fused kernel ran exactly once per call"
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.05)
 

@@ -91,7 +91,7 @@ def test_inductor_executor_keeps_fused_ops():
     inputs = tiny_models.example_inputs()
     with torch.no_grad():
         ref = model(**inputs).logits
-    out = _run(model, inputs, executor="inductor")
+    out = _run(model, inputs, executor="inductor", perf_guard=False)
     rep = ep_fuse.last_report()
     _check_counts("mixtral", rep)
     assert rep.executor == "inductor" and {m.provider for m in rep.matches} == {"triton"}

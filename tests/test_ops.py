@@ -161,3 +161,18 @@ def test_triton_on_row_slices_of_a_wider_projection():
     permuted = torch.randn(7, 2, 32).to(torch.bfloat16).transpose(0, 1)
     c = choose(canonical.rms_norm, (permuted, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu")
     assert c.provider == "reference"
+
+
+def test_perf_rules_from_the_h200_measurements():
+    from ep_fuse.providers.triton import perf
+
+    def args(rows, h):
+        return norm_args(1, 1, torch.bfloat16, "llama", True, shape=(rows, h))
+
+    assert perf.add_rms_norm_prefers(args(16384, 7168)) is None
+    assert perf.add_rms_norm_prefers(args(64, 7168)) is None
+    assert "measured as fast" in perf.add_rms_norm_prefers(args(512, 7168))
+    assert "measured as fast" in perf.add_rms_norm_prefers(args(64, 4096))
+    assert perf.rms_norm_prefers(norm_args(4, 64, torch.bfloat16, "llama", False)) is not None
+    c = choose(canonical.add_rms_norm, args(512, 7168), "cpu", check_perf=True)
+    assert c.provider == "reference" and c.declined[0][0] == "triton"

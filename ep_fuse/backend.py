@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.dump import Dumper
 from ep_fuse.log import configure_from_env
 from ep_fuse.pipeline import run_passes
 from ep_fuse.report import GraphReport, record
@@ -145,7 +146,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
     )
     # 2. rewrite
     aten_gm = captured["gm"]
-    run_passes(aten_gm, config, report)
+    dumper = Dumper.for_config(config, report.graph)
+    dumper.graph("00_dynamo", gm)
+    run_passes(aten_gm, config, report, dumper)
     record(report)
     if executor == "eager":
         impl.append(aten_gm.forward)  # bound after the rewrite recompiled the module

@@ -19,6 +19,7 @@ from ep_fuse.patterns import all_patterns
 from ep_fuse.report import GraphReport, PassRecord
 
 log = logging.getLogger("ep_fuse")
+progress = logging.getLogger("ep_fuse.progress")
 
 
 def build_passes(config: EpFuseConfig) -> list[GraphPass]:
@@ -26,17 +27,21 @@ def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     return [Canonicalize(patterns), Cleanup(), Lower(), Cleanup()]
 
 
-def run_passes(gm: fx.GraphModule, config: EpFuseConfig, report: GraphReport) -> GraphReport:
-    """Rewrite ``gm`` in place; fills and returns ``report``."""
+def run_passes(
+    gm: fx.GraphModule, config: EpFuseConfig, report: GraphReport, dumper: Dumper | None = None
+) -> GraphReport:
+    """Rewrite ``gm`` in place; fills and returns ``report`` (and writes dumps when ``dumper`` has a folder)."""
     ctx = PassContext(config=config, device=report.device, executor=report.executor, report=report,
                       fake_mode=fake_mode_of(gm))
-    dumper = Dumper.for_config(config, report.graph)
+    dumper = dumper or Dumper.for_config(config, report.graph)
     report.ops_before = op_histogram(gm.graph)
-    dumper.graph("00_aten", gm)
-    for i, p in enumerate(build_passes(config), start=1):
+    dumper.graph("01_aten", gm)
+    for i, p in enumerate(build_passes(config), start=2):
         t0 = time.perf_counter()
         changes = p(gm, ctx)
-        report.passes.append(PassRecord(p.name, time.perf_counter() - t0, changes))
+        report.passes.append(PassRecord(p.name, time.perf_counter() - t0, changes, op_histogram(gm.graph)))
+        progress.info("graph %s: %s: %d change(s) in %.2f s", report.graph, p.name, changes,
+                      report.passes[-1].seconds)
         dumper.graph(f"{i:02d}_{p.name}", gm)
     report.ops_after = op_histogram(gm.graph)
     canon = {c.op for c in canonical_ops().values()}

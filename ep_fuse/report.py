@@ -29,16 +29,40 @@ class MatchRecord:
 
 
 @dataclasses.dataclass
-class NearMiss:
-    """A candidate site (e.g. an ``rsqrt`` not absorbed by any match) and the deepest reason it failed."""
+class Attempt:
+    """One pattern variant tried at a candidate site: the node where it failed and why."""
 
-    graph: str
-    anchor: str
     pattern: str
     failed_at: str
     reason: str
     depth: int
+    """How many nodes matched before the failure (deeper = closer to a match)."""
+
+
+@dataclasses.dataclass
+class NearMiss:
+    """A candidate site (e.g. an ``rsqrt`` not absorbed by any match) and why each variant failed there."""
+
+    graph: str
+    anchor: str
+    anchor_op: str
     module_path: str
+    attempts: list[Attempt] = dataclasses.field(default_factory=list)
+    """Deepest first; empty when no pattern root reaches the anchor (see ``note``)."""
+    note: str = ""
+
+    @property
+    def best(self) -> Attempt | None:
+        return self.attempts[0] if self.attempts else None
+
+    def explain(self) -> str:
+        where = f" in {self.module_path}" if self.module_path else ""
+        lines = [f"{self.anchor} ({self.anchor_op}){where}: not fused"]
+        if self.note:
+            lines.append(f"  {self.note}")
+        for a in self.attempts:
+            lines.append(f"  {a.pattern}: failed at {a.failed_at}: {a.reason}")
+        return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -46,6 +70,8 @@ class PassRecord:
     name: str
     seconds: float
     changes: int
+    ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Op histogram of the graph after the pass."""
 
 
 @dataclasses.dataclass

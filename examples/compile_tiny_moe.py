@@ -45,7 +45,7 @@ def main() -> None:
     for report in ep_fuse.reports():
         print(report)
         for miss in report.near_misses:
-            print(f"  near miss at {miss.anchor} ({miss.module_path}): {miss.failed_at}: {miss.reason}")
+            print(miss.explain())
     diff = (got.float() - expected.float()).abs().max().item()
     print(f"max |compiled - eager| over the logits: {diff:.4g} (logits up to {expected.float().abs().max().item():.3g})")
 

@@ -65,7 +65,7 @@ def _trees(x: Any) -> dict[str, Any]:
         op(aten.pow.Tensor_Scalar, self=xf, exponent=Lit(equals(2))),
         op(aten.mul.Tensor, self=xf, other=xf),
     )
-    var = op(aten.mean.dim, self=sq, dim=Lit(_dim_list, bind="dims"), keepdim=Lit(equals(True)))
+    var = op(aten.mean.dim, self=sq, dim=Lit(_dim_list, bind="dims"), keepdim=Lit(equals(True)), bind="mean")
     eps = alt(Lit(is_number, bind="eps"), Var("eps_t", _scalar_float_tensor))
     rstd = op(aten.rsqrt.default, self=op((aten.add.Tensor, aten.add.Scalar), self=var, other=eps,
                                           commutative=("self", "other")))
@@ -85,29 +85,32 @@ def _trees(x: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- guards
-def reduces_last_dim(m: Match) -> str | None:
+def reduces_last_dim(m: Match) -> tuple[Any, str] | None:
+    """The mean runs over the last dim (the one the canonical op normalises)."""
     x = tensor_val(m["x"])
     (d,) = m["dims"]
     if d not in (-1, x.dim() - 1):
-        return f"mean over dim {d} of a {x.dim()}-D tensor is not over the last dim"
+        return m["mean"], f"mean over dim {d} of a {x.dim()}-D tensor is not over the last dim"
     return None
 
 
-def weight_is_row(m: Match) -> str | None:
+def weight_is_row(m: Match) -> tuple[Any, str] | None:
+    """The weight is a vector over the normalised dim, not a tensor broadcast over more dims."""
     if "weight" not in m.bindings:
         return None
     w, x = tensor_val(m["weight"]), tensor_val(m["x"])
     if w.dim() != 1 or not statically_known_true(w.shape[0] == x.shape[-1]):
-        return f"weight of shape {list(w.shape)} is not a vector over the normalised dim ({x.shape[-1]})"
+        return m["weight"], f"weight of shape {list(w.shape)} is not a vector over the normalised dim ({x.shape[-1]})"
     return None
 
 
-def add_is_plain(m: Match) -> str | None:
+def add_is_plain(m: Match) -> tuple[Any, str] | None:
+    """The residual add adds two tensors of one dtype and one shape (no promotion, no broadcast)."""
     a, b = tensor_val(m["a"]), tensor_val(m["b"])
     if a.dtype != b.dtype:
-        return f"residual add mixes {a.dtype} and {b.dtype}"
+        return m["x"], f"residual add mixes {a.dtype} and {b.dtype}"
     if a.dim() != b.dim() or not all(statically_known_true(p == q) for p, q in zip(a.shape, b.shape)):
-        return f"residual add broadcasts {list(a.shape)} with {list(b.shape)}"
+        return m["x"], f"residual add broadcasts {list(a.shape)} with {list(b.shape)}"
     return None
 
 
@@ -153,6 +156,7 @@ def _patterns() -> list[Pattern]:
                     guards=(*GUARDS, *extra),
                     anchors=(aten.rsqrt.default,),
                     description=f"{'residual add + ' if name == 'add_rms_norm' else ''}RMSNorm, {mode} weight",
+                    produces=f"ep_fuse::{name}",
                 )
             )
     return out

@@ -229,9 +229,18 @@ class PerRowEps(nn.Module):
         return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@pytest.mark.parametrize("mod", [MeanOverOtherDim(), RsqrtReused(), CubeNotSquare(), OtherTensorScaled(), PerRowEps()],
-                         ids=lambda m: type(m).__name__)
-def test_look_alikes_do_not_match(mod):
+@pytest.mark.parametrize(
+    "mod, why",
+    [
+        (MeanOverOtherDim(), "failed at mean: guard reduces_last_dim: mean over dim 0 of a 2-D tensor"),
+        (RsqrtReused(), "failed at rsqrt: is also used outside the pattern (by output)"),
+        (CubeNotSquare(), "failed at abs_1: must be the same node as '_to_copy' (xf)"),
+        (OtherTensorScaled(), "failed at _to_copy: must be the same node as '_to_copy_1' (xf)"),
+        (PerRowEps(), "failed at slice_1: eps must be a number or a 0-d floating tensor"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_look_alikes_do_not_match(mod, why):
     x, r = _inputs((6, 32))
     with torch.no_grad():
         ref = mod(x, r)
@@ -239,6 +248,7 @@ def test_look_alikes_do_not_match(mod):
     rep = ep_fuse.last_report()
     assert rep.matches == [], rep
     assert len(rep.near_misses) == 1 and rep.near_misses[0].anchor.startswith("rsqrt")
+    assert why in rep.near_misses[0].explain()
     for o, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (out, ref))):
         assert torch.equal(o, e)
 

@@ -14,7 +14,8 @@ from ep_fuse.fx_utils import module_class, module_path, val
 from ep_fuse.matching.matcher import CAST_TARGETS, State, external_users, match_tree, Mismatch
 from ep_fuse.matching.pattern import Alt, Cast, Op, Opt, Pat
 
-Guard = Callable[["Match"], "str | None"]
+Guard = Callable[["Match"], "str | tuple[Any, str] | None"]
+"""``None`` when the match is safe, else the reason (or ``(node, reason)`` to point at a node)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Pattern:
     anchors: tuple[Any, ...] = ()
     """Ops whose presence marks a candidate site (for near-miss explanations)."""
     description: str = ""
+    produces: str = ""
+    """Name of the canonical op the pattern becomes (for the catalog listing)."""
 
     @property
     def key(self) -> str:
@@ -101,9 +104,10 @@ def try_match(pattern: Pattern, node: fx.Node) -> Match | Mismatch:
         return ext
     m = Match(pattern, node, res.bindings, res.nodes)
     for guard in pattern.guards:
-        reason = guard(m)
-        if reason:
-            return Mismatch(node, f"guard {guard.__name__}: {reason}", tuple(res.nodes))
+        verdict = guard(m)
+        if verdict:
+            where, reason = verdict if isinstance(verdict, tuple) else (node, verdict)
+            return Mismatch(where, f"guard {guard.__name__}: {reason}", tuple(res.nodes))
     return m
 
 

@@ -9,13 +9,14 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ep_fuse.fx_utils import module_class, module_path, val
+from ep_fuse.fx_utils import module_class, module_path, target_name, val
 from ep_fuse.matching import Match, Mismatch, Pattern, try_match
 from ep_fuse.matching.spec import apply_replacement
 from ep_fuse.passes.base import GraphPass, PassContext
-from ep_fuse.report import MatchRecord, NearMiss
+from ep_fuse.report import Attempt, MatchRecord, NearMiss
 
 log = logging.getLogger("ep_fuse.passes")
+MIN_EXPLAIN_DEPTH = 3
 
 
 class Canonicalize(GraphPass):
@@ -74,33 +75,33 @@ class Canonicalize(GraphPass):
         )
 
     def _near_misses(self, graph: fx.Graph, misses: list[tuple[Pattern, Mismatch]], ctx: PassContext) -> None:
-        anchors: dict[Any, list[Pattern]] = {}
+        """For every anchor op left in the graph, the deepest failure of each pattern variant that reached it."""
+        anchors: dict[Any, set[str]] = {}
         for p in self.patterns:
             for a in p.anchors:
-                anchors.setdefault(a, []).append(p)
+                anchors.setdefault(a, set()).add(p.name)
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in anchors:
                 continue
-            names = {p.name for p in anchors[node.target]}
-            best: tuple[Pattern, Mismatch] | None = None
+            best: dict[str, Mismatch] = {}
             for pattern, miss in misses:
-                if pattern.name not in names:
+                if pattern.name not in anchors[node.target] or not (node in miss.matched or miss.node is node):
                     continue
-                if node in miss.matched or miss.node is node:
-                    if best is None or miss.depth > best[1].depth:
-                        best = (pattern, miss)
-            if best is None:
-                users = ", ".join(f"{u.name}={u.target}" for u in list(node.users)[:3]) or "none"
-                ctx.report.near_misses.append(
-                    NearMiss(ctx.report.graph, node.name, "/".join(sorted(names)), node.name,
-                             f"no pattern root reaches this {node.target}; its users: {users}", 0,
-                             module_path(node))
-                )
-                continue
-            pattern, miss = best
+                if pattern.key not in best or miss.depth > best[pattern.key].depth:
+                    best[pattern.key] = miss
+            attempts = sorted(
+                (Attempt(key, m.where(), m.reason, m.depth) for key, m in best.items()),
+                key=lambda a: -a.depth,
+            )
+            # variants that failed on their first node or two only add noise to an explanation
+            attempts = [a for a in attempts if a.depth >= MIN_EXPLAIN_DEPTH] or attempts[:1]
+            note = ""
+            if not attempts:
+                users = ", ".join(f"{u.name} ({target_name(u.target) if u.op == 'call_function' else u.op})"
+                                  for u in list(node.users)[:3]) or "none"
+                note = f"no pattern of {'/'.join(sorted(anchors[node.target]))} is rooted above it; its users: {users}"
             ctx.report.near_misses.append(
-                NearMiss(ctx.report.graph, node.name, pattern.key, miss.where(), miss.reason, miss.depth,
-                         module_path(node))
+                NearMiss(ctx.report.graph, node.name, target_name(node.target), module_path(node), attempts, note)
             )
 
 

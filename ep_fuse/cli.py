@@ -1,0 +1,284 @@
+"""``ep-fuse``: see every rewrite ep_fuse makes, and why a pattern did not match.
+
+    ep-fuse dump TARGET [--device cpu|cuda|npu] [--executor auto|inductor|eager] [--dynamic] [--out DIR]
+    ep-fuse patterns [--family NAME]
+    ep-fuse explain TARGET --pattern NAME [--node NODE]
+    ep-fuse diff DIR
+
+TARGET is ``path/to/file.py:factory``, ``package.module:factory`` (a callable returning
+``(model, inputs)``) or a built-in tiny HF model ``hf:mixtral``, ``hf:qwen2_moe``, ``hf:qwen3_moe``,
+``hf:deepseek_v3``.
+
+Exit codes: 0 done; 2 bad arguments or TARGET, unknown pattern; 3 the factory raised;
+4 compiling or running the model failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+EXIT_OK, EXIT_USAGE, EXIT_FACTORY, EXIT_COMPILE = 0, 2, 3, 4
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+
+def _err(msg: str) -> None:
+    print(f"ep-fuse: {msg}", file=sys.stderr)
+
+
+class _Progress:
+    """Stage lines and pass timings on stderr, plus a heartbeat while a long compile runs."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self._stop = threading.Event()
+        self._handler: logging.Handler | None = None
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"ep-fuse: {msg}", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _Progress:
+        if self.quiet:
+            return self
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("ep-fuse:   %(message)s"))
+        logger = logging.getLogger("ep_fuse.progress")
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        self._handler = handler
+        start = time.time()
+
+        def beat() -> None:
+            while not self._stop.wait(10):
+                print(f"ep-fuse:   ... still compiling ({time.time() - start:.0f} s)", file=sys.stderr, flush=True)
+
+        threading.Thread(target=beat, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._handler is not None:
+            logging.getLogger("ep_fuse.progress").removeHandler(self._handler)
+
+
+def _parse_options(pairs: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise CliError(f"--option takes KEY=VALUE (JSON values allowed), got {pair!r}", EXIT_USAGE)
+        key, value = pair.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def _compile(args: argparse.Namespace, options: dict[str, Any], progress: _Progress) -> tuple[Any, list[Any]]:
+    import torch
+
+    import ep_fuse
+    from ep_fuse.config import ConfigError, EpFuseConfig
+    from ep_fuse.debug.targets import FactoryError, TargetError, load
+
+    try:
+        EpFuseConfig.from_options(options)
+    except ConfigError as exc:
+        raise CliError(str(exc).removeprefix("ep_fuse: "), EXIT_USAGE) from exc
+    progress.say(f"building {args.target} on {args.device}")
+    try:
+        target = load(args.target, args.device)
+    except TargetError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from exc
+    except FactoryError as exc:
+        raise CliError(str(exc), EXIT_FACTORY) from exc
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    progress.say("compiling with backend='ep_fuse' (Dynamo trace, AOT capture, ep_fuse passes, executor)")
+    t0 = time.time()
+    try:
+        with progress, torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = torch.compile(target.model, backend="ep_fuse", options=options, dynamic=args.dynamic or None)
+            compiled(*target.args, **target.kwargs)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CliError(f"compiling {args.target} failed: {type(exc).__name__}: {first}", EXIT_COMPILE) from exc
+    progress.say(f"compiled and ran in {time.time() - t0:.1f} s")
+    return target, ep_fuse.reports()
+
+
+# --------------------------------------------------------------------------- commands
+def cmd_dump(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists():
+        for old in out.glob("graph_*"):
+            shutil.rmtree(old)
+    out.mkdir(parents=True, exist_ok=True)
+    options = {"executor": args.executor, **_parse_options(args.option), "dump_dir": str(out)}
+    _target, reports = _compile(args, options, _Progress(args.quiet))
+    text = "\n\n".join(str(r) for r in reports) or "no graph was compiled"
+    (out / "summary.txt").write_text(text + "\n")
+    print(text)
+    misses = sum(len(r.near_misses) for r in reports)
+    if misses:
+        print(f"\n{misses} candidate site(s) not fused: ep-fuse explain {args.target} --pattern NAME")
+    print(f"\nwrote {out}/ (per graph: 00_dynamo.py, 01_aten.py, NN_<pass>.py, report.json; report.html)")
+    return EXIT_OK
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from ep_fuse.patterns import FAMILIES, all_patterns, pattern_names
+
+    names = pattern_names()
+    if args.pattern not in names and args.pattern not in FAMILIES:
+        raise CliError(f"unknown pattern {args.pattern!r}; patterns: {', '.join(names)}", EXIT_USAGE)
+    wanted = {p.name for p in all_patterns() if args.pattern in (p.name, p.__module__.rsplit(".", 1)[-1])}
+    options = {"executor": args.executor, **_parse_options(args.option)}
+    _target, reports = _compile(args, options, _Progress(args.quiet))
+    fused = [m for r in reports for m in r.matches if m.pattern in wanted]
+    lines: list[str] = []
+    if args.node:
+        for m in fused:
+            if args.node == m.root or args.node in m.nodes:
+                lines.append(f"{args.node} was fused: {m.pattern}[{m.variant}] at {m.module_path or m.root} "
+                             f"(provider {m.provider}; replaced {', '.join(m.nodes)})")
+    sites = 0
+    for r in reports:
+        for nm in r.near_misses:
+            attempts = [a for a in nm.attempts if a.pattern.split("[")[0] in wanted]
+            if nm.attempts and not attempts:
+                continue
+            if args.node and args.node != nm.anchor and all(args.node != a.failed_at for a in attempts):
+                continue
+            sites += 1
+            nm = type(nm)(nm.graph, nm.anchor, nm.anchor_op, nm.module_path, attempts, nm.note)
+            lines.append(f"[graph {r.graph}] " + nm.explain())
+    head = (f"{args.pattern} on {args.target}: {len(fused)} site(s) fused, {sites} candidate site(s) not fused"
+            + (f" (node {args.node})" if args.node else ""))
+    print("\n".join([head, *lines]))
+    if args.node and not lines:
+        print(f"no candidate site or fused node named {args.node!r} (node names are those of 01_aten.py in a dump)")
+    return EXIT_OK
+
+
+def cmd_patterns(args: argparse.Namespace) -> int:
+    from ep_fuse.ops.registry import canonical_ops, default_priority
+    from ep_fuse.patterns import families
+
+    fams = families()
+    if args.family and args.family not in fams:
+        raise CliError(f"unknown family {args.family!r}; families: {', '.join(fams)}", EXIT_USAGE)
+    ops = canonical_ops()
+    for fam_name, mod in fams.items():
+        if args.family and fam_name != args.family:
+            continue
+        print(f"family {fam_name}: {mod.DESCRIPTION}")
+        by_name: dict[str, list[Any]] = {}
+        for p in mod.PATTERNS:
+            by_name.setdefault(p.name, []).append(p)
+        for name, pats in by_name.items():
+            first = pats[0]
+            print(f"  pattern {name} -> {first.produces}")
+            print(f"    variants: {', '.join(p.variant for p in pats)}")
+            print(f"    anchors:  {', '.join(str(a) for a in first.anchors)}")
+            print("    guards:")
+            for g in first.guards:
+                print(f"      {g.__name__}: {(g.__doc__ or '').strip().splitlines()[0] if g.__doc__ else ''}")
+            canon = ops.get(first.produces.split("::")[-1])
+            print("    providers by device (first that supports a call wins):")
+            for dev in ("cuda", "npu", "cpu"):
+                order = [p for p in default_priority(dev)
+                         if p == "reference" or (canon is not None and p in canon.providers)]
+                print(f"      {dev}: {' > '.join(order)}")
+    return EXIT_OK
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    root = Path(args.dir)
+    folders = sorted(p for p in root.glob("graph_*") if (p / "report.json").is_file()) if root.is_dir() else []
+    if not folders:
+        raise CliError(f"{root} holds no ep_fuse dump (expected graph_*/report.json; make one with ep-fuse dump)",
+                       EXIT_USAGE)
+    for folder in folders:
+        rep = json.loads((folder / "report.json").read_text())
+        print(f"graph {rep['graph']} ({rep['device']}, executor {rep['executor']})")
+        prev = rep["ops_before"]
+        print(f"  {'input':<14} {sum(prev.values())} ops")
+        for p in rep["passes"]:
+            cur = p["ops"]
+            delta = {k: cur.get(k, 0) - prev.get(k, 0) for k in set(prev) | set(cur)}
+            changes = ", ".join(f"{k} {prev.get(k, 0)}->{cur.get(k, 0)}" for k in sorted(delta) if delta[k])
+            print(f"  {p['name']:<14} {sum(cur.values())} ops; {changes or 'no change'}")
+            prev = cur
+        counts: dict[str, int] = {}
+        for m in rep["matches"]:
+            counts[m["pattern"]] = counts.get(m["pattern"], 0) + 1
+        fused = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "nothing"
+        print(f"  fused: {fused}; not fused: {len(rep['near_misses'])} candidate site(s)")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- entry
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ep-fuse", description="Inspect ep_fuse rewrites.",
+                                 epilog="exit codes: 0 ok, 2 bad arguments/TARGET/pattern, 3 factory raised, "
+                                        "4 compile or run failed")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def target_args(p: argparse.ArgumentParser, executor: str) -> None:
+        p.add_argument("target", help="file.py:factory, package.module:factory or hf:<model>")
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+        p.add_argument("--executor", default=executor, choices=["auto", "inductor", "eager"])
+        p.add_argument("--dynamic", action="store_true", help="compile with dynamic shapes")
+        p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="extra ep_fuse option (JSON value), repeatable")
+        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+    p = sub.add_parser("dump", help="compile TARGET and write every graph before/after each pass")
+    target_args(p, "auto")
+    p.add_argument("--out", default="ep_fuse_dump", help="output folder (default: ep_fuse_dump)")
+    p.set_defaults(fn=cmd_dump)
+    p = sub.add_parser("explain", help="why candidate sites of a pattern were not fused")
+    target_args(p, "eager")
+    p.add_argument("--pattern", required=True, help="pattern or family name (see ep-fuse patterns)")
+    p.add_argument("--node", help="one ATen node name (as in 01_aten.py of a dump)")
+    p.set_defaults(fn=cmd_explain)
+    p = sub.add_parser("patterns", help="list the pattern catalog")
+    p.add_argument("--family")
+    p.set_defaults(fn=cmd_patterns)
+    p = sub.add_parser("diff", help="op histogram before/after each pass of a dump")
+    p.add_argument("dir")
+    p.set_defaults(fn=cmd_diff)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CliError as exc:
+        _err(str(exc))
+        return exc.code
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The ep-fuse command line, run as a subprocess: dumps, catalog, explanations, diffs, errors."""
+
+import json
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import ep_fuse
+
+HERE = Path(__file__).resolve().parent
+NEAR_MISS = f"{HERE / 'cli_targets.py'}:near_miss"
+
+
+def run(*args, cwd=None):
+    proc = subprocess.run([sys.executable, "-m", "ep_fuse.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.names, self.text = [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append(tag)
+        self.names += [v for k, v in attrs if k == "data-name"]
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+@pytest.fixture(scope="module")
+def mixtral_dump(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dump")
+    code, stdout, stderr = run("dump", "hf:mixtral", "--executor", "eager", "--out", str(out))
+    assert code == 0, stderr
+    return out, stdout, stderr
+
+
+@pytest.mark.hf
+def test_dump_writes_every_stage_and_prints_the_table(mixtral_dump):
+    out, stdout, stderr = mixtral_dump
+    assert "add_rms_norm  llama    model.layers.0.post_attention_layernorm" in stdout
+    assert "compiling with backend='ep_fuse'" in stderr and "canonicalize: 5 change(s)" in stderr
+    g = out / "graph_0_0"
+    for name in ("00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_cleanup.py", "04_lower.py",
+                 "05_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
+                 "unlowered.txt"):
+        assert (g / name).is_file(), name
+    assert "aten.rsqrt.default" in (g / "01_aten.py").read_text()
+    assert "ep_fuse.add_rms_norm.default" in (g / "02_canonicalize.py").read_text()
+    assert "bf16[2, 16, 64]" in (g / "01_aten.py").read_text(), "shapes and dtypes are shown"
+    rep = json.loads((g / "report.json").read_text())
+    assert [m["pattern"] for m in rep["matches"]].count("add_rms_norm") == 4
+    assert {m["module_path"] for m in rep["matches"]} >= {"model.norm", "model.layers.0.input_layernorm"}
+
+
+@pytest.mark.hf
+def test_html_report_parses_and_shows_the_rewritten_nodes(mixtral_dump):
+    out, _, _ = mixtral_dump
+    page = _Collect()
+    page.feed((out / "report.html").read_text())
+    assert page.tags.count("svg") == 10, "a before and an after drawing per fused site"
+    rep = json.loads((out / "graph_0_0" / "report.json").read_text())
+    for m in rep["matches"]:
+        assert m["fused_node"] in page.names
+        assert set(m["nodes"]) <= set(page.names)
+
+
+@pytest.mark.hf
+def test_diff_shows_op_counts_per_pass(mixtral_dump):
+    out, _, _ = mixtral_dump
+    code, stdout, _ = run("diff", str(out))
+    assert code == 0
+    assert "aten.rsqrt.default 5->0" in stdout and "ep_fuse.add_rms_norm.default 0->4" in stdout
+    assert "fused: rms_norm x1, add_rms_norm x4" in stdout
+
+
+def test_explain_names_the_failed_check_and_node():
+    code, stdout, _ = run("explain", NEAR_MISS, "--pattern", "rms_norm", "--quiet")
+    assert code == 0
+    assert "0 site(s) fused, 1 candidate site(s) not fused" in stdout
+    assert "rsqrt_1 (aten.rsqrt.default): not fused" in stdout
+    assert "rms_norm[llama]: failed at slice_1: eps must be a number or a 0-d floating tensor" in stdout
+
+
+def test_explain_a_fused_node():
+    code, stdout, _ = run("explain", NEAR_MISS, "--pattern", "add_rms_norm", "--node", "rsqrt", "--quiet")
+    assert code == 0 and "rsqrt was fused: add_rms_norm[llama]" in stdout
+
+
+def test_dump_of_a_module_with_a_near_miss(tmp_path):
+    code, stdout, _ = run("dump", NEAR_MISS, "--executor", "eager", "--out", str(tmp_path), "--quiet")
+    assert code == 0
+    assert "1 candidate site(s) not fused: ep-fuse explain" in stdout
+    html = (tmp_path / "report.html").read_text()
+    assert "near misses" in html and "eps must be a number" in html
+
+
+def test_patterns_lists_variants_guards_and_providers():
+    code, stdout, _ = run("patterns", "--family", "rms_norm")
+    assert code == 0
+    assert "pattern add_rms_norm -> ep_fuse::add_rms_norm" in stdout
+    assert "variants: llama, gemma, weight_fp32, none" in stdout
+    assert "add_is_plain: The residual add" in stdout
+    assert "cuda: triton > reference" in stdout and "npu: npu > reference" in stdout
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (("dump", "nothing"), 2, "is not 'path/to/file.py:factory'"),
+        (("dump", "hf:llama9"), 2, "unknown built-in model 'hf:llama9'"),
+        (("dump", "no/such/file.py:f"), 2, "no such file: no/such/file.py"),
+        (("dump", f"{HERE / 'cli_targets.py'}:broken"), 3, "raised ValueError: factory failed on purpose"),
+        (("dump", f"{HERE / 'cli_targets.py'}:missing"), 2, "has no callable 'missing'"),
+        (("explain", NEAR_MISS, "--pattern", "rope"), 2, "unknown pattern 'rope'"),
+        (("dump", NEAR_MISS, "--option", "executr=eager"), 2, "unknown option 'executr'"),
+        (("patterns", "--family", "nope"), 2, "unknown family 'nope'"),
+        (("diff", "/nonexistent"), 2, "holds no ep_fuse dump"),
+    ],
+)
+def test_errors_are_one_line_with_documented_exit_codes(args, code, message):
+    got, _stdout, stderr = run(*args, "--quiet") if args[0] in ("dump", "explain") else run(*args)
+    assert got == code
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("ep-fuse:")]
+    assert len(lines) == 1 and message in lines[0], stderr
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).parent / "ep-fuse"
+    assert script.exists(), "pip install puts the ep-fuse command next to python"
+
+
+def test_env_switch_dumps_plain_torch_compile(tmp_path, monkeypatch):
+    import torch
+
+    from cli_targets import near_miss
+
+    monkeypatch.setenv("EP_FUSE_DUMP_DIR", str(tmp_path))
+    mod, args = near_miss()
+    with torch.no_grad():
+        torch.compile(mod, backend="ep_fuse", options={"executor": "eager"})(*args)
+    assert (tmp_path / "graph_0_0" / "report.json").is_file()
+    assert "near misses" in (tmp_path / "report.html").read_text()
+    assert ep_fuse.last_report().near_misses[0].anchor == "rsqrt_1"

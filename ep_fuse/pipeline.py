@@ -15,7 +15,8 @@ from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.canonicalize import Canonicalize
 from ep_fuse.passes.cleanup import Cleanup
 from ep_fuse.passes.lower import Lower
-from ep_fuse.patterns import all_patterns
+from ep_fuse.passes.pair import Pair
+from ep_fuse.patterns import all_pairs, all_patterns
 from ep_fuse.report import GraphReport, PassRecord
 
 log = logging.getLogger("ep_fuse")
@@ -24,7 +25,8 @@ progress = logging.getLogger("ep_fuse.progress")
 
 def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
-    return [Canonicalize(patterns), Cleanup(), Lower(), Cleanup()]
+    pairs = all_pairs({p.name for p in patterns})
+    return [Canonicalize(patterns), Pair(pairs), Cleanup(), Lower(), Cleanup()]
 
 
 def run_passes(

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "llama4")
 
 EXPECTED_NORMS = {
     # name: (add + RMSNorm sites, plain RMSNorm sites) in the one inference graph
@@ -40,6 +40,22 @@ def _config(name: str, **overrides: Any) -> Any:
                                   n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
                                   first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32,
                                   qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    elif name == "deepseek_v2":
+        common["num_key_value_heads"] = common["num_attention_heads"]
+        cfg = tf.DeepseekV2Config(**common, intermediate_size=96, moe_intermediate_size=48, n_routed_experts=8,
+                                  n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                  first_k_dense_replace=1, q_lora_rank=48, kv_lora_rank=32,
+                                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16)
+    elif name == "glm4_moe":
+        cfg = tf.Glm4MoeConfig(**common, head_dim=16, intermediate_size=96, moe_intermediate_size=48,
+                               n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+                               topk_group=1, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True)
+    elif name == "gpt_oss":
+        cfg = tf.GptOssConfig(**common, head_dim=16, intermediate_size=96, num_local_experts=4,
+                              num_experts_per_tok=2, layer_types=["full_attention", "full_attention"])
+    elif name == "llama4":
+        cfg = tf.Llama4TextConfig(**common, head_dim=16, intermediate_size=96, intermediate_size_mlp=96,
+                                  num_local_experts=4, num_experts_per_tok=1)
     else:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODELS)}")
     for k, v in overrides.items():
@@ -65,9 +81,14 @@ def build(
         "qwen2_moe": tf.Qwen2MoeForCausalLM,
         "qwen3_moe": tf.Qwen3MoeForCausalLM,
         "deepseek_v3": tf.DeepseekV3ForCausalLM,
+        "deepseek_v2": tf.DeepseekV2ForCausalLM,
+        "glm4_moe": tf.Glm4MoeForCausalLM,
+        "gpt_oss": tf.GptOssForCausalLM,
+        "llama4": tf.Llama4ForCausalLM,
     }[name]
     torch.manual_seed(seed)
-    model = cls._from_config(_config(name, **config_overrides), dtype=dtype, attn_implementation="sdpa")
+    attn = "eager" if name == "gpt_oss" else "sdpa"  # GPT-OSS's sinks need eager attention
+    model = cls._from_config(_config(name, **config_overrides), dtype=dtype, attn_implementation=attn)
     prepare(model, experts_implementation)
     return model.to(device).eval()
 

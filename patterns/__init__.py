@@ -1,8 +1,9 @@
 """The ep_fuse pattern catalog (shipped as ``ep_fuse.patterns``): one module per fusion family.
 
 Each family module declares ``DESCRIPTION`` and ``PATTERNS``, a list of
-:class:`ep_fuse.matching.Pattern` in priority order (bigger fusions first). Families are tried in
-the order of :data:`FAMILIES`.
+:class:`ep_fuse.matching.Pattern` in priority order (bigger fusions first), and optionally ``PAIRS``
+(:class:`ep_fuse.matching.PairRule`: sibling canonical calls run as one). Families are tried in the
+order of :data:`FAMILIES`.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ep_fuse.matching import Pattern
+from ep_fuse.matching import PairRule, Pattern
 
-FAMILIES = ("rms_norm",)
+FAMILIES = ("rms_norm", "rope")
 
 
 def families() -> dict[str, ModuleType]:
@@ -21,6 +22,16 @@ def families() -> dict[str, ModuleType]:
 
 def all_patterns() -> list[Pattern]:
     return [p for mod in families().values() for p in mod.PATTERNS]
+
+
+def all_pairs(enabled: set[str] | None = None) -> list[PairRule]:
+    """Pairing rules of the families whose patterns are enabled (all when ``enabled`` is None)."""
+    out: list[PairRule] = []
+    for mod in families().values():
+        names = {p.name for p in mod.PATTERNS}
+        if enabled is None or names & enabled:
+            out.extend(getattr(mod, "PAIRS", []))
+    return out
 
 
 def pattern_names() -> list[str]:

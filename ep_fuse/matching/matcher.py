@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from ep_fuse.fx_utils import MISSING, op_args, tensor_val
-from ep_fuse.matching.pattern import Alt, Cast, Lit, Op, Opt, Pat, Var, equals
+from ep_fuse.matching.pattern import Alt, Cast, Item, Lit, Op, Opt, Pat, Var, equals
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -50,6 +51,15 @@ def _deeper(a: Mismatch | None, b: Mismatch) -> Mismatch:
 
 
 def match_tree(pat: Any, value: Any, state: State) -> State | Mismatch:
+    if isinstance(pat, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or len(value) != len(pat):
+            return Mismatch(value, f"expected a list of {len(pat)}", tuple(state.nodes))
+        for p, v in zip(pat, value):
+            res = match_tree(p, v, state)
+            if isinstance(res, Mismatch):
+                return res
+            state = res
+        return state
     if not isinstance(pat, Pat):
         reason = equals(pat)(value)
         return Mismatch(value, reason, tuple(state.nodes)) if reason else state
@@ -77,6 +87,8 @@ def match_tree(pat: Any, value: Any, state: State) -> State | Mismatch:
             res = Mismatch(value, reason, tuple(state.nodes)) if reason else state
     elif isinstance(pat, Alt):
         res = _match_alt(pat.options, value, state)
+    elif isinstance(pat, Item):
+        res = _match_item(pat, value, state)
     elif isinstance(pat, Opt):
         inner_of = pat.inner.inner if isinstance(pat.inner, (Cast,)) else None
         options = (pat.inner, inner_of) if inner_of is not None else (pat.inner,)
@@ -97,6 +109,16 @@ def _match_alt(options: tuple[Any, ...], value: Any, state: State) -> State | Mi
         best = _deeper(best, res)
     assert best is not None
     return best
+
+
+def _match_item(pat: Item, value: Any, state: State) -> State | Mismatch:
+    miss = _expect_call(value, (operator.getitem,), state)
+    if miss:
+        return miss
+    node: fx.Node = value
+    if node.args[1] != pat.index:
+        return Mismatch(node, f"expected output {pat.index}, got output {node.args[1]}", tuple(state.nodes))
+    return match_tree(pat.inner, node.args[0], _enter(node, state))
 
 
 def _match_var(pat: Var, value: Any, state: State) -> State | Mismatch:

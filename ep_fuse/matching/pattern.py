@@ -9,7 +9,8 @@ A pattern is a tree rooted at the output node, written with:
 * :class:`Var` -- anything (a node or a literal), optionally checked by a predicate;
 * :class:`Lit` -- a literal argument value, checked by a predicate;
 * :class:`Alt` -- the first alternative that matches;
-* :class:`Opt` -- ``Opt(Cast(x))`` matches the cast or ``x`` itself.
+* :class:`Opt` -- ``Opt(Cast(x))`` matches the cast or ``x`` itself;
+* :class:`Item` -- output ``index`` of a multi-output op.
 
 Every pattern may carry ``bind=``: the first match binds the name, later occurrences must be the
 same node (this is how "x feeds both pow and mul" is written).
@@ -94,6 +95,15 @@ def alt(*options: Any, bind: str | None = None) -> Alt:
 @dataclasses.dataclass(eq=False)
 class Opt(Pat):
     inner: Any
+    bind: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Item(Pat):
+    """``operator.getitem(inner, index)``: one output of a multi-output op (``split``, ``topk``...)."""
+
+    inner: Any
+    index: int
     bind: str | None = None
 
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from ep_fuse.fx_utils import module_class, module_path, val
 from ep_fuse.matching.matcher import CAST_TARGETS, State, external_users, match_tree, Mismatch
-from ep_fuse.matching.pattern import Alt, Cast, Op, Opt, Pat
+from ep_fuse.matching.pattern import Alt, Cast, Item, Op, Opt, Pat
 
 Guard = Callable[["Match"], "str | tuple[Any, str] | None"]
 """``None`` when the match is safe, else the reason (or ``(node, reason)`` to point at a node)."""
@@ -59,6 +59,8 @@ def _root_targets(p: Any) -> set[Any]:
         return set(p.targets)
     if isinstance(p, Cast):
         return set(CAST_TARGETS)
+    if isinstance(p, Item):
+        return {operator.getitem}
     if isinstance(p, Alt):
         out: set[Any] = set()
         for o in p.options:
@@ -67,6 +69,19 @@ def _root_targets(p: Any) -> set[Any]:
     if isinstance(p, Opt):
         return _root_targets(p.inner) | (_root_targets(p.inner.inner) if isinstance(p.inner, Cast) else set())
     raise TypeError(f"a pattern root must be an op, a cast or a choice of them, got {p!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairRule:
+    """Two calls of ``single`` that agree on every argument but the first become one ``paired`` call.
+
+    ``paired(a0, b0, *shared)`` returns ``(single(a0, *shared), single(b0, *shared))``; the first call
+    in graph order takes output 0. Used for q/k pairs that share cos/sin.
+    """
+
+    name: str
+    single: torch._ops.OpOverload
+    paired: torch._ops.OpOverload
 
 
 @dataclasses.dataclass

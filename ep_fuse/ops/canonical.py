@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref
+from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref, rope_qk_ref, rope_ref
 from ep_fuse.ops.registry import define_canonical
 
 RMS_NORM_SCHEMA = (
@@ -18,3 +18,14 @@ rms_norm = define_canonical("rms_norm", RMS_NORM_SCHEMA, rms_norm_ref)
 
 add_rms_norm = define_canonical("add_rms_norm", ADD_RMS_NORM_SCHEMA, add_rms_norm_ref)
 """``add_rms_norm(x, residual, ...) -> (normed, x + residual)``: see :func:`ep_fuse.ops.reference.add_rms_norm_ref`."""
+
+ROPE_SCHEMA = "(Tensor x, Tensor cos, Tensor? sin, str form, int rot_dim, ScalarType? out_dtype) -> Tensor"
+ROPE_QK_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor cos, Tensor? sin, str form, int rot_dim, ScalarType? out_dtype) -> (Tensor, Tensor)"
+)
+
+rope = define_canonical("rope", ROPE_SCHEMA, rope_ref)
+"""``rope(x, cos, sin, form, rot_dim, out_dtype)``: see :func:`ep_fuse.ops.reference.rope_ref`."""
+
+rope_qk = define_canonical("rope_qk", ROPE_QK_SCHEMA, rope_qk_ref)
+"""``rope_qk(q, k, ...) -> (q', k')``: q and k rotated with one cos/sin."""

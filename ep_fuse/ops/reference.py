@@ -71,3 +71,66 @@ def add_rms_norm_ref(
     """``s = x + residual`` (rounded to the input dtype), then :func:`rms_norm_ref` of ``s``; returns ``(normed, s)``."""
     s = x + residual
     return rms_norm_ref(s, weight, eps, eps_t, mode, upcast, out_dtype), s
+
+
+ROPE_FORMS = ("half", "chunk", "deinterleave", "complex")
+"""How the first ``rot_dim`` channels of a head rotate (``op-contracts.md`` §3):
+
+* ``half`` (rotate-half / NeoX): ``x·cos + cat(-x2, x1)·sin``; cos/sin span ``rot_dim``;
+* ``chunk`` (GPT-OSS): ``cat(x1·c − x2·s, x2·c + x1·s)``; c/s span ``rot_dim / 2``;
+* ``deinterleave`` (DeepSeek-V3 ``rope_interleave``): the same on ``x[0::2], x[1::2]``, output de-interleaved;
+* ``complex`` (DeepSeek-V2, Llama4): pairs ``(x[2j], x[2j+1])`` times ``freqs_cis[j]`` in fp32, interleaved
+  output; ``cos`` is the complex ``freqs_cis`` and ``sin`` is ``None``.
+
+Channels from ``rot_dim`` on pass through (partial rotary). Products and sums are rounded to the
+input dtype where the model code rounds them (every op of the half/chunk/deinterleave forms).
+"""
+
+
+def rope_ref(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor | None,
+    form: str,
+    rot_dim: int,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Rotary embedding of ``x`` (heads in the last dim), spelled as the HF model code spells it."""
+    if form not in ROPE_FORMS:
+        raise ValueError(f"ep_fuse rope: form {form!r} is not one of {ROPE_FORMS}")
+    d = x.shape[-1]
+    if rot_dim <= 0 or rot_dim > d or rot_dim % 2:
+        raise ValueError(f"ep_fuse rope: rot_dim {rot_dim} must be even and in (0, {d}]")
+    if (sin is None) != (form == "complex"):
+        raise ValueError(f"ep_fuse rope: form {form!r} {'takes no' if form == 'complex' else 'needs'} sin")
+    h = rot_dim // 2
+    xr = x if rot_dim == d else x[..., :rot_dim]
+    if form == "complex":
+        xf = xr.to(torch.float32)
+        xc = torch.view_as_complex(xf.view(*xf.shape[:-1], h, 2))
+        out = torch.view_as_real(xc * cos).view(xr.shape)
+        out = out.to(out_dtype) if out_dtype is not None else out
+    elif form == "half":
+        out = xr * cos + torch.cat((-xr[..., h:], xr[..., :h]), -1) * sin
+    else:
+        if form == "chunk":
+            x1, x2 = torch.split(xr, h, -1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+    if rot_dim < d:
+        out = torch.cat((out, x[..., rot_dim:]), -1)
+    return out
+
+
+def rope_qk_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor | None,
+    form: str,
+    rot_dim: int,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_ref` of q and of k with the same cos/sin (one launch for both in fused providers)."""
+    return rope_ref(q, cos, sin, form, rot_dim, out_dtype), rope_ref(k, cos, sin, form, rot_dim, out_dtype)

@@ -19,8 +19,8 @@ class PassContext:
     executor: str
     report: GraphReport
     fake_mode: Any = None
-    match_by_node: dict[str, Any] = dataclasses.field(default_factory=dict)
-    """Fused node name -> its :class:`~ep_fuse.report.MatchRecord` (lowering fills in the provider)."""
+    match_by_node: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    """Fused node name -> the :class:`~ep_fuse.report.MatchRecord` s it carries (lowering fills in the provider)."""
 
 
 class GraphPass(abc.ABC):

@@ -53,7 +53,7 @@ class Canonicalize(GraphPass):
                 new = apply_replacement(gm, res, rep, ctx.fake_mode)
                 record.fused_node = new[0].name
                 ctx.report.matches.append(record)
-                ctx.match_by_node[new[0].name] = record
+                ctx.match_by_node.setdefault(new[0].name, []).append(record)
                 erased.update(res.nodes)
                 changes += 1
                 log.debug("ep_fuse: %s matched at %s (%s)", pattern.key, node.name, record.module_path)

@@ -39,8 +39,7 @@ class Lower(GraphPass):
             fake_args = tuple(val(a) if isinstance(a, fx.Node) else a for a in node.args)
             device = ctx.device
             choice = choose(canon, fake_args, device, ctx.config.provider_order(device), check_perf)
-            record = ctx.match_by_node.get(node.name)
-            if record is not None:
+            for record in ctx.match_by_node.get(node.name, []):
                 record.provider = choice.provider
                 record.declined = list(choice.declined)
             for prov, reason in choice.declined:

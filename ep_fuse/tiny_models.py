@@ -12,13 +12,18 @@ import torch
 
 TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "llama4")
 
-EXPECTED_NORMS = {
-    # name: (add + RMSNorm sites, plain RMSNorm sites) in the one inference graph
-    "mixtral": (4, 1),
-    "qwen2_moe": (4, 1),
-    "qwen3_moe": (4, 5),  # + q_norm/k_norm over head_dim in both layers
-    "deepseek_v3": (4, 5),  # + q_a_layernorm/kv_a_layernorm in both layers
+EXPECTED_SITES = {
+    # name: fused sites per pattern in the one inference graph of the 2-layer model, and the RoPE form
+    "mixtral": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "half"),
+    "qwen2_moe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "half"),
+    "qwen3_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "half"),  # + q/k-norm over head_dim
+    "deepseek_v3": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "deinterleave"),  # + q_a/kv_a norms
+    "deepseek_v2": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "complex"),
+    "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "partial"),  # + q/k-norm
+    "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "chunk"),
+    "llama4": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "complex"),  # + weightless L2 q/k-norm
 }
+"""Each layer's q and k RoPE sites are paired into one ``rope_qk`` call (2 per model)."""
 
 
 def _config(name: str, **overrides: Any) -> Any:

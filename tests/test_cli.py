@@ -45,10 +45,11 @@ def mixtral_dump(tmp_path_factory):
 def test_dump_writes_every_stage_and_prints_the_table(mixtral_dump):
     out, stdout, stderr = mixtral_dump
     assert "add_rms_norm  llama    model.layers.0.post_attention_layernorm" in stdout
-    assert "compiling with backend='ep_fuse'" in stderr and "canonicalize: 5 change(s)" in stderr
+    assert "compiling with backend='ep_fuse'" in stderr and "canonicalize: 9 change(s)" in stderr
+    assert "pair: 2 change(s)" in stderr
     g = out / "graph_0_0"
-    for name in ("00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_cleanup.py", "04_lower.py",
-                 "05_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
+    for name in ("00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
+                 "05_lower.py", "06_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
                  "unlowered.txt"):
         assert (g / name).is_file(), name
     assert "aten.rsqrt.default" in (g / "01_aten.py").read_text()
@@ -64,7 +65,7 @@ def test_html_report_parses_and_shows_the_rewritten_nodes(mixtral_dump):
     out, _, _ = mixtral_dump
     page = _Collect()
     page.feed((out / "report.html").read_text())
-    assert page.tags.count("svg") == 10, "a before and an after drawing per fused site"
+    assert page.tags.count("svg") == 2 * 9, "a before and an after drawing per fused site (5 norms, 4 RoPE)"
     rep = json.loads((out / "graph_0_0" / "report.json").read_text())
     for m in rep["matches"]:
         assert m["fused_node"] in page.names
@@ -77,7 +78,7 @@ def test_diff_shows_op_counts_per_pass(mixtral_dump):
     code, stdout, _ = run("diff", str(out))
     assert code == 0
     assert "aten.rsqrt.default 5->0" in stdout and "ep_fuse.add_rms_norm.default 0->4" in stdout
-    assert "fused: rms_norm x1, add_rms_norm x4" in stdout
+    assert "fused: rms_norm x1, rope x4, add_rms_norm x4" in stdout
 
 
 def test_explain_names_the_failed_check_and_node():
@@ -104,7 +105,7 @@ def test_dump_of_a_module_with_a_near_miss(tmp_path):
 def test_patterns_lists_variants_guards_and_providers():
     code, stdout, _ = run("patterns", "--family", "rms_norm")
     assert code == 0
-    assert "pattern add_rms_norm -> ep_fuse::add_rms_norm" in stdout
+    assert "pattern add_rms_norm -> ep_fuse::add_rms_norm" in stdout and "pattern rope" not in stdout
     assert "variants: llama, gemma, weight_fp32, none" in stdout
     assert "add_is_plain: The residual add" in stdout
     assert "cuda: triton > reference" in stdout and "npu: npu > reference" in stdout
@@ -118,7 +119,7 @@ def test_patterns_lists_variants_guards_and_providers():
         (("dump", "no/such/file.py:f"), 2, "no such file: no/such/file.py"),
         (("dump", f"{HERE / 'cli_targets.py'}:broken"), 3, "raised ValueError: factory failed on purpose"),
         (("dump", f"{HERE / 'cli_targets.py'}:missing"), 2, "has no callable 'missing'"),
-        (("explain", NEAR_MISS, "--pattern", "rope"), 2, "unknown pattern 'rope'"),
+        (("explain", NEAR_MISS, "--pattern", "ropee"), 2, "unknown pattern 'ropee'"),
         (("dump", NEAR_MISS, "--option", "executr=eager"), 2, "unknown option 'executr'"),
         (("patterns", "--family", "nope"), 2, "unknown family 'nope'"),
         (("diff", "/nonexistent"), 2, "holds no ep_fuse dump"),

@@ -51,5 +51,23 @@ def make_module() -> types.ModuleType:
     mod = types.ModuleType("torch_npu")
     mod.npu_rms_norm = npu_rms_norm
     mod.npu_add_rms_norm = npu_add_rms_norm
+    mod.npu_rotary_mul = npu_rotary_mul
     mod.__ep_fuse_test_double__ = True
     return mod
+
+
+def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"):
+    """x·r1 + rotate(x)·r2 in fp32, rounded once; half: (−x2, x1); interleave: (−x[2i+1], x[2i])."""
+    if x.dim() not in (3, 4) or x.shape[-1] % 2 or x.shape[-1] >= 896:
+        raise RuntimeError("npu_rotary_mul: 3-D/4-D input with an even head dim < 896")
+    if not (r1.dtype == r2.dtype == x.dtype):
+        raise RuntimeError("npu_rotary_mul: x, r1, r2 must share a dtype")
+    xf = x.float()
+    if rotary_mode == "half":
+        h = x.shape[-1] // 2
+        rot = torch.cat((-xf[..., h:], xf[..., :h]), -1)
+    elif rotary_mode == "interleave":
+        rot = torch.stack((-xf[..., 1::2], xf[..., 0::2]), -1).flatten(-2)
+    else:
+        raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r}")
+    return (xf * r1.float() + rot * r2.float()).to(x.dtype)

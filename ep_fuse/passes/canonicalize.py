@@ -85,7 +85,10 @@ class Canonicalize(GraphPass):
                 continue
             best: dict[str, Mismatch] = {}
             for pattern, miss in misses:
-                if pattern.name not in anchors[node.target] or not (node in miss.matched or miss.node is node):
+                if pattern.name not in anchors[node.target]:
+                    continue
+                # the attempt reached the anchor, failed on it, or matched one of its users
+                if not (node in miss.matched or miss.node is node or any(u in miss.matched for u in node.users)):
                     continue
                 if pattern.key not in best or miss.depth > best[pattern.key].depth:
                     best[pattern.key] = miss

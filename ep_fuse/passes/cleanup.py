@@ -1,4 +1,4 @@
-"""Dead-code elimination, stable topological order, lint and recompile."""
+"""Stable topological order, dead-code elimination, lint and recompile."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ class Cleanup(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         before = len(gm.graph.nodes)
+        stable_topological_sort(gm.graph)  # before DCE, which lints the order first
         gm.graph.eliminate_dead_code()
-        stable_topological_sort(gm.graph)
         gm.graph.lint()
         gm.recompile()
         return before - len(gm.graph.nodes)

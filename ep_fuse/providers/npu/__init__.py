@@ -1,4 +1,4 @@
-"""Ascend provider: ``torch_npu.npu_rms_norm`` / ``npu_add_rms_norm`` (op-contracts.md §1, §2, §9).
+"""Ascend provider: ``npu_rms_norm`` / ``npu_add_rms_norm`` / ``npu_rotary_mul`` (op-contracts.md §1-§3, §9).
 
 Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
 
@@ -100,3 +100,57 @@ register_provider(canonical.rms_norm, "npu", rms_norm_kernel, devices=_devices, 
                   supports=supports)
 register_provider(canonical.add_rms_norm, "npu", add_rms_norm_kernel, devices=_devices, available=_available,
                   supports=supports)
+
+
+# --------------------------------------------------------------------------- RoPE
+# npu_rotary_mul(x, r1, r2, rotary_mode): x*r1 + rotate(x)*r2, "half": rotate = (-x2, x1);
+# "interleave": (x[2i], x[2i+1]) -> (-x[2i+1], x[2i]). 3-D/4-D, even head dim < 896.
+ROPE_MODES = {"half": "half", "chunk": "half", "complex": "interleave"}
+
+
+def rope_supports(args: tuple[Any, ...]) -> str | None:
+    xs = args[:2] if len(args) == 7 else args[:1]
+    cos, _sin, form, rot_dim, out_dtype = args[-5:]
+    if form not in ROPE_MODES:
+        return f"no documented torch_npu op produces the {form} layout"
+    for x in xs:
+        if x.dim() not in (3, 4):
+            return "npu_rotary_mul takes 3-D or 4-D heads"
+        d = x.shape[-1]
+        if rot_dim != d:
+            return "partial rotary (npu_rotary_mul rotates the whole head)"
+        if d % 2 or d >= 896:
+            return f"head dim {d} (npu_rotary_mul needs an even head dim < 896)"
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            return f"head dtype {x.dtype}"
+    if form != "complex" and (cos.dtype != xs[0].dtype or args[-4].dtype != xs[0].dtype):
+        return "cos/sin dtype differs from the heads'"
+    if form == "complex" and cos.dtype != torch.complex64:
+        return "freqs_cis is not complex64"
+    return None
+
+
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None, form: str, out_dtype: Any) -> torch.Tensor:
+    mul = _npu().npu_rotary_mul
+    if form == "half":
+        return mul(x, cos, sin, rotary_mode="half")
+    if form == "chunk":  # [x1 c - x2 s, x2 c + x1 s] is rotate-half with c, s repeated over both halves
+        return mul(x, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), rotary_mode="half")
+    # complex: pairs (x[2j], x[2j+1]) times freqs[j] in fp32 == interleave rotation with repeated c, s
+    r1 = torch.repeat_interleave(cos.real, 2, dim=-1)
+    r2 = torch.repeat_interleave(cos.imag, 2, dim=-1)
+    y = mul(x.to(torch.float32), r1, r2, rotary_mode="interleave")
+    return y.to(out_dtype) if out_dtype is not None else y
+
+
+def rope_kernel(x, cos, sin, form, rot_dim, out_dtype):  # noqa: ANN001, ANN201 - schema-typed
+    return _rotary(x, cos, sin, form, out_dtype)
+
+
+def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype):  # noqa: ANN001, ANN201
+    return _rotary(q, cos, sin, form, out_dtype), _rotary(k, cos, sin, form, out_dtype)
+
+
+register_provider(canonical.rope, "npu", rope_kernel, devices=_devices, available=_available, supports=rope_supports)
+register_provider(canonical.rope_qk, "npu", rope_qk_kernel, devices=_devices, available=_available,
+                  supports=rope_supports)

@@ -4,24 +4,26 @@ Two ways a lowered call runs:
 
 * as the opaque op ``torch.ops.ep_fuse_triton.<name>`` (eager executor; any call Inductor cannot
   inline), whose kernel re-checks its arguments and falls back to the reference if the launch fails;
-* inlined by Inductor: when Inductor's AOT pass functionalizes the op on CUDA tensors, the launch is
-  traced through ``wrap_triton`` so Inductor emits the kernel call in its own generated code (no
-  Python dispatch per call). Calls with a tensor ``eps`` (``dynamic=True``) stay opaque.
+* inlined by Inductor: when Inductor's AOT pass functionalizes the op on CUDA tensors with static
+  shapes, the launch is traced through ``wrap_triton`` so Inductor emits the kernel call in its own
+  generated code (no Python dispatch per call).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ep_fuse.ops import canonical
-from ep_fuse.ops.registry import register_provider, triton_interpret
+from ep_fuse.ops.registry import CanonicalOp, Check, register_provider, triton_interpret
 from ep_fuse.providers.common import check_norm_call
 from ep_fuse.providers.triton import perf
 from ep_fuse.providers.triton.rms_norm import add_rms_norm_kernel, rms_norm_kernel
+from ep_fuse.providers.triton.rope import check_rope_call, rope_kernel, rope_qk_kernel
 
 INLINE_IN_INDUCTOR = True
 """Let Inductor inline the Triton launches (set False to keep the opaque op everywhere)."""
@@ -38,12 +40,18 @@ def _available() -> str | None:
     return None
 
 
-def _inline_rule(kernel: Any) -> Any:
+def _static(args: tuple[Any, ...]) -> bool:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if any(not isinstance(v, int) for v in (*a.shape, *a.stride())):
+                return False
+    return True
+
+
+def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check) -> Any:
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        x = args[0]
-        eps_t = args[-4]
-        if (not INLINE_IN_INDUCTOR or triton_interpret() or eps_t is not None or x.device.type != "cuda"
-                or check_norm_call(args) is not None):
+        if (not INLINE_IN_INDUCTOR or triton_interpret() or args[0].device.type != "cuda" or not _static(args)
+                or supports(args) is not None or inline_ok(args) is not None):
             return mode.__torch_dispatch__(op, types, args, kwargs)
         from torch.library import wrap_triton
 
@@ -53,13 +61,25 @@ def _inline_rule(kernel: Any) -> Any:
     return rule
 
 
-def _register(canon: Any, kernel: Any, prefers: Any) -> None:
+def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, prefers: Check | None,
+              inline_ok: Check) -> None:
     prov = register_provider(canon, "triton", kernel, devices=_devices, available=_available,
-                             supports=check_norm_call, prefers=prefers)
+                             supports=supports, prefers=prefers)
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    torch.library.register_torch_dispatch(prov.op, FunctionalTensorMode, _inline_rule(kernel))
+    torch.library.register_torch_dispatch(prov.op, FunctionalTensorMode, _inline_rule(kernel, supports, inline_ok))
 
 
-_register(canonical.rms_norm, rms_norm_kernel, perf.rms_norm_prefers)
-_register(canonical.add_rms_norm, add_rms_norm_kernel, perf.add_rms_norm_prefers)
+def _eps_is_literal(args: tuple[Any, ...]) -> str | None:
+    # a tensor eps (dynamic shapes) is read on the host, which a traced launch cannot do
+    return "eps is a tensor" if args[-4] is not None else None
+
+
+def _always(args: tuple[Any, ...]) -> str | None:
+    return None
+
+
+_register(canonical.rms_norm, rms_norm_kernel, check_norm_call, perf.rms_norm_prefers, _eps_is_literal)
+_register(canonical.add_rms_norm, add_rms_norm_kernel, check_norm_call, perf.add_rms_norm_prefers, _eps_is_literal)
+_register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _always)
+_register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always)

@@ -43,3 +43,8 @@ def add_rms_norm_prefers(args: tuple[Any, ...]) -> str | None:
 
 def rms_norm_prefers(args: tuple[Any, ...]) -> str | None:
     return "plain RMSNorm: Inductor's fused kernel measured as fast or faster"
+
+
+def rope_prefers(args: tuple[Any, ...]) -> str | None:
+    """RoPE: no measurement has shown Inductor faster yet (docs/benchmarks.md)."""
+    return None

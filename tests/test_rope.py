@@ -1,0 +1,292 @@
+"""RoPE: every traced form on hand-written modules, q/k pairing, look-alikes, kernels vs reference."""
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ep_fuse
+import npu_double
+from _norm_cases import ulp_close
+from ep_fuse.ops import canonical, choose
+from ep_fuse.ops.reference import rope_qk_ref, rope_ref
+from ep_fuse.providers import npu
+from ep_fuse.testing import compile_and_run
+
+BF16 = torch.bfloat16
+
+
+def rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class Attn(nn.Module):
+    """q/k projections viewed as [B, S, H, D] and transposed to [B, H, S, D], then one RoPE form."""
+
+    def __init__(self, form, d=16, hq=4, hk=2, rot=None):
+        super().__init__()
+        self.form, self.d, self.hq, self.hk, self.rot = form, d, hq, hk, rot or d
+        self.q = nn.Linear(32, hq * d, bias=False)
+        self.k = nn.Linear(32, hk * d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.hq, self.d)
+        k = self.k(x).view(b, s, self.hk, self.d)
+        if self.form == "complex_bshd":  # Llama4: before the transpose, freqs_cis [1, S, 1, D/2]
+            return tuple(self._complex(t, cos.unsqueeze(2)).transpose(1, 2) for t in (q, k))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return tuple(self._one(t, cos.unsqueeze(1), None if sin is None else sin.unsqueeze(1)) for t in (q, k))
+
+    def _complex(self, t, f):
+        tc = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        return torch.view_as_real(tc * f).flatten(3).type_as(t)
+
+    def _one(self, t, cos, sin):
+        if self.form == "half":
+            return t * cos + rotate_half(t) * sin
+        if self.form == "partial":
+            tr, tp = t[..., : self.rot], t[..., self.rot:]
+            return torch.cat((tr * cos + rotate_half(tr) * sin, tp), dim=-1)
+        if self.form == "chunk":
+            t1, t2 = torch.chunk(t, 2, dim=-1)
+            return torch.cat((t1 * cos - t2 * sin, t2 * cos + t1 * sin), dim=-1)
+        if self.form == "deinterleave":
+            te, to = t[..., 0::2], t[..., 1::2]
+            return torch.cat((te * cos - to * sin, to * cos + te * sin), dim=-1)
+        if self.form == "complex":
+            return self._complex(t, cos)
+        raise ValueError(self.form)
+
+
+def _trig(form, s=7, d=16, rot=None, dtype=BF16):
+    rot = rot or d
+    g = torch.Generator().manual_seed(3)
+    if form.startswith("complex"):
+        freqs = torch.randn(1, s, d // 2, generator=g)
+        return torch.polar(torch.ones_like(freqs), freqs), None
+    width = rot if form in ("half", "partial") else rot // 2
+    ang = torch.randn(1, s, width // 2 if form in ("half", "partial") else width, generator=g)
+    if form in ("half", "partial"):
+        ang = torch.cat((ang, ang), -1)
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+FORMS = [("half", "half", None), ("partial", "partial", 8), ("chunk", "chunk", None),
+         ("deinterleave", "deinterleave", None), ("complex", "complex", None), ("complex_bshd", "complex", None)]
+
+
+def _setup(form, rot):
+    torch.manual_seed(0)
+    mod = Attn(form, rot=rot).to(BF16)
+    x = torch.randn(2, 7, 32).to(BF16)
+    cos, sin = _trig(form, rot=rot)
+    return mod, (x, cos, sin)
+
+
+@pytest.mark.parametrize("form, variant, rot", FORMS, ids=[f[0] for f in FORMS])
+def test_form_matches_pairs_and_is_bitwise_with_reference(form, variant, rot):
+    mod, args = _setup(form, rot)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant) for m in rep.matches] == [("rope", variant)] * 2, rep
+    assert rep.ops_after.get("ep_fuse.rope_qk.default") == 1, "q and k run as one call"
+    assert rep.ops_after.get("aten.neg.default", 0) == 0 and rep.ops_after.get("aten.view_as_complex.default", 0) == 0
+    assert not rep.near_misses
+    for o, e in zip(out, ref):
+        assert o.stride() == e.stride() and torch.equal(o, e)
+
+
+@pytest.mark.parametrize("form, variant, rot", FORMS, ids=[f[0] for f in FORMS])
+def test_form_with_triton_kernel(form, variant, rot):
+    mod, args = _setup(form, rot)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert {m.provider for m in rep.matches} == {"triton"}
+    assert rep.ops_after.get("ep_fuse_triton.rope_qk.default") == 1
+    for o, e in zip(out, ref):
+        assert o.stride() == e.stride()
+        ulp_close(o, e, BF16)
+
+
+class SwappedRotation(nn.Module):
+    """cat(x1, -x2): the opposite rotation; not rotate-half."""
+
+    def forward(self, q, cos, sin):
+        h = q.shape[-1] // 2
+        return q * cos + torch.cat((q[..., :h], -q[..., h:]), -1) * sin
+
+
+class UnevenHalves(nn.Module):
+    def forward(self, q, cos, sin):
+        return q * cos + torch.cat((-q[..., 6:], q[..., :6]), -1) * sin
+
+
+class CosGrowsTheHeads(nn.Module):
+    """cos [2, H, S, D] broadcast against q [1, H, S, D]: the result is bigger than q."""
+
+    def forward(self, q, cos, sin):
+        return q * cos + rotate_half(q) * sin
+
+
+class ChunkWithPlus(nn.Module):
+    def forward(self, q, cos, sin):
+        q1, q2 = torch.chunk(q, 2, dim=-1)
+        return torch.cat((q1 * cos + q2 * sin, q2 * cos + q1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize(
+    "mod, shapes, why",
+    [
+        (SwappedRotation(), ((1, 2, 5, 16), (1, 1, 5, 16)), "expected aten.neg.default"),
+        (UnevenHalves(), ((1, 2, 5, 16), (1, 1, 5, 16)), "halves of 6 do not split 16 channels in two"),
+        (CosGrowsTheHeads(), ((1, 2, 5, 16), (2, 2, 5, 16)), "does not broadcast to [1, 2, 5, 16]"),
+        (ChunkWithPlus(), ((1, 2, 5, 16), (1, 1, 5, 8)), None),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_look_alikes_do_not_match(mod, shapes, why):
+    q = torch.randn(shapes[0]).to(BF16)
+    cos, sin = torch.randn(shapes[1]).to(BF16), torch.randn(shapes[1]).to(BF16)
+    with torch.no_grad():
+        ref = mod(q, cos, sin)
+    out = compile_and_run(mod, q, cos, sin, executor="eager")
+    rep = ep_fuse.last_report()
+    assert not [m for m in rep.matches if m.pattern == "rope"], rep
+    assert torch.equal(out, ref)
+    if why:
+        text = "\n".join(m.explain() for m in rep.near_misses)
+        assert why in text, text
+
+
+def test_q_and_k_with_different_cos_are_not_paired():
+    class TwoCos(nn.Module):
+        def forward(self, q, k, cq, ck, s):
+            return q * cq + rotate_half(q) * s, k * ck + rotate_half(k) * s
+
+    q, k = torch.randn(1, 4, 5, 16).to(BF16), torch.randn(1, 2, 5, 16).to(BF16)
+    cq, ck, s = (torch.randn(1, 1, 5, 16).to(BF16) for _ in range(3))
+    compile_and_run(TwoCos(), q, k, cq, ck, s, executor="eager")
+    rep = ep_fuse.last_report()
+    assert rep.count("rope") == 2 and rep.ops_after.get("ep_fuse_triton.rope.default") == 2
+    assert "ep_fuse_triton.rope_qk.default" not in rep.ops_after
+
+
+def test_k_computed_from_rotated_q_is_not_paired():
+    class Chained(nn.Module):
+        def forward(self, q, c, s):
+            q2 = q * c + rotate_half(q) * s
+            k = q2 * 2
+            return q2, k * c + rotate_half(k) * s
+
+    q = torch.randn(1, 2, 5, 16).to(BF16)
+    c, s = torch.randn(1, 1, 5, 16).to(BF16), torch.randn(1, 1, 5, 16).to(BF16)
+    with torch.no_grad():
+        ref = Chained()(q, c, s)
+    out = compile_and_run(Chained(), q, c, s, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert rep.count("rope") == 2 and rep.ops_after.get("ep_fuse.rope.default") == 2
+    assert all(torch.equal(o, e) for o, e in zip(out, ref))
+
+
+# --------------------------------------------------------------------------- kernel vs reference
+def _args(form, b, h, s, d, rot, dtype, layout, cos_batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    if layout == "bhsd_view":
+        x = torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2)
+    elif layout == "bshd":
+        x = torch.randn(b, s, h, d, generator=g).to(dtype)
+    else:
+        x = torch.randn(b, h, s, d, generator=g).to(dtype)
+    seq_dim = 1 if layout == "bshd" else 2
+    lead = [cos_batch, 1, 1]
+    lead[seq_dim] = s
+    if form == "complex":
+        f = torch.randn(*lead, rot // 2, generator=g)
+        return x, torch.polar(torch.ones_like(f), f), None
+    width = rot if form == "half" else rot // 2
+    ang = torch.randn(*lead, width, generator=g)
+    return x, ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    form=st.sampled_from(["half", "chunk", "deinterleave", "complex"]),
+    b=st.integers(1, 3), h=st.integers(1, 5), s=st.integers(1, 9),
+    d=st.sampled_from([8, 16, 32, 64, 128]),
+    partial=st.booleans(),
+    dtype=st.sampled_from([BF16, torch.float16, torch.float32]),
+    layout=st.sampled_from(["bhsd_view", "bshd", "bhsd"]),
+    cos_per_batch=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_rope_matches_reference(form, b, h, s, d, partial, dtype, layout, cos_per_batch, seed):
+    rot = d // 2 if partial and d >= 16 else d
+    x, cos, sin = _args(form, b, h, s, d, rot, dtype, layout, b if cos_per_batch else 1, seed)
+    out_dtype = dtype if form == "complex" else None
+    k = x[:, :1] if layout != "bshd" else x[:, :, :1]
+    q_out, k_out = torch.ops.ep_fuse_triton.rope_qk(x, k, cos, sin, form, rot, out_dtype)
+    q_ref, k_ref = rope_qk_ref(x, k, cos, sin, form, rot, out_dtype)
+    for o, e in ((q_out, q_ref), (k_out, k_ref)):
+        assert o.dtype == e.dtype and o.shape == e.shape
+        # the layout of the reference (strides of size-1 dims carry no meaning)
+        assert [st for st, n in zip(o.stride(), o.shape) if n > 1] == [st for st, n in zip(e.stride(), e.shape) if n > 1]
+        if form == "complex":
+            ulp_close(o, e, o.dtype)  # fp32 complex products may differ in the last bit
+        else:
+            assert torch.equal(o, e), "every rounding of the model code is reproduced"
+
+
+@pytest.mark.parametrize("op", ["rope", "rope_qk"])
+@pytest.mark.parametrize("form", ["half", "complex"])
+def test_opcheck(op, form):
+    x, cos, sin = _args(form, 2, 3, 5, 16, 16, BF16, "bhsd_view", 1, 0)
+    out_dtype = BF16 if form == "complex" else None
+    args = (x, x[:, :1], cos, sin, form, 16, out_dtype) if op == "rope_qk" else (x, cos, sin, form, 16, out_dtype)
+    torch.library.opcheck(getattr(torch.ops.ep_fuse, op).default, args)
+    torch.library.opcheck(getattr(torch.ops.ep_fuse_triton, op).default, args)
+
+
+def test_reference_rejects_bad_arguments():
+    x = torch.randn(1, 2, 3, 16)
+    with pytest.raises(ValueError, match="rot_dim 7 must be even"):
+        rope_ref(x, x, x, "half", 7, None)
+    with pytest.raises(ValueError, match="takes no sin"):
+        rope_ref(x, x, x, "complex", 16, None)
+    with pytest.raises(ValueError, match="not one of"):
+        rope_ref(x, x, x, "gptj", 16, None)
+
+
+# --------------------------------------------------------------------------- Ascend provider (test double)
+@pytest.fixture
+def torch_npu_double(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
+    npu._available.cache_clear()
+    yield
+    npu._available.cache_clear()
+
+
+@pytest.mark.parametrize("form", ["half", "chunk", "complex"])
+def test_npu_rope_matches_reference(torch_npu_double, form):
+    x, cos, sin = _args(form, 2, 3, 5, 16, 16, BF16, "bhsd_view", 1, 1)
+    out_dtype = BF16 if form == "complex" else None
+    args = (x, x[:, :1], cos, sin, form, 16, out_dtype)
+    assert npu.rope_supports(args) is None
+    assert choose(canonical.rope_qk, args, "npu").provider == "npu"
+    for o, e in zip(npu.rope_qk_kernel(*args), rope_qk_ref(*args)):
+        ulp_close(o, e, BF16)  # the NPU op rounds once; HF rounds each product
+
+
+def test_npu_rope_declines_undocumented_layouts(torch_npu_double):
+    x, cos, sin = _args("deinterleave", 1, 2, 5, 16, 16, BF16, "bhsd", 1, 0)
+    assert "no documented torch_npu op" in npu.rope_supports((x, cos, sin, "deinterleave", 16, None))
+    x, cos, sin = _args("half", 1, 2, 5, 16, 8, BF16, "bhsd", 1, 0)
+    assert "partial rotary" in npu.rope_supports((x, cos, sin, "half", 8, None))

@@ -15,15 +15,17 @@ TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"
 EXPECTED_SITES = {
     # name: fused sites per pattern in the one inference graph of the 2-layer model, and the RoPE form
     "mixtral": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "half"),
-    "qwen2_moe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "half"),
+    "qwen2_moe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "gemm_swiglu": 2}, "half"),  # shared experts
     "qwen3_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "half"),  # + q/k-norm over head_dim
-    "deepseek_v3": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "deinterleave"),  # + q_a/kv_a norms
-    "deepseek_v2": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "complex"),
-    "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "partial"),  # + q/k-norm
-    "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "chunk"),
-    "llama4": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4}, "complex"),  # + weightless L2 q/k-norm
+    # + q_a/kv_a norms; SwiGLU: the dense MLP of layer 0 and the shared expert of layer 1
+    "deepseek_v3": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "deinterleave"),
+    "deepseek_v2": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "complex"),
+    "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "partial"),  # + q/k-norm
+    "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "chunk"),  # its GLU is not SwiGLU
+    "llama4": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "complex"),  # + L2 q/k-norm
 }
-"""Each layer's q and k RoPE sites are paired into one ``rope_qk`` call (2 per model)."""
+"""Each layer's q and k RoPE sites are paired into one ``rope_qk`` call (2 per model). Routed-expert
+SwiGLUs (``_grouped_mm``/``bmm``) belong to the MoE family and are not counted here."""
 
 
 def _config(name: str, **overrides: Any) -> Any:

@@ -52,6 +52,7 @@ def make_module() -> types.ModuleType:
     mod.npu_rms_norm = npu_rms_norm
     mod.npu_add_rms_norm = npu_add_rms_norm
     mod.npu_rotary_mul = npu_rotary_mul
+    mod.npu_swiglu = npu_swiglu
     mod.__ep_fuse_test_double__ = True
     return mod
 
@@ -71,3 +72,11 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
     else:
         raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r}")
     return (xf * r1.float() + rot * r2.float()).to(x.dtype)
+
+
+def npu_swiglu(x: torch.Tensor, dim: int = -1):
+    """silu(A) * B over the two halves of ``dim`` (A first), in fp32, rounded once."""
+    if x.shape[dim] % 2 or x.numel() == 0:
+        raise RuntimeError("npu_swiglu: the split dim must be even and the input non-empty")
+    a, b = x.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(a) * b).to(x.dtype)

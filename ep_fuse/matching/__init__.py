@@ -2,9 +2,9 @@
 
 from ep_fuse.matching.matcher import Mismatch
 from ep_fuse.matching.pattern import Alt, Cast, Item, Lit, Op, Opt, Var, alt, equals, is_number, op
-from ep_fuse.matching.spec import Match, PairRule, Pattern, Replacement, try_match
+from ep_fuse.matching.spec import Anchor, Derived, Match, PairRule, Pattern, Replacement, try_match
 
 __all__ = [
-    "Alt", "Cast", "Item", "Lit", "Match", "Mismatch", "Op", "Opt", "PairRule", "Pattern", "Replacement", "Var",
+    "Alt", "Anchor", "Cast", "Derived", "Item", "Lit", "Match", "Mismatch", "Op", "Opt", "PairRule", "Pattern", "Replacement", "Var",
     "alt", "equals", "is_number", "op", "try_match",
 ]

@@ -19,6 +19,25 @@ Guard = Callable[["Match"], "str | tuple[Any, str] | None"]
 
 
 @dataclasses.dataclass(frozen=True)
+class Anchor:
+    """A candidate-site marker narrower than an op: calls of ``target`` for which ``when(node)`` holds."""
+
+    target: Any
+    when: Callable[[fx.Node], bool]
+
+    def __call__(self, node: fx.Node) -> bool:
+        return node.op == "call_function" and node.target is self.target and bool(self.when(node))
+
+
+@dataclasses.dataclass(frozen=True)
+class Derived:
+    """A value the replacement needs that the graph does not hold yet, e.g. a slice of a weight."""
+
+    op: Any
+    args: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Replacement:
     """How a match becomes one canonical op call.
 
@@ -41,7 +60,7 @@ class Pattern:
     build: Callable[[Match], Replacement]
     guards: tuple[Guard, ...] = ()
     anchors: tuple[Any, ...] = ()
-    """Ops whose presence marks a candidate site (for near-miss explanations)."""
+    """Ops (or ``node -> bool`` predicates) marking a candidate site, for near-miss explanations."""
     description: str = ""
     produces: str = ""
     """Name of the canonical op the pattern becomes (for the catalog listing)."""
@@ -134,9 +153,10 @@ def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode:
     graph = gm.graph
     meta = {k: m.root.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in m.root.meta}
     with graph.inserting_before(m.root):
-        call = graph.call_function(rep.op, rep.args)
+        args = tuple(_materialize(graph, a, fake_mode, meta) for a in rep.args)
+        call = graph.call_function(rep.op, args)
     call.meta.update(meta)
-    out_val = _fake_run(rep.op, rep.args, fake_mode)
+    out_val = _fake_run(rep.op, args, fake_mode)
     if out_val is not None:
         call.meta["val"] = out_val
     new_nodes = [call]
@@ -160,6 +180,25 @@ def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode:
     return new_nodes
 
 
+def _materialize(graph: fx.Graph, arg: Any, fake_mode: Any, meta: dict[str, Any]) -> Any:
+    if not isinstance(arg, Derived):
+        return arg
+    args = tuple(_materialize(graph, a, fake_mode, meta) for a in arg.args)
+    node = graph.call_function(arg.op, args)
+    node.meta.update(meta)
+    value = _fake_run(arg.op, args, fake_mode)
+    if value is not None:
+        node.meta["val"] = value
+    return node
+
+
+def fake_value(arg: Any, fake_mode: Any) -> Any:
+    """The fake value of a replacement argument (a node, a :class:`Derived` or a literal)."""
+    if isinstance(arg, Derived):
+        return _fake_run(arg.op, [fake_value(a, fake_mode) for a in arg.args], fake_mode, raw=True)
+    return val(arg) if isinstance(arg, fx.Node) else arg
+
+
 def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
     """Erase the given nodes that have no users left (users first, until nothing changes)."""
     alive = [n for n in nodes]
@@ -173,9 +212,9 @@ def erase_dead(graph: fx.Graph, nodes: Sequence[fx.Node]) -> None:
                 changed = True
 
 
-def _fake_run(op: torch._ops.OpOverload, args: Sequence[Any], fake_mode: Any) -> Any:
+def _fake_run(op: torch._ops.OpOverload, args: Sequence[Any], fake_mode: Any, raw: bool = False) -> Any:
     if fake_mode is None:
         return None
-    fake_args = [val(a) if isinstance(a, fx.Node) else a for a in args]
+    fake_args = list(args) if raw else [val(a) if isinstance(a, fx.Node) else a for a in args]
     with fake_mode:
         return op(*fake_args)

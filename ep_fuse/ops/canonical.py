@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref, rope_qk_ref, rope_ref
+from ep_fuse.ops.reference import add_rms_norm_ref, gemm_swiglu_ref, rms_norm_ref, rope_qk_ref, rope_ref
 from ep_fuse.ops.registry import define_canonical
 
 RMS_NORM_SCHEMA = (
@@ -29,3 +29,8 @@ rope = define_canonical("rope", ROPE_SCHEMA, rope_ref)
 
 rope_qk = define_canonical("rope_qk", ROPE_QK_SCHEMA, rope_qk_ref)
 """``rope_qk(q, k, ...) -> (q', k')``: q and k rotated with one cos/sin."""
+
+GEMM_SWIGLU_SCHEMA = "(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor"
+
+gemm_swiglu = define_canonical("gemm_swiglu", GEMM_SWIGLU_SCHEMA, gemm_swiglu_ref)
+"""``gemm_swiglu(x, w_gate, w_up) = silu(x @ w_gate.T) * (x @ w_up.T)``: see :func:`ep_fuse.ops.reference.gemm_swiglu_ref`."""

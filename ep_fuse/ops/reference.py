@@ -134,3 +134,16 @@ def rope_qk_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_ref` of q and of k with the same cos/sin (one launch for both in fused providers)."""
     return rope_ref(q, cos, sin, form, rot_dim, out_dtype), rope_ref(k, cos, sin, form, rot_dim, out_dtype)
+
+
+def gemm_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ w_gate.T) * (x @ w_up.T)`` over the last dim of ``x``; weights are ``[I, H]``.
+
+    Each GEMM output, the silu and the product are rounded to the input dtype, as the two-linear MLP
+    (Llama-style ``down(act(gate(x)) * up(x))`` without the down projection) computes them.
+    """
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    g = torch.mm(x2, w_gate.t())
+    u = torch.mm(x2, w_up.t())
+    return (torch.nn.functional.silu(g) * u).view(*lead, w_gate.shape[0])

@@ -11,7 +11,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import module_class, module_path, target_name, val
 from ep_fuse.matching import Match, Mismatch, Pattern, try_match
-from ep_fuse.matching.spec import apply_replacement
+from ep_fuse.matching.spec import apply_replacement, fake_value
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.report import Attempt, MatchRecord, NearMiss
 
@@ -76,16 +76,15 @@ class Canonicalize(GraphPass):
 
     def _near_misses(self, graph: fx.Graph, misses: list[tuple[Pattern, Mismatch]], ctx: PassContext) -> None:
         """For every anchor op left in the graph, the deepest failure of each pattern variant that reached it."""
-        anchors: dict[Any, set[str]] = {}
-        for p in self.patterns:
-            for a in p.anchors:
-                anchors.setdefault(a, set()).add(p.name)
         for node in graph.nodes:
-            if node.op != "call_function" or node.target not in anchors:
+            if node.op != "call_function":
+                continue
+            names = {p.name for p in self.patterns if any(_is_anchor(a, node) for a in p.anchors)}
+            if not names:
                 continue
             best: dict[str, Mismatch] = {}
             for pattern, miss in misses:
-                if pattern.name not in anchors[node.target]:
+                if pattern.name not in names:
                     continue
                 # the attempt reached the anchor, failed on it, or matched one of its users
                 if not (node in miss.matched or miss.node is node or any(u in miss.matched for u in node.users)):
@@ -102,10 +101,16 @@ class Canonicalize(GraphPass):
             if not attempts:
                 users = ", ".join(f"{u.name} ({target_name(u.target) if u.op == 'call_function' else u.op})"
                                   for u in list(node.users)[:3]) or "none"
-                note = f"no pattern of {'/'.join(sorted(anchors[node.target]))} is rooted above it; its users: {users}"
+                note = f"no pattern of {'/'.join(sorted(names))} is rooted above it; its users: {users}"
             ctx.report.near_misses.append(
                 NearMiss(ctx.report.graph, node.name, target_name(node.target), module_path(node), attempts, note)
             )
+
+
+def _is_anchor(anchor: Any, node: fx.Node) -> bool:
+    if isinstance(anchor, torch._ops.OpOverload):
+        return node.target is anchor
+    return bool(anchor(node))
 
 
 def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> str | None:
@@ -115,7 +120,7 @@ def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> str | None:
     old = val(root)
     if not isinstance(old, torch.Tensor):
         return None
-    args = [val(a) if isinstance(a, fx.Node) else a for a in rep.args]
+    args = [fake_value(a, fake_mode) for a in rep.args]
     try:
         with fake_mode:
             new = rep.op(*args)

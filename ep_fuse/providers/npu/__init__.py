@@ -7,12 +7,16 @@ Conventions used (from the op-plugin docs; **not run on Ascend hardware by this 
 * ``npu_add_rms_norm(x1, x2, gamma, epsilon) -> (y, rstd, x1 + x2)``; gamma has x1's dtype; it
   normalises the unrounded fp32 sum.
 
+* ``npu_swiglu(x, dim=-1)``: ``silu(A)·B`` over the halves of x (A first), after one GEMM over the
+  gate|up weights concatenated once per weight pair.
+
 So the NPU result can differ from the HF ``llama`` order (round ``n``, then multiply) by one bf16/fp16
 ulp; calls whose output dtype or gamma dtype the ops cannot produce are declined (reference runs).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 from typing import Any
@@ -154,3 +158,44 @@ def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype):  # noqa: ANN001, A
 register_provider(canonical.rope, "npu", rope_kernel, devices=_devices, available=_available, supports=rope_supports)
 register_provider(canonical.rope_qk, "npu", rope_qk_kernel, devices=_devices, available=_available,
                   supports=rope_supports)
+
+
+# --------------------------------------------------------------------------- GEMM + SwiGLU
+# One GEMM over the concatenated [2I, H] gate|up weight, then npu_swiglu(y, dim=-1) = silu(y[:I]) * y[I:].
+# The concatenation is made once per pair of weight tensors (and remade if either is modified in place).
+_CONCAT: collections.OrderedDict[tuple[Any, ...], torch.Tensor] = collections.OrderedDict()
+_CONCAT_MAX = 256
+
+
+def concat_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+    key = (w_gate.data_ptr(), w_up.data_ptr(), w_gate._version, w_up._version, tuple(w_gate.shape),
+           w_gate.dtype, str(w_gate.device))
+    hit = _CONCAT.get(key)
+    if hit is None:
+        hit = torch.cat((w_gate, w_up), dim=0)
+        _CONCAT[key] = hit
+        while len(_CONCAT) > _CONCAT_MAX:
+            _CONCAT.popitem(last=False)
+    else:
+        _CONCAT.move_to_end(key)
+    return hit
+
+
+def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
+    x, w_gate, w_up = args
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or w_gate.dtype != x.dtype:
+        return f"dtype {x.dtype} / {w_gate.dtype}"
+    if w_gate.dim() != 2 or w_up.shape != w_gate.shape:
+        return "weights are not two [I, H] matrices of one shape"
+    if x.numel() == 0:
+        return "npu_swiglu rejects empty tensors"
+    return None
+
+
+def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
+    y = torch.matmul(x, concat_weights(w_gate, w_up).t())
+    return _npu().npu_swiglu(y, dim=-1)
+
+
+register_provider(canonical.gemm_swiglu, "npu", gemm_swiglu_kernel, devices=_devices, available=_available,
+                  supports=gemm_swiglu_supports)

@@ -23,6 +23,7 @@ from ep_fuse.ops.registry import CanonicalOp, Check, register_provider, triton_i
 from ep_fuse.providers.common import check_norm_call
 from ep_fuse.providers.triton import perf
 from ep_fuse.providers.triton.rms_norm import add_rms_norm_kernel, rms_norm_kernel
+from ep_fuse.providers.triton.gemm_swiglu import check_gemm_swiglu_call, gemm_swiglu_kernel
 from ep_fuse.providers.triton.rope import check_rope_call, rope_kernel, rope_qk_kernel
 
 INLINE_IN_INDUCTOR = True
@@ -83,3 +84,4 @@ _register(canonical.rms_norm, rms_norm_kernel, check_norm_call, perf.rms_norm_pr
 _register(canonical.add_rms_norm, add_rms_norm_kernel, check_norm_call, perf.add_rms_norm_prefers, _eps_is_literal)
 _register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _always)
 _register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always)
+_register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, perf.gemm_swiglu_prefers, _always)

@@ -48,3 +48,22 @@ def rms_norm_prefers(args: tuple[Any, ...]) -> str | None:
 def rope_prefers(args: tuple[Any, ...]) -> str | None:
     """RoPE: no measurement has shown Inductor faster yet (docs/benchmarks.md)."""
     return None
+
+
+GEMM_SWIGLU_WINS: set[tuple[int, int, str]] = set()
+"""(hidden, intermediate, token bucket) where the fused GEMM + SwiGLU measured faster than cuBLAS +
+Inductor's SwiGLU. Empty until measured: the provider declines everywhere under Inductor."""
+
+
+def token_bucket(rows: int | None) -> str:
+    if rows is None:
+        return "dynamic"
+    return "decode" if rows <= 256 else "mid" if rows <= 2048 else "prefill"
+
+
+def gemm_swiglu_prefers(args: tuple[Any, ...]) -> str | None:
+    x, w_gate, _w_up = args
+    key = (int(x.shape[-1]), int(w_gate.shape[0]), token_bucket(_static_rows(x)))
+    if key in GEMM_SWIGLU_WINS:
+        return None
+    return f"H={key[0]} I={key[1]} ({key[2]}): not measured faster than cuBLAS + Inductor's SwiGLU"

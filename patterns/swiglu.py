@@ -1,0 +1,142 @@
+"""GEMM + SwiGLU of dense MLPs and shared experts (``traced-graphs.md`` §4.4, §6.4).
+
+* two GEMMs on one input (Llama-style ``gate_proj``/``up_proj``; Qwen2-MoE, DeepSeek-V3 dense layers
+  and shared experts)::
+
+      mul(silu(_unsafe_view(mm(view(x, [T, H]), t(Wg)), [..., I])), _unsafe_view(mm(view(x, [T, H]), t(Wu)), [..., I]))
+
+  (without the views for 2-D inputs; ``up * silu(gate)`` too);
+* one GEMM over concatenated gate|up weights: ``silu(split(mm(x, t(Wgu)), I)[0]) * split(...)[1]``.
+
+Both become ``ep_fuse::gemm_swiglu(x, w_gate, w_up)``. Only a ``silu`` whose input is a GEMM output
+matches: Qwen3-Next's ``RMSNormGated`` (``normed · silu(gate)``) and GPT-OSS's clamped
+``sigmoid(1.702·g)·g·(u+1)`` are different functions and stay as they are. Expert GEMMs
+(``_grouped_mm``, ``bmm``) belong to the MoE family.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ep_fuse.fx_utils import tensor_val
+from ep_fuse.matching import Anchor, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
+from ep_fuse.ops import canonical
+
+aten = torch.ops.aten
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+DESCRIPTION = "dense GEMM + SwiGLU (gate/up projections, shared experts) -> ep_fuse::gemm_swiglu"
+
+
+def _float_tensor(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dtype not in FLOATS:
+        return f"expected a fp16/bf16/fp32 tensor, got {getattr(t, 'dtype', v)!r}"
+    return None
+
+
+def _shape(v: Any) -> str | None:
+    return None if isinstance(v, (list, tuple)) else f"expected a shape, got {v!r}"
+
+
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _linear(w: str, flat: str) -> Any:
+    """``x @ W.T`` as traced from ``F.linear``: 2-D ``mm``, or ``view -> mm -> _unsafe_view`` for N-D."""
+    x = Var("x", _float_tensor)
+    weight = op(aten.t.default, self=Var(w, _float_tensor))
+    flat_mm = op(aten.mm.default, self=op(VIEWS, self=x, size=Lit(_shape), bind=flat), mat2=weight,
+                 bind=f"mm_{w}")
+    return (op(VIEWS, self=flat_mm, size=Lit(_shape)), op(aten.mm.default, self=x, mat2=weight, bind=f"mm_{w}"))
+
+
+def _trees() -> dict[str, Any]:
+    trees = {}
+    for form, (g, u) in {"two_gemm": (0, 0), "two_gemm_2d": (1, 1)}.items():
+        gate, up = _linear("w_gate", "flat_g")[g], _linear("w_up", "flat_u")[u]
+        trees[form] = op(aten.mul.Tensor, self=op(aten.silu.default, self=gate), other=up,
+                         commutative=("self", "other"))
+    x = Var("x", _float_tensor)
+    mm = op(aten.mm.default, self=x, mat2=op(aten.t.default, self=Var("w_gate_up", _float_tensor)), bind="mm_w_gate_up")
+    split = op(aten.split.Tensor, self=mm, split_size=Lit(lambda v: None if isinstance(v, int) else "int", bind="inter"),
+               dim=Lit(lambda v: None if v in (-1, 1) else f"split over dim {v}"), bind="split")
+    trees["concat_gemm"] = op(aten.mul.Tensor, self=op(aten.silu.default, self=Item(split, 0)), other=Item(split, 1),
+                              commutative=("self", "other"))
+    return trees
+
+
+# --------------------------------------------------------------------------- guards
+def weights_match_input(m: Match) -> str | None:
+    """Gate and up weights are [I, H] matrices over the input's last dim, of one dtype with it."""
+    x = tensor_val(m["x"])
+    names = ("w_gate", "w_up") if "w_gate" in m.bindings else ("w_gate_up",)
+    for name in names:
+        w = tensor_val(m[name])
+        if w.dim() != 2 or not statically_known_true(w.shape[1] == x.shape[-1]):
+            return f"{name} of shape {list(w.shape)} is not [I, {x.shape[-1]}]"
+        if w.dtype != x.dtype:
+            return f"{name} is {w.dtype}, the input {x.dtype}"
+    if len(names) == 2 and tensor_val(m["w_gate"]).shape != tensor_val(m["w_up"]).shape:
+        return "gate and up weights differ in shape"
+    if len(names) == 1:
+        w = tensor_val(m["w_gate_up"])
+        if not statically_known_true(w.shape[0] == 2 * m["inter"]):
+            return f"split of {m['inter']} does not halve the {w.shape[0]} gate|up rows"
+    return None
+
+
+def views_flatten_tokens(m: Match) -> str | None:
+    """The N-D form flattens every leading dim of x into tokens (both GEMMs read the same rows)."""
+    x = tensor_val(m["x"])
+    for name in ("flat_g", "flat_u"):
+        if name in m.bindings:
+            v = tensor_val(m[name])
+            if v.dim() != 2 or not statically_known_true(v.shape[1] == x.shape[-1]):
+                return f"{name} reshapes the input to {list(v.shape)}, not [tokens, {x.shape[-1]}]"
+    if "flat_g" not in m.bindings and tensor_val(m["x"]).dim() != 2:
+        return "mm of a non-2-D input"
+    return None
+
+
+GUARDS = (weights_match_input, views_flatten_tokens)
+
+
+def _build(m: Match) -> Replacement:
+    if "w_gate_up" in m.bindings:  # views of the two halves of the concatenated weight
+        w, inter = m["w_gate_up"], m["inter"]
+        gate = Derived(aten.slice.Tensor, (w, 0, 0, inter))
+        up = Derived(aten.slice.Tensor, (w, 0, inter, 2 * inter))
+        return Replacement(canonical.gemm_swiglu.op, (m["x"], gate, up))
+    return Replacement(canonical.gemm_swiglu.op, (m["x"], m["w_gate"], m["w_up"]))
+
+
+GEMMS = {aten.mm.default, aten.addmm.default}
+PASS_THROUGH = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, operator.getitem,
+                aten.split.Tensor, aten.split_with_sizes.default}
+
+
+def _silu_of_dense_gemm(node: Any) -> bool:
+    """A silu whose input is (a view or split of) a dense GEMM output: a SwiGLU candidate."""
+    cur = node.args[0]
+    for _ in range(4):
+        if not hasattr(cur, "target"):
+            return False
+        if cur.target in GEMMS:
+            return True
+        if cur.target not in PASS_THROUGH:
+            return False
+        cur = cur.args[0]
+    return False
+
+
+PATTERNS = [
+    Pattern(name="gemm_swiglu", variant=variant, tree=tree, build=_build, guards=GUARDS,
+            anchors=(Anchor(aten.silu.default, _silu_of_dense_gemm),), description=f"GEMM + SwiGLU, {variant}",
+            produces="ep_fuse::gemm_swiglu")
+    for variant, tree in _trees().items()
+]

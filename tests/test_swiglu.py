@@ -1,0 +1,161 @@
+"""Dense GEMM + SwiGLU: forms, look-alikes that must not match, kernel vs reference, Ascend double."""
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ep_fuse
+import npu_double
+from _norm_cases import ulp_close
+from ep_fuse.ops import canonical, choose
+from ep_fuse.ops.reference import gemm_swiglu_ref
+from ep_fuse.providers import npu
+from ep_fuse.testing import compile_and_run
+
+BF16 = torch.bfloat16
+F = nn.functional
+
+
+class Mlp(nn.Module):
+    """Llama-style MLP: down(silu(gate(x)) * up(x)); ``swapped`` writes up(x) * silu(gate(x))."""
+
+    def __init__(self, h=32, i=48, swapped=False):
+        super().__init__()
+        self.gate, self.up = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down = nn.Linear(i, h, bias=False)
+        self.swapped = swapped
+
+    def forward(self, x):
+        a = self.up(x) * F.silu(self.gate(x)) if self.swapped else F.silu(self.gate(x)) * self.up(x)
+        return self.down(a)
+
+
+class FusedGateUp(nn.Module):
+    """Phi-3 style: one gate_up projection, chunked."""
+
+    def __init__(self, h=32, i=48):
+        super().__init__()
+        self.gate_up = nn.Linear(h, 2 * i, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
+class RmsNormGated(nn.Module):
+    """Qwen3-Next RMSNormGated: normed * silu(gate.float()) -- silu of an activation, not of a GEMM."""
+
+    def __init__(self, h=32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+
+    def forward(self, x, gate):
+        xf = x.float()
+        n = (self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)).float()
+        return (n * F.silu(gate.float())).to(x.dtype)
+
+
+class GptOssGlu(nn.Module):
+    """GPT-OSS: clamp, sigmoid(1.702 g) * g * (u + 1), interleaved gate/up: not SwiGLU."""
+
+    def __init__(self, h=32, i=48):
+        super().__init__()
+        self.gate_up = nn.Linear(h, 2 * i, bias=False)
+
+    def forward(self, x):
+        gu = self.gate_up(x)
+        g, u = gu[..., ::2].clamp(max=7.0), gu[..., 1::2].clamp(-7.0, 7.0)
+        return (g * torch.sigmoid(g * 1.702)) * (u + 1)
+
+
+def _x(shape=(3, 5, 32), seed=0):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(BF16)
+
+
+@pytest.mark.parametrize(
+    "mod, shape, variant",
+    [(Mlp(), (3, 5, 32), "two_gemm"), (Mlp(swapped=True), (3, 5, 32), "two_gemm"),
+     (Mlp(), (7, 32), "two_gemm_2d"), (FusedGateUp(), (4, 32), "concat_gemm")],
+    ids=["mlp", "up_times_silu", "2d", "fused_gate_up"],
+)
+def test_forms_match_and_match_eager(mod, shape, variant):
+    torch.manual_seed(0)
+    mod = mod.to(BF16)
+    x = _x(shape)
+    with torch.no_grad():
+        ref = mod(x)
+    out = compile_and_run(mod, x, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant) for m in rep.matches] == [("gemm_swiglu", variant)], rep
+    assert rep.ops_before.get("aten.silu.default") == 1 and rep.ops_after.get("aten.silu.default", 0) == 0
+    assert rep.ops_after.get("ep_fuse.gemm_swiglu.default") == 1
+    if variant == "concat_gemm":  # two GEMMs over the weight halves vs one over the whole: blocking may differ
+        ulp_close(out, ref, BF16)
+    else:
+        assert torch.equal(out, ref)
+    torch._dynamo.reset()
+    out = compile_and_run(mod, x, executor="eager")
+    assert ep_fuse.last_report().matches[0].provider == "triton"
+    ulp_close(out, ref, BF16)
+
+
+@pytest.mark.parametrize("mod, args", [(RmsNormGated(), (_x(), _x(seed=1))), (GptOssGlu(), (_x(),))],
+                         ids=["RMSNormGated", "GptOssGlu"])
+def test_look_alikes_are_not_swiglu(mod, args):
+    mod = mod.to(BF16)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert rep.count("gemm_swiglu") == 0, rep
+    assert not [m for m in rep.near_misses if "gemm_swiglu" in m.explain()], "not even a candidate"
+    assert torch.equal(out, ref)
+
+
+def test_inductor_declines_until_measured_faster():
+    mod = Mlp().to(BF16)
+    x = _x()
+    with torch.no_grad():
+        ref = mod(x)
+        out = torch.compile(mod, backend="ep_fuse")(x)
+    m = ep_fuse.last_report().matches[0]
+    assert m.provider == "reference" and "not measured faster" in m.declined[0][1]
+    ulp_close(out, ref, BF16)
+
+
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(0, 70), h=st.sampled_from([8, 32, 40, 96]), i=st.sampled_from([8, 24, 64, 72]),
+       dtype=st.sampled_from([BF16, torch.float16, torch.float32]), seed=st.integers(0, 2**16))
+def test_triton_kernel_matches_reference(t, h, i, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    wg = (torch.randn(i, h, generator=g) / h**0.5).to(dtype)
+    wu = (torch.randn(i, h, generator=g) / h**0.5).to(dtype)
+    out, ref = torch.ops.ep_fuse_triton.gemm_swiglu(x, wg, wu), gemm_swiglu_ref(x, wg, wu)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    ulp_close(out, ref, dtype)  # fp32 accumulation order differs from the CPU GEMM
+
+
+def test_opcheck():
+    args = (_x((2, 3, 32)), _x((40, 32), 1), _x((40, 32), 2))
+    torch.library.opcheck(torch.ops.ep_fuse.gemm_swiglu.default, args)
+    torch.library.opcheck(torch.ops.ep_fuse_triton.gemm_swiglu.default, args)
+
+
+def test_npu_gemm_swiglu_with_the_double(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
+    npu._available.cache_clear()
+    try:
+        x, wg, wu = _x((2, 3, 32)), _x((40, 32), 1) / 6, _x((40, 32), 2) / 6
+        assert choose(canonical.gemm_swiglu, (x, wg, wu), "npu").provider == "npu"
+        ulp_close(npu.gemm_swiglu_kernel(x, wg, wu), gemm_swiglu_ref(x, wg, wu), BF16)
+        first = npu.concat_weights(wg, wu)
+        assert npu.concat_weights(wg, wu) is first, "the gate|up concatenation is made once"
+        wg.mul_(2)
+        assert npu.concat_weights(wg, wu) is not first, "an in-place weight update invalidates it"
+    finally:
+        npu._available.cache_clear()

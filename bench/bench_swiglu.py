@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_graph_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
+import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
 
 BF16 = torch.bfloat16
 SHAPES = [(4096, 11008), (7168, 18432)]

@@ -171,6 +171,9 @@ def _same_signature(captured: dict[str, Any], example_inputs: Sequence[Any]) -> 
     meta = captured.get("meta")
     if meta is None or len(captured["inputs"]) != len(example_inputs):
         return False
+    gm = captured["gm"]
+    if any(n.op == "get_attr" for n in gm.graph.nodes) or next(gm.named_buffers(), None) is not None:
+        return False  # lifted constants: Inductor must not take this graph for Dynamo's
     from torch._functorch._aot_autograd.schemas import OutputType
 
     if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):

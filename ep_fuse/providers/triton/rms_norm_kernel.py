@@ -29,7 +29,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 def _round(x, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """fp32 ``x`` rounded (nearest-even) to the dtype ``CODE`` (0 fp32, 1 bf16, 2 fp16), as fp32.
 
-    The interpreter truncates fp32 -> bf16 conversions, so there bf16 rounding is done on the bits.
+    With ``EMULATE_RTNE`` bf16 rounding is done on the bits: the interpreter truncates fp32 -> bf16
+    conversions, and on a GPU the bit form cannot be folded away by the compiler.
     """
     if CODE == 1:
         if EMULATE_RTNE:

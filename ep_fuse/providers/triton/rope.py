@@ -113,6 +113,19 @@ def _lead3_of(real_view: torch.Tensor) -> tuple[list[Any], list[Any]]:
     return [1] * pad + shape, [0] * pad + stride
 
 
+def _memory_order(lead: list[Any], xs: list[Any], *others: list[Any]) -> tuple[list[Any], ...]:
+    """Reorder the three leading dims so the last one has the smallest input stride.
+
+    Programs walk rows in that order: for a ``transpose`` view [B, H, S, D] of a [B, S, H, D] buffer,
+    consecutive rows are then the heads of one token (contiguous in memory, one cos/sin row).
+    """
+    try:
+        order = sorted(range(3), key=lambda i: (lead[i] != 1, -int(xs[i]), i))  # size-1 dims first
+    except TypeError:  # symbolic strides: keep the logical order
+        return (lead, xs, *others)
+    return tuple([v[i] for i in order] for v in (lead, xs, *others))
+
+
 def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.Tensor | None,
            cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int,
            wrap: Callable[[Any], Any] | None = None) -> None:
@@ -126,6 +139,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
     qlead, qxs = _lead3(q)
     _, qys = _lead3(qy)
     qc, qs, qcs, qss = _trig(q, cos, sin, form, rot)
+    qlead, qxs, qys, qcs, qss = _memory_order(qlead, qxs, qys, qcs, qss)
     q_rows = qlead[0] * qlead[1] * qlead[2]
     q_progs = triton.cdiv(q_rows, rows)
     if k is not None:
@@ -133,6 +147,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         klead, kxs = _lead3(k)
         _, kys = _lead3(ky)
         _kc, _ks, kcs, kss = _trig(k, cos, sin, form, rot)
+        klead, kxs, kys, kcs, kss = _memory_order(klead, kxs, kys, kcs, kss)
         k_rows = klead[0] * klead[1] * klead[2]
         k_progs = triton.cdiv(k_rows, rows)
     else:
@@ -148,7 +163,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         HALF=half, ROT=rot, D=int(d), FORM=FORMS[form], CODE=DTYPE_CODES[q.dtype],
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
-        EMULATE_RTNE=INTERPRET, num_warps=4,
+        EMULATE_RTNE=True, num_warps=4,  # bf16 rounding on the bits: exact on every backend
     )
 
 

@@ -169,10 +169,11 @@ def test_perf_rules_from_the_h200_measurements():
     def args(rows, h):
         return norm_args(1, 1, torch.bfloat16, "llama", True, shape=(rows, h))
 
-    assert perf.add_rms_norm_prefers(args(16384, 7168)) is None
-    assert perf.add_rms_norm_prefers(args(64, 7168)) is None
-    assert "measured as fast" in perf.add_rms_norm_prefers(args(512, 7168))
-    assert "measured as fast" in perf.add_rms_norm_prefers(args(64, 4096))
-    assert perf.rms_norm_prefers(norm_args(4, 64, torch.bfloat16, "llama", False)) is not None
-    c = choose(canonical.add_rms_norm, args(512, 7168), "cpu", check_perf=True)
+    assert perf.add_rms_norm_prefers(args(16384, 7168), "inductor") is None
+    assert perf.add_rms_norm_prefers(args(64, 7168), "inductor") is None
+    assert "measured as fast" in perf.add_rms_norm_prefers(args(512, 7168), "inductor")
+    assert "measured as fast" in perf.add_rms_norm_prefers(args(64, 4096), "inductor")
+    assert perf.add_rms_norm_prefers(args(512, 7168), "eager") is None, "always beats unfused eager ops"
+    assert perf.rms_norm_prefers(norm_args(4, 64, torch.bfloat16, "llama", False), "inductor") is not None
+    c = choose(canonical.add_rms_norm, args(512, 7168), "cpu", executor="inductor")
     assert c.provider == "reference" and c.declined[0][0] == "triton"

@@ -26,6 +26,7 @@ log = logging.getLogger("ep_fuse.ops")
 
 REFERENCE = "reference"
 Check = Callable[[tuple[Any, ...]], "str | None"]
+PerfCheck = Callable[[tuple[Any, ...], str], "str | None"]
 
 
 @dataclasses.dataclass
@@ -48,8 +49,8 @@ class Provider:
         devices: device types it runs on right now.
         available: ``None`` when its runtime (triton, torch_npu) can be used, else why not.
         supports: ``None`` when it can run these arguments (fake or real tensors), else why not.
-        prefers: ``None`` when it is at least as fast as Inductor's own code for these arguments,
-            else why not (consulted only for the Inductor executor with ``perf_guard``).
+        prefers: ``(args, executor) -> None`` when it measured at least as fast as what that executor
+            would run without it (Inductor's code, or eager ATen ops), else why not (``perf_guard``).
     """
 
     name: str
@@ -58,7 +59,7 @@ class Provider:
     devices: Callable[[], frozenset[str]]
     available: Callable[[], str | None]
     supports: Check
-    prefers: Check | None = None
+    prefers: PerfCheck | None = None
 
 
 _OPS: dict[str, CanonicalOp] = {}
@@ -97,7 +98,7 @@ def register_provider(
     devices: Callable[[], frozenset[str]],
     available: Callable[[], str | None],
     supports: Check,
-    prefers: Check | None = None,
+    prefers: PerfCheck | None = None,
 ) -> Provider:
     """Define ``torch.ops.ep_fuse_<name>.<op>`` running ``kernel`` with a guarded fallback to the reference."""
     if name in canonical.providers:
@@ -162,10 +163,11 @@ def choose(
     args: tuple[Any, ...],
     device: str,
     order: tuple[str, ...] | None = None,
-    check_perf: bool = False,
+    executor: str | None = None,
 ) -> Choice:
     """First provider in ``order`` (default: the device's) that is available, runs on ``device``,
-    supports ``args`` and, with ``check_perf``, is not slower than Inductor; else the reference."""
+    supports ``args`` and, given an ``executor``, measured at least as fast as what that executor
+    runs without it; else the reference."""
     order = tuple(order) if order is not None else default_priority(device)
     declined: list[tuple[str, str]] = []
     for name in order:
@@ -180,8 +182,8 @@ def choose(
             reason = f"does not run on {device}"
         if reason is None:
             reason = prov.supports(args)
-        if reason is None and check_perf and prov.prefers is not None:
-            reason = prov.prefers(args)
+        if reason is None and executor is not None and prov.prefers is not None:
+            reason = prov.prefers(args, executor)
         if reason is not None:
             declined.append((name, reason))
             continue

@@ -29,7 +29,7 @@ class Lower(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         changes = 0
-        check_perf = ctx.executor == "inductor" and ctx.config.perf_guard
+        perf_executor = ctx.executor if ctx.config.perf_guard else None
         for node in list(gm.graph.nodes):
             if node.op != "call_function":
                 continue
@@ -38,7 +38,7 @@ class Lower(GraphPass):
                 continue
             fake_args = tuple(val(a) if isinstance(a, fx.Node) else a for a in node.args)
             device = ctx.device
-            choice = choose(canon, fake_args, device, ctx.config.provider_order(device), check_perf)
+            choice = choose(canon, fake_args, device, ctx.config.provider_order(device), perf_executor)
             for record in ctx.match_by_node.get(node.name, []):
                 record.provider = choice.provider
                 record.declined = list(choice.declined)

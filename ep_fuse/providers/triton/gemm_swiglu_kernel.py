@@ -96,5 +96,5 @@ def launch(x2, wg, wu, y2, config: GemmConfig | None = None, wrap=None) -> None:
         x2, wg, wu, y2, m, n, k,
         x2.stride(0), x2.stride(1), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), y2.stride(0),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, CODE=DTYPE_CODES[x2.dtype],
-        UPCAST_DOT=INTERPRET, EMULATE_RTNE=INTERPRET, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST_DOT=INTERPRET, EMULATE_RTNE=int(INTERPRET), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -26,17 +26,28 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _rn_bf16(x):
+    # cvt.rn in inline PTX: an exact bf16 rounding the compiler cannot fold into a neighbouring FMA
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; cvt.f32.bf16 $0, t; }",
+        constraints="=f,f", args=[x], dtype=tl.float32, is_pure=True, pack=1,
+    )
+
+
+@triton.jit
 def _round(x, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """fp32 ``x`` rounded (nearest-even) to the dtype ``CODE`` (0 fp32, 1 bf16, 2 fp16), as fp32.
 
-    With ``EMULATE_RTNE`` bf16 rounding is done on the bits: the interpreter truncates fp32 -> bf16
-    conversions, and on a GPU the bit form cannot be folded away by the compiler.
+    ``EMULATE_RTNE`` picks how bf16 rounds: 0 a plain conversion round trip; 1 on the bits (the
+    interpreter truncates fp32 -> bf16 conversions); 2 inline PTX ``cvt.rn`` (GPU, never contracted).
     """
     if CODE == 1:
-        if EMULATE_RTNE:
+        if EMULATE_RTNE == 1:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
             return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+        elif EMULATE_RTNE == 2:
+            return _rn_bf16(x)
         return x.to(tl.bfloat16).to(tl.float32)
     elif CODE == 2:
         return x.to(tl.float16).to(tl.float32)
@@ -47,7 +58,7 @@ def _round(x, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
 @triton.jit
 def _for_store(x, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """``x`` ready for a store into dtype ``CODE`` (stores round themselves; only the interpreter needs help)."""
-    if EMULATE_RTNE and CODE == 1:
+    if EMULATE_RTNE == 1 and CODE == 1:
         return _round(x, CODE, EMULATE_RTNE)
     return x
 
@@ -192,6 +203,6 @@ def launch(
         n_rows, n, eps, stride_x, stride_r,
         HAS_RES=residual is not None, HAS_W=weight is not None, MODE=MODES[mode],
         CAST_CODE=DTYPE_CODES[cast_dtype or torch.float32], SUM_CODE=DTYPE_CODES[x.dtype],
-        OUT_CODE=DTYPE_CODES[y.dtype], BLOCK_N=cfg.block_n, ROWS=rows, EMULATE_RTNE=INTERPRET,
+        OUT_CODE=DTYPE_CODES[y.dtype], BLOCK_N=cfg.block_n, ROWS=rows, EMULATE_RTNE=int(INTERPRET),
         num_warps=cfg.num_warps,
     )

@@ -163,7 +163,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         HALF=half, ROT=rot, D=int(d), FORM=FORMS[form], CODE=DTYPE_CODES[q.dtype],
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
-        EMULATE_RTNE=True, num_warps=4,  # bf16 rounding on the bits: exact on every backend
+        EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,  # exact bf16 rounding (bits / inline PTX)
     )
 
 

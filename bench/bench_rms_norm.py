@@ -246,7 +246,7 @@ def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[st
         row["ep_fuse_pct_copy"] = 100 * row["ep_fuse_gbs"] / copy_gbs
         row["speedup_vs_inductor"] = row["inductor"] / row["ep_fuse"]
         log(f"{op} {rows}x{h} GPU us: " + " ".join(f"{k} {row[k]:.1f}" for k in impls if k in row)
-            + f" | call us: " + " ".join(f"{k} {row[k + '_call']:.1f}" for k in impls if k + "_call" in row)
+            + " | call us: " + " ".join(f"{k} {row[k + '_call']:.1f}" for k in impls if k + "_call" in row)
             + f" | ep_fuse {row['ep_fuse_gbs']:.0f} GB/s = {row['ep_fuse_pct_copy']:.1f}% copy")
         results.append(row)
     return results

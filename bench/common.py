@@ -70,11 +70,9 @@ def bench_graph_us(fn: Callable[[], Any]) -> float:
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
-    a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    b = torch.empty_like(a)
-    us = bench_us(lambda: b.copy_(a))
-    del a, b
-    torch.cuda.empty_cache()
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    us = bench_us(lambda: dst.copy_(src))
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 

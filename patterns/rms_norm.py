@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
 from ep_fuse.matching import Cast, Lit, Match, Opt, Pattern, Replacement, Var, alt, equals, is_number, op
+from ep_fuse.matching.checks import tensor_of
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten
@@ -36,13 +37,7 @@ DESCRIPTION = "RMSNorm and residual add + RMSNorm -> ep_fuse::rms_norm / ep_fuse
 
 
 # --------------------------------------------------------------------------- value checks
-def _float_tensor(v: Any) -> str | None:
-    t = tensor_val(v)
-    if t is None:
-        return f"expected a tensor, got {v!r}"
-    if t.dtype not in FLOATS:
-        return f"expected a floating tensor, got {t.dtype}"
-    return None
+_float_tensor = tensor_of(FLOATS)
 
 
 def _scalar_float_tensor(v: Any) -> str | None:

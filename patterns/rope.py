@@ -24,41 +24,20 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
 from ep_fuse.matching import Cast, Item, Lit, Match, Opt, PairRule, Pattern, Replacement, Var, equals, op
+from ep_fuse.matching.checks import MODEL_FLOATS, is_end, is_int, is_shape, tensor_of
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten
 F32 = torch.float32
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-INT64_MAX = 2**63 - 1
+FLOATS = MODEL_FLOATS
 
 DESCRIPTION = "rotary embedding (rotate-half, partial, chunk, de-interleaved, complex) -> ep_fuse::rope / rope_qk"
 
 
 # --------------------------------------------------------------------------- value checks
-def _float_tensor(v: Any) -> str | None:
-    t = tensor_val(v)
-    if t is None or t.dtype not in FLOATS:
-        return f"expected a fp16/bf16/fp32 tensor, got {getattr(t, 'dtype', v)!r}"
-    return None
-
-
-def _complex_tensor(v: Any) -> str | None:
-    t = tensor_val(v)
-    if t is None or t.dtype != torch.complex64:
-        return f"expected complex64 freqs_cis, got {getattr(t, 'dtype', v)!r}"
-    return None
-
-
-def _is_int(v: Any) -> str | None:
-    return None if isinstance(v, int) and not isinstance(v, bool) else f"expected an int, got {v!r}"
-
-
-def _is_end(v: Any) -> str | None:
-    return None if v is None or (isinstance(v, int) and v >= INT64_MAX) else f"expected the end of the dim, got {v!r}"
-
-
-def _any_list(v: Any) -> str | None:
-    return None if isinstance(v, (list, tuple)) else f"expected a shape, got {v!r}"
+_float_tensor = tensor_of(FLOATS, "fp16/bf16/fp32")
+_complex_tensor = tensor_of((torch.complex64,), "complex64 freqs_cis")
+_is_int, _is_end, _any_list = is_int, is_end, is_shape
 
 
 # --------------------------------------------------------------------------- trees

@@ -24,23 +24,16 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
 from ep_fuse.matching import Anchor, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
+from ep_fuse.matching.checks import MODEL_FLOATS, is_shape, tensor_of
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 DESCRIPTION = "dense GEMM + SwiGLU (gate/up projections, shared experts) -> ep_fuse::gemm_swiglu"
 
 
-def _float_tensor(v: Any) -> str | None:
-    t = tensor_val(v)
-    if t is None or t.dtype not in FLOATS:
-        return f"expected a fp16/bf16/fp32 tensor, got {getattr(t, 'dtype', v)!r}"
-    return None
-
-
-def _shape(v: Any) -> str | None:
-    return None if isinstance(v, (list, tuple)) else f"expected a shape, got {v!r}"
+_float_tensor = tensor_of(MODEL_FLOATS, "fp16/bf16/fp32")
+_shape = is_shape
 
 
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.rms_norm_kernel import INTERPRET, _for_store, _round
+from ep_fuse.providers.triton.rms_norm_kernel import _for_store, _round
 
 FORMS = {"half": 0, "chunk": 1, "deinterleave": 2, "complex": 3}
 

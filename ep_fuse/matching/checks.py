@@ -1,0 +1,41 @@
+"""Value checks shared by pattern files (each returns ``None`` when the value is acceptable, else why not)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ep_fuse.fx_utils import tensor_val
+
+MODEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+INT64_MAX = 2**63 - 1
+
+
+def tensor_of(dtypes: tuple[torch.dtype, ...], what: str = "floating") -> Callable[[Any], str | None]:
+    """A check that the value is a graph tensor of one of ``dtypes``."""
+
+    def check(v: Any) -> str | None:
+        t = tensor_val(v)
+        if t is None:
+            return f"expected a tensor, got {v!r}"
+        if t.dtype not in dtypes:
+            return f"expected a {what} tensor, got {t.dtype}"
+        return None
+
+    check.__name__ = f"{what}_tensor"
+    return check
+
+
+def is_int(v: Any) -> str | None:
+    return None if isinstance(v, int) and not isinstance(v, bool) else f"expected an int, got {v!r}"
+
+
+def is_end(v: Any) -> str | None:
+    """A slice end meaning "to the end of the dim"."""
+    return None if v is None or (isinstance(v, int) and v >= INT64_MAX) else f"expected the end of the dim, got {v!r}"
+
+
+def is_shape(v: Any) -> str | None:
+    return None if isinstance(v, (list, tuple)) else f"expected a shape, got {v!r}"

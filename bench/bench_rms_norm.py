@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_graph_us, bench_us, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import (  # noqa: E402
+    bench_graph_us, bench_us, check_hf_models, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json,
+)
 
 import ep_fuse  # noqa: E402
 from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
@@ -152,27 +154,6 @@ def check_compiled() -> list[str]:
     return done
 
 
-def check_hf_models() -> list[str]:
-    from ep_fuse import tiny_models
-
-    done = []
-    for name, dynamic in (("mixtral", False), ("qwen3_moe", False), ("deepseek_v3", False), ("mixtral", True)):
-        torch._dynamo.reset()
-        ep_fuse.reset_reports()
-        model = tiny_models.build(name, device="cuda")
-        inp = tiny_models.example_inputs(device="cuda")
-        with torch.no_grad():
-            ref = model(**inp).logits
-            out = torch.compile(model, backend="ep_fuse", dynamic=dynamic)(**inp).logits
-        rep = ep_fuse.last_report()
-        sites, _variant = tiny_models.EXPECTED_SITES[name]
-        assert rep.counts() == sites, rep
-        scale = ref.float().abs().max().item()
-        torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02 * scale)
-        done.append(f"{name} dynamic={dynamic}: {rep.summary()} maxdiff={(out.float()-ref.float()).abs().max().item():.4f}")
-    return done
-
-
 # --------------------------------------------------------------------------- timing
 def liger_fn(op: str):
     try:
@@ -269,7 +250,8 @@ def main() -> None:
         res["checks"]["compiled"] = check_compiled()
         log("compiled checks ok:", res["checks"]["compiled"], f"({time.time() - t0:.0f}s)")
         try:
-            res["checks"]["hf"] = check_hf_models()
+            res["checks"]["hf"] = check_hf_models(
+                [("mixtral", False), ("qwen3_moe", False), ("deepseek_v3", False), ("mixtral", True)], rtol=0.02)
             log("hf checks ok:", *res["checks"]["hf"], sep="\n  ")
         except Exception:
             res["checks"]["hf_error"] = traceback.format_exc()

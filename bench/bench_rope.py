@@ -18,7 +18,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_graph_us, bench_us, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import (  # noqa: E402
+    bench_graph_us, bench_us, check_hf_models, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json,
+)
 
 import ep_fuse  # noqa: E402
 import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
@@ -118,29 +120,6 @@ def check_kernels() -> int:
     return n
 
 
-def check_hf_models() -> list[str]:
-    from ep_fuse import tiny_models
-
-    done = []
-    for name in tiny_models.TINY_MODELS:
-        torch._dynamo.reset()
-        ep_fuse.reset_reports()
-        model = tiny_models.build(name, device="cuda")
-        inp = tiny_models.example_inputs(device="cuda")
-        with torch.no_grad():
-            ref = model(**inp).logits
-            out = torch.compile(model, backend="ep_fuse", options={"perf_guard": False})(**inp).logits
-        rep = ep_fuse.last_report()
-        sites, _ = tiny_models.EXPECTED_SITES[name]
-        assert rep.counts() == sites, rep
-        scale = ref.float().abs().max().item()
-        torch.testing.assert_close(out.float(), ref.float(), rtol=0.03, atol=0.03 * scale)
-        declined = sorted({f"{m.pattern}[{m.variant}]: {m.declined}" for m in rep.matches if m.provider != "triton"})
-        done.append(f"{name}: {rep.summary()} maxdiff={(out.float() - ref.float()).abs().max().item():.4f}"
-                    + (f" declined: {declined}" if declined else ""))
-    return done
-
-
 def liger_fn():
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
@@ -196,7 +175,9 @@ def main() -> None:
     try:
         if "--quick" in sys.argv:
             raise RuntimeError("skipped (--quick)")
-        res["checks"]["hf"] = check_hf_models()
+        from ep_fuse import tiny_models
+
+        res["checks"]["hf"] = check_hf_models([(m, False) for m in tiny_models.TINY_MODELS], {"perf_guard": False})
         log("hf checks ok:", *res["checks"]["hf"], sep="\n  ")
     except Exception:
         res["checks"]["hf_error"] = traceback.format_exc()

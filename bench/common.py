@@ -93,3 +93,31 @@ def markdown_table(head: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def check_hf_models(runs: list[tuple[str, bool]], options: dict[str, Any] | None = None, rtol: float = 0.03) -> list[str]:
+    """Compile tiny HF models on CUDA with ep_fuse; check site counts and logits against eager.
+
+    ``runs`` lists ``(model name, dynamic)``. Returns one line per run, with any provider declines.
+    """
+    import ep_fuse
+    from ep_fuse import tiny_models
+
+    done = []
+    for name, dynamic in runs:
+        torch._dynamo.reset()
+        ep_fuse.reset_reports()
+        model = tiny_models.build(name, device="cuda")
+        inp = tiny_models.example_inputs(device="cuda")
+        with torch.no_grad():
+            ref = model(**inp).logits
+            out = torch.compile(model, backend="ep_fuse", dynamic=dynamic, options=options)(**inp).logits
+        rep = ep_fuse.last_report()
+        sites, _variant = tiny_models.EXPECTED_SITES[name]
+        assert rep.counts() == sites, rep
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * scale)
+        declined = sorted({f"{m.pattern}[{m.variant}]: {m.declined}" for m in rep.matches if m.provider != "triton"})
+        done.append(f"{name} dynamic={dynamic}: {rep.summary()} maxdiff={(out.float() - ref.float()).abs().max().item():.4f}"
+                    + (f" declined: {declined}" if declined else ""))
+    return done

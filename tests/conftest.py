@@ -20,3 +20,17 @@ def _fresh_dynamo():
     ep_fuse.reset_reports()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def torch_npu_double(monkeypatch):
+    """``import torch_npu`` yields the test double of the documented op semantics (``npu_double.py``)."""
+    import sys
+
+    import npu_double
+    from ep_fuse.providers import npu
+
+    monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
+    npu._available.cache_clear()
+    yield
+    npu._available.cache_clear()

@@ -5,7 +5,6 @@ import sys
 import pytest
 import torch
 
-import npu_double
 from _norm_cases import norm_args, ulp_close
 from ep_fuse.config import EpFuseConfig
 from ep_fuse.ops import canonical, choose
@@ -16,14 +15,6 @@ from ep_fuse.report import GraphReport
 from ep_fuse.testing import capture_aten
 
 BF16 = torch.bfloat16
-
-
-@pytest.fixture
-def torch_npu_double(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
-    npu._available.cache_clear()
-    yield
-    npu._available.cache_clear()
 
 
 def test_unavailable_without_torch_npu(monkeypatch):

@@ -1,6 +1,5 @@
 """RoPE: every traced form on hand-written modules, q/k pairing, look-alikes, kernels vs reference."""
 
-import sys
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-import npu_double
 from _norm_cases import ulp_close
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops.reference import rope_qk_ref, rope_ref
@@ -266,14 +264,6 @@ def test_reference_rejects_bad_arguments():
 
 
 # --------------------------------------------------------------------------- Ascend provider (test double)
-@pytest.fixture
-def torch_npu_double(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
-    npu._available.cache_clear()
-    yield
-    npu._available.cache_clear()
-
-
 @pytest.mark.parametrize("form", ["half", "chunk", "complex"])
 def test_npu_rope_matches_reference(torch_npu_double, form):
     x, cos, sin = _args(form, 2, 3, 5, 16, 16, BF16, "bhsd_view", 1, 1)

@@ -36,7 +36,9 @@ def op_args(node: fx.Node) -> dict[str, Any]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def schema_defaults(target: torch._ops.OpOverload) -> dict[str, Any]:
+    """Schema argument name -> default (``MISSING`` for required arguments)."""
     return {name: default for name, default, _ in _schema_args(target)}
 
 

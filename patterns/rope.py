@@ -37,12 +37,11 @@ DESCRIPTION = "rotary embedding (rotate-half, partial, chunk, de-interleaved, co
 # --------------------------------------------------------------------------- value checks
 _float_tensor = tensor_of(FLOATS, "fp16/bf16/fp32")
 _complex_tensor = tensor_of((torch.complex64,), "complex64 freqs_cis")
-_is_int, _is_end, _any_list = is_int, is_end, is_shape
 
 
 # --------------------------------------------------------------------------- trees
 def _slice(x: Any, start: Any, end: Any, step: int = 1, bind: str | None = None) -> Any:
-    args = dict(self=x, dim=Lit(_is_int, bind=f"dim_{bind}" if bind else None), start=start, end=end)
+    args = dict(self=x, dim=Lit(is_int, bind=f"dim_{bind}" if bind else None), start=start, end=end)
     if step != 1:
         args["step"] = Lit(equals(step))
     return op(aten.slice.Tensor, bind=bind, **args)
@@ -54,9 +53,9 @@ def _mul(a: Any, b: Any) -> Any:
 
 def _half(xr: Any) -> Any:
     """rotate-half on ``xr`` (a bound pattern for the rotated channels)."""
-    x1 = _slice(xr, Lit(equals(0)), Lit(_is_int, bind="half"), bind="x1")
-    x2 = _slice(xr, Lit(_is_int, bind="half"), Lit(_is_end), bind="x2")
-    rotated = op(aten.cat.default, tensors=[op(aten.neg.default, self=x2), x1], dim=Lit(_is_int, bind="cat_dim"))
+    x1 = _slice(xr, Lit(equals(0)), Lit(is_int, bind="half"), bind="x1")
+    x2 = _slice(xr, Lit(is_int, bind="half"), Lit(is_end), bind="x2")
+    rotated = op(aten.cat.default, tensors=[op(aten.neg.default, self=x2), x1], dim=Lit(is_int, bind="cat_dim"))
     return op((aten.add.Tensor,), self=_mul(xr, Var("cos", _float_tensor)), other=_mul(rotated, Var("sin", _float_tensor)),
               commutative=("self", "other"))
 
@@ -66,28 +65,28 @@ def _pairwise(x1: Any, x2: Any) -> Any:
     c, s = Var("cos", _float_tensor), Var("sin", _float_tensor)
     first = op(aten.sub.Tensor, self=_mul(x1, c), other=_mul(x2, s))
     second = op(aten.add.Tensor, self=_mul(x2, c), other=_mul(x1, s), commutative=("self", "other"))
-    return op(aten.cat.default, tensors=[first, second], dim=Lit(_is_int, bind="cat_dim"))
+    return op(aten.cat.default, tensors=[first, second], dim=Lit(is_int, bind="cat_dim"))
 
 
 def _trees() -> dict[str, Any]:
     x = Var("x", _float_tensor)
-    xr = op(aten.slice.Tensor, self=x, dim=Lit(_is_int, bind="dim_rot"), start=Lit(equals(0)),
-            end=Lit(_is_int, bind="rot"), bind="xr")
-    passthrough = op(aten.slice.Tensor, self=x, dim=Lit(_is_int, bind="dim_pass"), start=Lit(_is_int, bind="rot"),
-                     end=Lit(_is_end))
-    split = op(aten.split.Tensor, self=x, split_size=Lit(_is_int, bind="half"), dim=Lit(_is_int, bind="dim_split"),
+    xr = op(aten.slice.Tensor, self=x, dim=Lit(is_int, bind="dim_rot"), start=Lit(equals(0)),
+            end=Lit(is_int, bind="rot"), bind="xr")
+    passthrough = op(aten.slice.Tensor, self=x, dim=Lit(is_int, bind="dim_pass"), start=Lit(is_int, bind="rot"),
+                     end=Lit(is_end))
+    split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
                bind="split")
     views = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
     xc = op(aten.view_as_complex.default,
-            self=op(views, self=Opt(Cast(x, F32, bind="upcast")), size=Lit(_any_list), bind="pairs"))
+            self=op(views, self=Opt(Cast(x, F32, bind="upcast")), size=Lit(is_shape), bind="pairs"))
     rotated = op(aten.mul.Tensor, self=xc, other=Var("cos", _complex_tensor), commutative=("self", "other"))
-    complex_out = op(views, self=op(aten.view_as_real.default, self=rotated), size=Lit(_any_list), bind="unpairs")
+    complex_out = op(views, self=op(aten.view_as_real.default, self=rotated), size=Lit(is_shape), bind="unpairs")
     return {
-        "partial": op(aten.cat.default, tensors=[_half(xr), passthrough], dim=Lit(_is_int, bind="cat_outer")),
+        "partial": op(aten.cat.default, tensors=[_half(xr), passthrough], dim=Lit(is_int, bind="cat_outer")),
         "half": _half(x),
         "chunk": _pairwise(Item(split, 0), Item(split, 1)),
-        "deinterleave": _pairwise(_slice(x, Lit(equals(0)), Lit(_is_end), 2, bind="xe"),
-                                  _slice(x, Lit(equals(1)), Lit(_is_end), 2, bind="xo")),
+        "deinterleave": _pairwise(_slice(x, Lit(equals(0)), Lit(is_end), 2, bind="xe"),
+                                  _slice(x, Lit(equals(1)), Lit(is_end), 2, bind="xo")),
         "complex": Opt(Cast(complex_out, "out_dtype")),
     }
 

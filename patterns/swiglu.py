@@ -33,7 +33,6 @@ DESCRIPTION = "dense GEMM + SwiGLU (gate/up projections, shared experts) -> ep_f
 
 
 _float_tensor = tensor_of(MODEL_FLOATS, "fp16/bf16/fp32")
-_shape = is_shape
 
 
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -43,9 +42,9 @@ def _linear(w: str, flat: str) -> Any:
     """``x @ W.T`` as traced from ``F.linear``: 2-D ``mm``, or ``view -> mm -> _unsafe_view`` for N-D."""
     x = Var("x", _float_tensor)
     weight = op(aten.t.default, self=Var(w, _float_tensor))
-    flat_mm = op(aten.mm.default, self=op(VIEWS, self=x, size=Lit(_shape), bind=flat), mat2=weight,
+    flat_mm = op(aten.mm.default, self=op(VIEWS, self=x, size=Lit(is_shape), bind=flat), mat2=weight,
                  bind=f"mm_{w}")
-    return (op(VIEWS, self=flat_mm, size=Lit(_shape)), op(aten.mm.default, self=x, mat2=weight, bind=f"mm_{w}"))
+    return (op(VIEWS, self=flat_mm, size=Lit(is_shape)), op(aten.mm.default, self=x, mat2=weight, bind=f"mm_{w}"))
 
 
 def _trees() -> dict[str, Any]:

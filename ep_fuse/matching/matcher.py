@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ep_fuse.fx_utils import MISSING, op_args, tensor_val
+from ep_fuse.fx_utils import MISSING, op_args, schema_defaults, tensor_val
 from ep_fuse.matching.pattern import Alt, Cast, Item, Lit, Op, Opt, Pat, Var, equals
 
 aten = torch.ops.aten
@@ -159,7 +159,7 @@ def _match_op(pat: Op, value: Any, state: State) -> State | Mismatch:
     for name, given in args.items():
         if name in pat.args or name in pat.ignore:
             continue
-        default = _default_of(node.target, name)
+        default = schema_defaults(node.target)[name]
         if default is MISSING or not _same_literal(given, default):
             return Mismatch(node, f"argument {name}={given!r} differs from the default {default!r}",
                             tuple(state.nodes))
@@ -188,18 +188,11 @@ def _match_op(pat: Op, value: Any, state: State) -> State | Mismatch:
     return best
 
 
-def _default_of(target: torch._ops.OpOverload, name: str) -> Any:
-    for a in target._schema.arguments:
-        if a.name == name:
-            return a.default_value if a.has_default_value() else MISSING
-    return MISSING
-
-
 def _same_literal(a: Any, b: Any) -> bool:
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
         return a is b
     if isinstance(a, bool) or isinstance(b, bool):
-        return a is b or (a in (0, 1) and b in (0, 1) and bool(a) == bool(b) and type(a) is type(b))
+        return a is b
     try:
         return a == b
     except Exception:

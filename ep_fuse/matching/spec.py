@@ -154,11 +154,8 @@ def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode:
     meta = {k: m.root.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in m.root.meta}
     with graph.inserting_before(m.root):
         args = tuple(_materialize(graph, a, fake_mode, meta) for a in rep.args)
-        call = graph.call_function(rep.op, args)
-    call.meta.update(meta)
-    out_val = _fake_run(rep.op, args, fake_mode)
-    if out_val is not None:
-        call.meta["val"] = out_val
+        call = _add_call(graph, rep.op, args, meta, fake_mode)
+    out_val = call.meta.get("val")
     new_nodes = [call]
     if len(rep.outputs) == 1:
         targets = [call]
@@ -184,9 +181,14 @@ def _materialize(graph: fx.Graph, arg: Any, fake_mode: Any, meta: dict[str, Any]
     if not isinstance(arg, Derived):
         return arg
     args = tuple(_materialize(graph, a, fake_mode, meta) for a in arg.args)
-    node = graph.call_function(arg.op, args)
+    return _add_call(graph, arg.op, args, meta, fake_mode)
+
+
+def _add_call(graph: fx.Graph, op: Any, args: tuple[Any, ...], meta: dict[str, Any], fake_mode: Any) -> fx.Node:
+    """A call of ``op`` at the graph's insertion point, with the match's metadata and its fake value."""
+    node = graph.call_function(op, args)
     node.meta.update(meta)
-    value = _fake_run(arg.op, args, fake_mode)
+    value = _fake_run(op, args, fake_mode)
     if value is not None:
         node.meta["val"] = value
     return node

@@ -18,6 +18,11 @@ def contiguous(t: torch.Tensor) -> bool:
         return False
 
 
+def host_eps(eps: float, eps_t: torch.Tensor | None) -> float:
+    """The eps value; a dynamic-shape eps arrives as a 0-d CPU tensor, whose read does not sync a device."""
+    return float(eps_t.item()) if eps_t is not None else float(eps)
+
+
 def row_stride(t: torch.Tensor) -> int | None:
     """Stride between rows when ``t`` is a stack of unit-stride rows over its last dim, else ``None``.
 

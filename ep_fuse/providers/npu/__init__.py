@@ -25,7 +25,7 @@ import torch
 
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.providers.common import check_norm_call, rms_norm_out_dtype, unpack_norm_args
+from ep_fuse.providers.common import check_norm_call, host_eps, rms_norm_out_dtype, unpack_norm_args
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,17 +86,13 @@ def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.ones(n, dtype=dtype, device=device)
 
 
-def _eps(eps: float, eps_t: torch.Tensor | None) -> float:
-    return float(eps_t.item()) if eps_t is not None else float(eps)
-
-
 def rms_norm_kernel(x, weight, eps, eps_t, mode, upcast, out_dtype):  # noqa: ANN001, ANN201 - schema-typed
-    y, _rstd = _npu().npu_rms_norm(x, gamma(x, weight, mode), epsilon=_eps(eps, eps_t))
+    y, _rstd = _npu().npu_rms_norm(x, gamma(x, weight, mode), epsilon=host_eps(eps, eps_t))
     return y
 
 
 def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype):  # noqa: ANN001, ANN201
-    y, _rstd, s = _npu().npu_add_rms_norm(x, residual, gamma(x, weight, mode), epsilon=_eps(eps, eps_t))
+    y, _rstd, s = _npu().npu_add_rms_norm(x, residual, gamma(x, weight, mode), epsilon=host_eps(eps, eps_t))
     return y, s
 
 

@@ -11,12 +11,7 @@ from typing import Any
 
 import torch
 
-from ep_fuse.providers.common import rms_norm_out_dtype, row_stride
-
-
-def _eps(eps: float, eps_t: torch.Tensor | None) -> float:
-    # a dynamic-shape eps arrives as a 0-d CPU tensor: reading it does not sync the GPU
-    return float(eps_t.item()) if eps_t is not None else float(eps)
+from ep_fuse.providers.common import host_eps, rms_norm_out_dtype, row_stride
 
 
 def _run(
@@ -42,9 +37,9 @@ def _run(
 
 def rms_norm_kernel(x, weight, eps, eps_t, mode, upcast, out_dtype, wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::rms_norm`` (canonical schema)."""
-    return _run(x, None, weight, _eps(eps, eps_t), mode, upcast, out_dtype, wrap)[0]
+    return _run(x, None, weight, host_eps(eps, eps_t), mode, upcast, out_dtype, wrap)[0]
 
 
 def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype, wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::add_rms_norm`` (canonical schema)."""
-    return _run(x, residual, weight, _eps(eps, eps_t), mode, upcast, out_dtype, wrap)
+    return _run(x, residual, weight, host_eps(eps, eps_t), mode, upcast, out_dtype, wrap)

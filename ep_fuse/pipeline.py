@@ -14,6 +14,7 @@ from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.canonicalize import Canonicalize
 from ep_fuse.passes.cleanup import Cleanup
+from ep_fuse.passes.expand import Expand
 from ep_fuse.passes.lower import Lower
 from ep_fuse.passes.pair import Pair
 from ep_fuse.patterns import all_pairs, all_patterns
@@ -26,7 +27,7 @@ progress = logging.getLogger("ep_fuse.progress")
 def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
-    return [Canonicalize(patterns), Pair(pairs), Cleanup(), Lower(), Cleanup()]
+    return [Canonicalize(patterns), Pair(pairs), Cleanup(), Expand(), Lower(), Cleanup()]
 
 
 def run_passes(

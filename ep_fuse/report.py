@@ -26,6 +26,20 @@ class MatchRecord:
     provider: str | None = None
     declined: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     """(provider, reason) for providers passed over before ``provider``."""
+    block: bool = False
+    """The match is a block (MoE experts) whose stage ops are lowered one by one."""
+    stages: dict[str, str] = dataclasses.field(default_factory=dict)
+    """For a block: the provider chosen for each stage op."""
+
+    def set_provider(self, op: str, provider: str, declined: tuple[tuple[str, str], ...]) -> None:
+        """Record the provider lowering chose for ``op`` (the fused op, or one stage of a block)."""
+        if not self.block:
+            self.provider, self.declined = provider, list(declined)
+            return
+        self.stages[op] = provider
+        self.declined.extend((f"{p} ({op})", r) for p, r in declined)
+        names = sorted(set(self.stages.values()))
+        self.provider = names[0] if len(names) == 1 else "+".join(names)
 
 
 @dataclasses.dataclass

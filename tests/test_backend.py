@@ -184,10 +184,10 @@ def test_dump_dir_writes_graphs_and_report(tmp_path):
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     names = sorted(p.name for p in graph_dir.iterdir())
     assert names == ["00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
-                     "05_lower.py", "06_cleanup.py", "graph_after.json", "graph_before.json", "report.json",
+                     "05_expand.py", "06_lower.py", "07_cleanup.py", "graph_after.json", "graph_before.json", "report.json",
                      "summary.txt", "unlowered.txt"]
     assert "ep_fuse.add_rms_norm" in (graph_dir / "02_canonicalize.py").read_text()
-    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "05_lower.py").read_text()
+    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "06_lower.py").read_text()
     assert "rsqrt" in (graph_dir / "01_aten.py").read_text()
     assert (tmp_path / "report.html").is_file()
 

@@ -49,7 +49,7 @@ def test_dump_writes_every_stage_and_prints_the_table(mixtral_dump):
     assert "pair: 2 change(s)" in stderr
     g = out / "graph_0_0"
     for name in ("00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
-                 "05_lower.py", "06_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
+                 "05_expand.py", "06_lower.py", "07_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
                  "unlowered.txt"):
         assert (g / name).is_file(), name
     assert "aten.rsqrt.default" in (g / "01_aten.py").read_text()

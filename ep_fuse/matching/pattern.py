@@ -108,8 +108,16 @@ class Item(Pat):
 
 
 # --------------------------------------------------------------------------- literal checks
+def check_item(v: Any, expected: Any) -> bool:
+    return equals(expected)(v) is None
+
+
 def equals(expected: Any) -> Check:
     def check(v: Any) -> str | None:
+        if isinstance(expected, (list, tuple)):
+            same = isinstance(v, (list, tuple)) and len(v) == len(expected) and all(
+                check_item(a, b) for a, b in zip(v, expected))
+            return None if same else f"expected {expected!r}, got {v!r}"
         if isinstance(v, bool) or isinstance(expected, bool):
             return None if v is expected else f"expected {expected!r}, got {v!r}"
         if isinstance(v, (int, float)) and isinstance(expected, (int, float)) and v == expected:

@@ -36,6 +36,12 @@ class CanonicalOp:
     reference: Callable[..., Any]
     op: torch._ops.OpOverload
     providers: dict[str, Provider] = dataclasses.field(default_factory=dict)
+    traceable: Callable[[tuple[Any, ...]], bool] | None = None
+    """Whether the reference traces to ATen ops for these arguments (``None``: always). Where it does
+    not (a host loop), an unlowered call stays the opaque canonical op."""
+    fake: Callable[..., Any] | None = None
+    block: bool = False
+    """A composite of other canonical ops (the MoE block): expanded into them before lowering."""
 
 
 @dataclasses.dataclass
@@ -81,13 +87,27 @@ def default_priority(device: str) -> tuple[str, ...]:
     return (*order, REFERENCE)
 
 
-def define_canonical(name: str, schema: str, reference: Callable[..., Any]) -> CanonicalOp:
-    """Define ``torch.ops.ep_fuse.<name>`` whose kernel and fake impl are ``reference``."""
+def define_canonical(
+    name: str,
+    schema: str,
+    reference: Callable[..., Any],
+    *,
+    fake: Callable[..., Any] | None = None,
+    traceable: Callable[[tuple[Any, ...]], bool] | None = None,
+    block: bool = False,
+) -> CanonicalOp:
+    """Define ``torch.ops.ep_fuse.<name>`` whose kernel is ``reference`` and fake impl ``fake``
+    (default: the reference itself, which must then run on fake tensors)."""
     if name in _OPS:
         return _OPS[name]
-    op = define_op("ep_fuse", name, schema, reference, reference)
-    _OPS[name] = CanonicalOp(name, schema, reference, op)
+    op = define_op("ep_fuse", name, schema, reference, fake or reference)
+    _OPS[name] = CanonicalOp(name, schema, reference, op, traceable=traceable, fake=fake,
+                             block=block)
     return _OPS[name]
+
+
+def inlinable(canonical: CanonicalOp, args: tuple[Any, ...]) -> bool:
+    return canonical.traceable is None or bool(canonical.traceable(args))
 
 
 def register_provider(
@@ -118,7 +138,7 @@ def register_provider(
             log.debug("ep_fuse: %s %s declined at run time: %s", name, canonical.name, reason)
         return reference(*args)
 
-    op = define_op(f"ep_fuse_{name}", canonical.name, canonical.schema, guarded, reference)
+    op = define_op(f"ep_fuse_{name}", canonical.name, canonical.schema, guarded, canonical.fake or reference)
     prov = Provider(name, canonical, op, devices, available, supports, prefers)
     canonical.providers[name] = prov
     return prov

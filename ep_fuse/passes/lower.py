@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ep_fuse.fx_utils import val
-from ep_fuse.ops.registry import REFERENCE, canonical_for, choose
+from ep_fuse.ops.registry import REFERENCE, canonical_for, choose, inlinable
 from ep_fuse.passes.base import GraphPass, PassContext
 
 log = logging.getLogger("ep_fuse.passes")
@@ -40,14 +40,13 @@ class Lower(GraphPass):
             device = ctx.device
             choice = choose(canon, fake_args, device, ctx.config.provider_order(device), perf_executor)
             for record in ctx.match_by_node.get(node.name, []):
-                record.provider = choice.provider
-                record.declined = list(choice.declined)
+                record.set_provider(canon.name, choice.provider, choice.declined)
             for prov, reason in choice.declined:
                 log.info("ep_fuse: %s at %s: provider %s declined: %s", canon.name, node.name, prov, reason)
             if choice.provider != REFERENCE:
                 node.target = choice.op
                 changes += 1
-            elif ctx.executor == "inductor":
+            elif ctx.executor == "inductor" and inlinable(canon, fake_args):
                 inline_reference(gm, node, canon.reference, ctx.fake_mode)
                 changes += 1
         return changes

@@ -1,0 +1,138 @@
+"""Pure-torch reference implementations of the MoE canonical ops (``op-contracts.md`` §6, §7).
+
+Conventions shared by every MoE op and provider:
+
+* ``topk_ids`` [T, K] (any integer dtype): a slot is *valid* when ``0 <= id < num_experts``; -1 (or any
+  id outside the range, e.g. an expert owned by another EP rank) is skipped.
+* permuted rows are in **stable expert-major order**: expert 0's slots first, and within an expert in
+  flat slot order ``t*K + k`` (token-ascending). ``S = T*K`` rows are always allocated (static shapes);
+  rows past ``seg_indptr[E]`` (one per invalid slot) are zero.
+* ``src2dst`` [T*K] int64: the permuted row of each slot, ``-1`` for an invalid slot.
+* ``seg_indptr`` [E+1] int64: exclusive prefix sum of per-expert counts (``[0] == 0``); expert ``e``
+  owns rows ``[seg_indptr[e], seg_indptr[e+1])``. ``torch._grouped_mm``'s ``offs`` is
+  ``seg_indptr[1:]`` as int32; NPU ``group_list_type=1`` counts are ``diff(seg_indptr)``.
+* expert weights are in Hugging Face layout: ``w13`` [E, 2I, H] (gate rows, then up rows), ``w2`` [E, H, I].
+
+Numerics follow the Hugging Face ``grouped_mm`` experts exactly: each GEMM output is rounded to the
+activation dtype, ``silu(gate) * up`` in that dtype, the routing weight multiplies the expert output in
+the promoted dtype (fp32 when the router kept fp32 weights), the top-k sum accumulates in fp32 and is
+rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _valid(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return (ids >= 0) & (ids < num_experts)
+
+
+def moe_permute_ref(
+    x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows [T*K, H], src2dst [T*K] int64, seg_indptr [E+1] int64)``: tokens gathered in expert order."""
+    t, k = topk_ids.shape
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    valid = _valid(flat, num_experts)
+    key = torch.where(valid, flat, num_experts)  # invalid slots sort last
+    sorted_key, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=x.device).scatter_add(
+        0, key, torch.ones_like(key))
+    seg_indptr = torch.cat([counts.new_zeros(1), torch.cumsum(counts[:num_experts], 0)])
+    positions = torch.arange(t * k, device=x.device, dtype=torch.int64)
+    inverse = torch.empty_like(order).scatter(0, order, positions)
+    src2dst = torch.where(valid, inverse, -1)
+    rows = x.reshape(t, -1)[order // k]
+    rows = torch.where((sorted_key < num_experts).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype, device=x.device))
+    return rows, src2dst, seg_indptr
+
+
+def moe_unpermute_ref(
+    y: torch.Tensor,
+    src2dst: torch.Tensor,
+    topk_weights: torch.Tensor | None,
+    top_k: int,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """``out[t] = sum_{valid k} w[t,k] * y[src2dst[t*K+k]]`` (product in the promoted dtype, sum over k)."""
+    s, h = src2dst.numel(), y.shape[-1]
+    t = s // top_k
+    valid = (src2dst >= 0).reshape(t, top_k, 1)
+    g = y[src2dst.clamp(min=0)].reshape(t, top_k, h)
+    if topk_weights is not None:
+        g = g * topk_weights.reshape(t, top_k, 1)
+    g = torch.where(valid, g, torch.zeros((), dtype=g.dtype, device=g.device))
+    out = g.sum(1)
+    return out.to(out_dtype) if out_dtype is not None else out
+
+
+def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return False  # torch._grouped_mm's fake kernel accepts bf16 only (traced-graphs.md §8)
+    if (x.shape[-1] * 2) % 16 or (w.shape[1] * 2) % 16:
+        return False  # its operands' row strides must be multiples of 16 bytes
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device)[0] >= 9
+    return x.device.type == "cpu"
+
+
+def _zero_tail(out: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(out.shape[0], device=out.device)
+    return torch.where((rows < seg_indptr[-1]).unsqueeze(-1), out, torch.zeros((), dtype=out.dtype,
+                                                                                 device=out.device))
+
+
+def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+    """Rows of expert ``e`` times ``w[e].T`` (``w`` [E, N, K], torch Linear layout); tail rows zero."""
+    if _grouped_mm_supported(x, w):
+        offs = seg_indptr[1:].to(torch.int32)
+        return _zero_tail(torch._grouped_mm(x, w.transpose(-2, -1), offs), seg_indptr)
+    out = x.new_zeros(x.shape[0], w.shape[1])
+    bounds = seg_indptr.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = x[lo:hi] @ w[e].transpose(0, 1)
+    return out
+
+
+def grouped_gemm_fake(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def grouped_gemm_traceable(args: tuple) -> bool:
+    """The reference traces to ATen ops (``_grouped_mm``) only for bf16; other dtypes keep the opaque op."""
+    return _grouped_mm_supported(args[0], args[1])
+
+
+def grouped_gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the gate|up GEMM (``w13`` [E, 2I, H]); tail rows zero."""
+    h = grouped_gemm_ref(x, w13, seg_indptr)
+    inter = w13.shape[1] // 2
+    gate, up = h.split(inter, -1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def grouped_gemm_swiglu_fake(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w13.shape[1] // 2)
+
+
+def moe_experts_ref(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The routed-expert block: permute -> grouped GEMM + SwiGLU -> grouped GEMM -> weighted unpermute.
+
+    Written with the canonical stage ops, so that expanding the block leaves one node per stage for
+    the providers (and the EP pass) to work on.
+    """
+    ops = torch.ops.ep_fuse
+    rows, src2dst, seg_indptr = ops.moe_permute(x, topk_ids, w13.shape[0])
+    act = ops.grouped_gemm_swiglu(rows, w13, seg_indptr)
+    y = ops.grouped_gemm(act, w2, seg_indptr)
+    return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)

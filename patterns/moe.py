@@ -1,0 +1,322 @@
+"""Routed MoE experts: permute -> gate|up GEMM -> SwiGLU -> down GEMM -> weighted unpermute.
+
+The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w2, out_dtype)``
+(expanded into the stage ops ``moe_permute`` / ``grouped_gemm_swiglu`` / ``grouped_gemm`` /
+``moe_unpermute`` before lowering). Forms (``traced-graphs.md`` §4.4, §6.6):
+
+* ``grouped_mm`` (HF transformers 5.x default)::
+
+      perm = sort(view(ids, [-1]))[1]; rows = index(x, [floor_divide(perm, K)])
+      offs = cumsum(histc(_to_copy(sort[0]), E, 0, E-1), 0, dtype=int32)
+      h = _grouped_mm(rows, transpose(w13, -2, -1), offs); act = silu(split(h, I)[0]) * split(h, I)[1]
+      y = _grouped_mm(act, transpose(w2, -2, -1), offs) * unsqueeze(index(view(w, [-1]), [perm]), -1)
+      out = sum(view(index(y, [index_put(empty_like(perm), [perm], arange(S))]), [T, K, H]), [1])
+
+  with an optional final cast; fp32/fp16 models call the opaque ``transformers::grouped_mm_fallback``
+  instead of ``_grouped_mm``; the histc input is ``float`` on CPU and ``int`` on CUDA;
+* hand-written sort-based forms (Megatron/DeepSpeed/sglang styles, ``tests/moe_modules.py``): a stable
+  ``argsort`` instead of ``sort``; counts from ``histc``, ``one_hot(ids, E).sum(0)`` or ``scatter_add`` of
+  ones; rows gathered with ``index``/``index_select`` or scattered by the inverse permutation
+  (``rows[src2dst] = x.repeat_interleave(K)``); outputs returned by the inverse-permutation gather +
+  top-k ``sum`` (weights before or after the gather), ``index_add`` on the token index, or
+  ``scatter_add`` into ``zeros_like(x)``;
+* ``batched_mm`` (HF's decode path): ``x`` repeated K times (``unsqueeze/expand/clone/view``), the
+  expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
+
+Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
+Llama4's dense ``bmm`` over all experts (every token through every expert, scores pre-multiplied).
+Shared experts and routed-scaling factors live outside these nodes and stay untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ep_fuse.fx_utils import tensor_val
+from ep_fuse.matching import (
+    Anchor,
+    Cast,
+    Derived,
+    Item,
+    Lit,
+    Match,
+    Pattern,
+    Replacement,
+    Var,
+    op,
+)
+from ep_fuse.matching.checks import MODEL_FLOATS, is_int, is_shape, tensor_of
+from ep_fuse.matching.pattern import Opt, alt, equals
+from ep_fuse.ops import canonical
+
+aten = torch.ops.aten
+
+DESCRIPTION = "routed MoE experts (permute, grouped GEMM + SwiGLU, unpermute) -> ep_fuse::moe_experts"
+
+INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+_float_tensor = tensor_of(MODEL_FLOATS, "fp16/bf16/fp32")
+_int_tensor = tensor_of(INT_DTYPES, "integer")
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+def _one_of(*values: Any) -> Any:
+    """A literal equal to one of ``values`` (ints, or lists compared element-wise)."""
+
+    def same(v: Any, x: Any) -> bool:
+        if isinstance(x, list):
+            return isinstance(v, (list, tuple)) and list(v) == x
+        return equals(x)(v) is None
+
+    def check(v: Any) -> str | None:
+        return None if any(same(v, x) for x in values) else f"expected one of {values}, got {v!r}"
+
+    check.__name__ = f"one of {values}"
+    return check
+
+
+def _is(expected: Any) -> Any:
+    def check(v: Any) -> str | None:
+        return None if v == expected else f"expected {expected}, got {v!r}"
+
+    check.__name__ = f"is {expected}"
+    return check
+
+
+def is_dtype(v: Any) -> str | None:
+    return None if isinstance(v, torch.dtype) else f"expected a dtype, got {v!r}"
+
+
+def _grouped_mm(a: Any, b: Any, offs: Any) -> Any:
+    """``aten._grouped_mm(a, b, offs)`` or, when transformers registered it, its fp32/fp16 fallback op."""
+    options = [op(aten._grouped_mm.default, self=a, mat2=b, offs=offs)]
+    try:
+        import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+        options.append(op(torch.ops.transformers.grouped_mm_fallback.default, input=a, weight=b, offs=offs))
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    return alt(*options)
+
+
+def _transposed(name: str) -> Any:
+    """``transpose(W, -2, -1)`` of a 3-D expert weight (torch Linear layout [E, out, in])."""
+    return op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(_one_of(-2, 1)), dim1=Lit(_one_of(-1, 2)))
+
+
+def _swiglu(h: Any) -> Any:
+    split = op(aten.split.Tensor, self=h, split_size=Lit(is_int, bind="inter"), dim=Lit(_one_of(-1, 1)),
+               bind="gate_up")
+    return op(aten.mul.Tensor, self=op(aten.silu.default, self=Item(split, 0)), other=Item(split, 1),
+              commutative=("self", "other"))
+
+
+def _fill(target: Any, **args: Any) -> Any:
+    """A fresh buffer (``empty``/``zeros``/``arange``): device, pinning and layout are free."""
+    ignore = args.pop("ignore", ("device", "pin_memory", "layout"))
+    return op(target, ignore=ignore, **args)
+
+
+def _repeat_interleave(x: Any) -> Any:
+    """``x.repeat_interleave(K, 0)`` as traced: ``view(clone(expand(unsqueeze(x, 1), [T, K, H])), [T*K, H])``."""
+    return op(VIEWS, size=Lit(is_shape), self=op(
+        aten.clone.default, memory_format=Lit(_is(torch.contiguous_format)),
+        self=op(aten.expand.default, size=Lit(is_shape, bind="expand_size"),
+                self=op(aten.unsqueeze.default, self=x, dim=Lit(equals(1))))))
+
+
+def _routing_front() -> dict[str, Any]:
+    """What every sort-based form shares: the slot order, per-expert offsets, the token of each sorted
+    slot, the inverse permutation and the permuted rows (each with its spelling variants)."""
+    x = Var("x", _float_tensor)
+    flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(_one_of([-1])), bind="flat_ids", shared=True)
+    sort = alt(op(aten.sort.default, self=flat), op(aten.sort.stable, self=flat, stable=Lit(equals(True))),
+               bind="sort")
+    perm = Item(sort, 1, bind="perm")
+    histc = op(aten.histc.default, self=Cast(Item(sort, 0), dtype="histc_dtype"), bins=Lit(is_int, bind="bins"),
+               min=Lit(equals(0)), max=Lit(is_int, bind="hist_max"))
+    one_hot = op(aten.sum.dim_IntList, dim=Lit(_one_of([0])), self=Cast(
+        op(aten.eq.Tensor, self=op(aten.unsqueeze.default, self=flat, dim=Lit(equals(-1))),
+           other=_fill(aten.arange.default, end=Lit(is_int, bind="bins"), dtype=Lit(_is(torch.int64)))),
+        dtype=torch.int64))
+    scattered = op(aten.scatter_add.default, dim=Lit(equals(0)), index=flat,
+                   self=_fill(aten.zeros.default, size=Lit(is_shape, bind="count_shape"), dtype=Lit(_is(torch.int64))),
+                   src=op(aten.ones_like.default, self=flat, ignore=("pin_memory",)))
+    counts = alt(histc, one_hot, scattered)
+    offs = alt(op(aten.cumsum.default, self=counts, dim=Lit(equals(0)), dtype=Lit(_is(torch.int32))),
+               Cast(op(aten.cumsum.default, self=counts, dim=Lit(equals(0))), dtype=torch.int32), bind="offs")
+    token = op(aten.floor_divide.default, self=perm, other=Lit(is_int, bind="top_k"), bind="token")
+    inverse = op(aten.index_put.default, self=op(aten.empty_like.default, self=perm, ignore=("pin_memory",)),
+                 indices=[perm], values=_fill(aten.arange.default, end=Lit(is_int, bind="slots"),
+                                              ignore=("device", "pin_memory", "dtype", "layout")), bind="inverse")
+    rows = alt(op(aten.index.Tensor, self=x, indices=[token]),
+               op(aten.index_select.default, self=x, dim=Lit(equals(0)), index=token),
+               op(aten.index_put.default, self=_fill(aten.empty.memory_format, size=Lit(is_shape), dtype=Lit(is_dtype)),
+                  indices=[inverse], values=_repeat_interleave(x)))
+    return {"perm": perm, "offs": offs, "token": token, "inverse": inverse, "rows": rows}
+
+
+def _expert_outputs(rows: Any, offs: Any) -> Any:
+    return _grouped_mm(_swiglu(_grouped_mm(rows, _transposed("w13"), offs)), _transposed("w2"), offs)
+
+
+def _weighted(y: Any, weights_by_row: Any) -> Any:
+    """``y * unsqueeze(w_row, -1)``, the weight optionally cast first (to the activation dtype)."""
+    w = Opt(Cast(op(aten.unsqueeze.default, self=weights_by_row, dim=Lit(equals(-1))), dtype="weight_dtype"))
+    return op(aten.mul.Tensor, self=y, other=w, commutative=("self", "other"))
+
+
+def _topk_sum(per_slot: Any) -> Any:
+    """``sum(view(per_slot, [T, K, H]), [1])``."""
+    return op(aten.sum.dim_IntList, dim=Lit(_one_of([1], [-2])),
+              self=op(VIEWS, self=per_slot, size=Lit(is_shape, bind="tkh")))
+
+
+def _grouped_trees() -> dict[str, Any]:
+    """Sort-based forms, by how the expert outputs return to their tokens."""
+    f = _routing_front()
+    y = _expert_outputs(f["rows"], f["offs"])
+    w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(_one_of([-1])))
+    sorted_weighted = _weighted(y, op(aten.index.Tensor, self=w_flat, indices=[f["perm"]]))
+    gathered_back = _topk_sum(op(aten.index.Tensor, self=sorted_weighted, indices=[f["inverse"]]))
+    # sglang style: gather back by src2dst first, weight in [T, K] layout
+    by_slot = Opt(Cast(op(VIEWS, self=op(aten.index.Tensor, self=y, indices=[f["inverse"]]),
+                          size=Lit(is_shape, bind="tkh")), dtype="gathered_dtype"))
+    weighted_late = op(aten.sum.dim_IntList, dim=Lit(_one_of([1], [-2])), self=op(
+        aten.mul.Tensor, self=by_slot, commutative=("self", "other"),
+        other=op(aten.unsqueeze.default, self=Var("topk_weights", _float_tensor), dim=Lit(equals(-1)))))
+    index_add = op(aten.index_add.default, dim=Lit(equals(0)), index=f["token"], source=sorted_weighted,
+                   self=_fill(aten.zeros.default, size=Lit(is_shape, bind="acc_shape"),
+                              dtype=Lit(is_dtype, bind="acc_dtype")))
+    token_rows = op(aten.expand.default, size=Lit(is_shape, bind="index_shape"),
+                    self=op(aten.unsqueeze.default, self=f["token"], dim=Lit(equals(-1))))
+    scatter_add = op(aten.scatter_add.default, dim=Lit(equals(0)), index=token_rows, src=sorted_weighted,
+                     self=op(aten.zeros_like.default, self=Var("x"), ignore=("pin_memory",)))
+    return {
+        "grouped_mm": Opt(Cast(gathered_back, dtype="out_dtype")),
+        "weights_after_gather": Opt(Cast(weighted_late, dtype="out_dtype")),
+        "index_add": Opt(Cast(index_add, dtype="out_dtype")),
+        "scatter_add": scatter_add,
+    }
+
+
+def _batched_tree() -> Any:
+    """HF ``batched_mm``: no permute; each slot multiplies its gathered expert weights (``bmm``)."""
+    ids_flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(_one_of([-1])), bind="flat_ids")
+
+    def per_row(w: str, rows: Any) -> Any:
+        gathered = op(aten.index.Tensor, self=Var(w, _float_tensor), indices=[ids_flat])
+        prod = op(aten.bmm.default, self=gathered, mat2=op(aten.unsqueeze.default, self=rows, dim=Lit(equals(-1))))
+        return op(aten.squeeze.dim, self=prod, dim=Lit(equals(-1)))
+
+    y = per_row("w2", _swiglu(per_row("w13", _repeat_interleave(Var("x", _float_tensor)))))
+    w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(_one_of([-1])))
+    return Opt(Cast(_topk_sum(_weighted(y, w_flat)), dtype="out_dtype"))
+
+
+# --------------------------------------------------------------------------- guards
+def expert_weights(m: Match) -> str | None:
+    """w13 [E, 2I, H] and w2 [E, H, I] over the tokens' hidden size, one dtype with the tokens."""
+    x, w13, w2 = tensor_val(m["x"]), tensor_val(m["w13"]), tensor_val(m["w2"])
+    if x.dim() != 2:
+        return f"tokens of shape {list(x.shape)} are not [T, H]"
+    if w13.dim() != 3 or w2.dim() != 3:
+        return "expert weights are not 3-D [E, out, in]"
+    e, two_i, h = w13.shape
+    if not (statically_known_true(h == x.shape[1]) and statically_known_true(w2.shape[0] == e)
+            and statically_known_true(w2.shape[1] == h) and statically_known_true(2 * w2.shape[2] == two_i)):
+        return f"w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit tokens of width {x.shape[1]}"
+    if not statically_known_true(2 * m["inter"] == two_i):
+        return f"split of {m['inter']} does not halve the {two_i} gate|up columns"
+    if not (x.dtype == w13.dtype == w2.dtype):
+        return f"tokens {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: mixed dtypes"
+    return None
+
+
+def _same_shape(given: Any, *expected: list[Any]) -> bool:
+    return list(given) in [list(e) for e in expected]
+
+
+def routing(m: Match) -> str | None:
+    """ids and weights are [T, K] of the tokens; counts, token index and the top-k sum use the same T, K, E."""
+    x, ids, w = tensor_val(m["x"]), tensor_val(m["topk_ids"]), tensor_val(m["topk_weights"])
+    e = tensor_val(m["w13"]).shape[0]
+    if ids.dim() != 2 or tuple(w.shape) != tuple(ids.shape):
+        return f"topk ids {list(ids.shape)} and weights {list(w.shape)} are not one [T, K]"
+    t, k = ids.shape
+    h = x.shape[1]
+    if not statically_known_true(t == x.shape[0]):
+        return f"{t} routed rows for {x.shape[0]} tokens"
+    if "tkh" in m.bindings and not _same_shape(m["tkh"], [t, k, h], [t, k, -1], [-1, k, h]):
+        return f"top-k sum over a view {list(m['tkh'])}, expected [{t}, {k}, {h}]"
+    if "top_k" in m.bindings and m["top_k"] != k:
+        return f"slot // {m['top_k']} does not map slots of top-{k} routing to tokens"
+    if "bins" in m.bindings and m["bins"] != e:
+        return f"counts over {m['bins']} bins for {e} experts"
+    if "hist_max" in m.bindings and m["hist_max"] != e - 1:
+        return f"histc(max={m['hist_max']}) does not count experts 0..{e - 1}"
+    if "count_shape" in m.bindings and not _same_shape(m["count_shape"], [e]):
+        return f"counts of shape {list(m['count_shape'])} for {e} experts"
+    if "slots" in m.bindings and m["slots"] != t * k:
+        return f"inverse permutation over {m['slots']} slots, expected {t * k}"
+    if "expand_size" in m.bindings and not _same_shape(m["expand_size"], [t, k, h]):
+        return f"tokens repeated as {list(m['expand_size'])}, expected [{t}, {k}, {h}]"
+    if "acc_shape" in m.bindings and not _same_shape(m["acc_shape"], [t, h]):
+        return f"accumulator of shape {list(m['acc_shape'])}, expected [{t}, {h}]"
+    if "index_shape" in m.bindings and not _same_shape(m["index_shape"], [-1, h], [t * k, h]):
+        return f"scatter index expanded to {list(m['index_shape'])}, expected [{t * k}, {h}]"
+    return None
+
+
+def combine_dtypes(m: Match) -> str | None:
+    """The weighted sum runs in the dtype the canonical op uses: the promotion of the expert output
+    and the (possibly cast) routing weight."""
+    x, w = tensor_val(m["x"]), tensor_val(m["topk_weights"])
+    prod = torch.promote_types(x.dtype, m.get("weight_dtype") or w.dtype)
+    for name in ("acc_dtype", "gathered_dtype"):
+        if name in m.bindings and torch.promote_types(m[name], prod) != m[name]:
+            return f"{name}={m[name]} is narrower than the weighted product ({prod})"
+        if name in m.bindings and m[name] != prod:
+            return f"the weighted sum runs in {m[name]}, not in the product dtype {prod}"
+    if "index_shape" in m.bindings and prod != x.dtype:
+        return f"scatter_add into {x.dtype} of a {prod} product"
+    return None
+
+
+GUARDS = (expert_weights, routing, combine_dtypes)
+
+
+def _build(m: Match) -> Replacement:
+    w = m["topk_weights"]
+    if m.get("weight_dtype") is not None:
+        w = Derived(torch.ops.prims.convert_element_type.default, (w, m["weight_dtype"]))
+    return Replacement(canonical.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype")))
+
+
+def _expert_gemm(node: Any) -> bool:
+    """A ``sort`` of flattened ids, or a ``bmm`` on gathered 3-D weights: a routed-expert block candidate."""
+    if node.target in (aten.sort.default, aten.sort.stable):
+        return True
+    gathered = node.args[0]
+    value = tensor_val(gathered)
+    return getattr(gathered, "target", None) is aten.index.Tensor and value is not None and value.dim() == 3
+
+
+_SORT_ANCHORS = (Anchor(aten.sort.default, _expert_gemm), Anchor(aten.sort.stable, _expert_gemm))
+_DESCRIPTIONS = {
+    "grouped_mm": "sort, counts, grouped GEMMs, weights in sorted order, inverse-permutation gather + top-k sum (HF)",
+    "weights_after_gather": "sort, counts, grouped GEMMs, inverse-permutation gather, weights in [T, K] (sglang style)",
+    "index_add": "argsort, counts, grouped GEMMs, weighted rows index_add-ed to their tokens",
+    "scatter_add": "argsort, counts, grouped GEMMs, weighted rows scatter_add-ed into zeros_like(x)",
+}
+
+PATTERNS = [
+    *(Pattern(name="moe_experts", variant=variant, tree=tree, build=_build, guards=GUARDS, anchors=_SORT_ANCHORS,
+              description=_DESCRIPTIONS[variant], produces="ep_fuse::moe_experts")
+      for variant, tree in _grouped_trees().items()),
+    Pattern(name="moe_experts", variant="batched_mm", tree=_batched_tree(), build=_build, guards=GUARDS,
+            anchors=(Anchor(aten.bmm.default, _expert_gemm),),
+            description="HF batched_mm: per-slot gathered expert weights into bmm, top-k sum",
+            produces="ep_fuse::moe_experts"),
+]

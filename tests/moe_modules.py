@@ -1,0 +1,82 @@
+"""Hand-written MoE expert blocks in the styles of other code bases (not Hugging Face), for pattern tests.
+
+Each module takes ``(x [T, H], topk_ids [T, K], topk_weights [T, K])`` and holds ``w13`` [E, 2I, H]
+and ``w2`` [E, H, I]; all compute ``sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))``.
+They differ in how tokens are ordered, counted and combined:
+
+* ``ArgsortIndexAdd``: stable ``argsort`` of the flat ids, counts from ``one_hot(...).sum(0)``,
+  combine with ``index_add_`` on the token index (Megatron/DeepSpeed style);
+* ``ScatterAddCombine``: ``argsort``, counts via ``scatter_add_`` of ones, combine with ``scatter_add_``
+  of the weighted rows into ``[T, H]``;
+* ``SglangLayout``: explicit ``src2dst`` (inverse permutation) and ``seg_indptr``, rows scattered by
+  ``src2dst``, outputs gathered back by it and summed over the top-k slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.num_experts = num_experts
+        self.w13 = torch.nn.Parameter((torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.w2 = torch.nn.Parameter((torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5).to(dtype))
+
+    def _experts(self, rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        h = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(1, 2), offs=offs)
+
+
+class ArgsortIndexAdd(_Experts):
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = F.one_hot(flat, self.num_experts).sum(0)
+        offs = counts.cumsum(0).to(torch.int32)
+        y = self._experts(x[token], offs)
+        y = y * topk_weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(x.shape, dtype=y.dtype, device=x.device)
+        out.index_add_(0, token, y)
+        return out.to(x.dtype)
+
+
+class ScatterAddCombine(_Experts):
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        token = order // k
+        y = self._experts(x.index_select(0, token), offs)
+        y = y * topk_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        out = torch.zeros_like(x)
+        out.scatter_add_(0, token.unsqueeze(-1).expand(-1, x.shape[1]), y)
+        return out
+
+
+class SglangLayout(_Experts):
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        src2dst = torch.empty_like(order)
+        src2dst[order] = torch.arange(t * k, device=x.device)
+        counts = F.one_hot(flat, self.num_experts).sum(0)
+        offs = counts.cumsum(0).to(torch.int32)
+        rows = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=x.device)
+        rows[src2dst] = x.repeat_interleave(k, dim=0)
+        y = self._experts(rows, offs)
+        out = (y[src2dst].view(t, k, -1).float() * topk_weights.unsqueeze(-1)).sum(1)
+        return out.to(x.dtype)
+
+
+MODULES = {"argsort_index_add": ArgsortIndexAdd, "scatter_add": ScatterAddCombine, "sglang_layout": SglangLayout}

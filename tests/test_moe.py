@@ -1,0 +1,237 @@
+"""The MoE experts family: reference semantics, every traced form, guards, HF models."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ep_fuse
+from ep_fuse import tiny_models
+from ep_fuse.ops import canonical  # noqa: F401  (defines torch.ops.ep_fuse.moe_*)
+from ep_fuse.ops.moe_reference import moe_experts_ref, moe_permute_ref, moe_unpermute_ref
+from ep_fuse.testing import compile_and_run
+from moe_modules import MODULES, ArgsortIndexAdd
+
+BF16 = torch.bfloat16
+
+
+def _routing(t, e, k, seed=0, invalid=0.0):
+    g = torch.Generator().manual_seed(seed)
+    w, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k)
+    if invalid:
+        ids = torch.where(torch.rand(t, k, generator=g) < invalid, -1, ids)
+    return w, ids
+
+
+def _loop_oracle(x, ids, w, w13, w2):
+    """Per token and slot, in fp64: sum_k w * down(silu(gate) * up)."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if not 0 <= e < w13.shape[0]:
+                continue
+            h = w13[e].double() @ x[t].double()
+            act = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += float(w[t, k]) * (w2[e].double() @ act)
+    return out
+
+
+# --------------------------------------------------------------------------- reference semantics
+@settings(max_examples=25, deadline=None)
+@given(t=st.integers(1, 9), k=st.integers(1, 4), e=st.integers(1, 6), invalid=st.sampled_from([0.0, 0.3, 1.0]),
+       seed=st.integers(0, 100))
+def test_permute_reference_is_stable_expert_major(t, k, e, invalid, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    ids = torch.where(torch.rand(t, k, generator=g) < invalid, -1, ids)
+    x = torch.randn(t, 5, generator=g)
+    rows, src2dst, seg = moe_permute_ref(x, ids, e)
+    flat = ids.reshape(-1).tolist()
+    expected_order = [j for ex in range(e) for j, v in enumerate(flat) if v == ex]  # stable, expert-major
+    assert src2dst.dtype == torch.int64 and seg.dtype == torch.int64
+    assert seg.tolist() == [0] + [sum(1 for v in flat if 0 <= v < ex + 1) for ex in range(e)]
+    for dst, j in enumerate(expected_order):
+        assert src2dst[j] == dst
+        assert torch.equal(rows[dst], x[j // k])
+    assert all(src2dst[j] == -1 for j, v in enumerate(flat) if not 0 <= v < e)
+    assert not rows[len(expected_order):].any(), "tail rows are zero"
+
+
+def test_unpermute_reference_weights_and_skips():
+    y = torch.arange(12.0).reshape(6, 2)
+    src2dst = torch.tensor([2, -1, 0, 5, -1, -1])  # T=3, K=2; token 2 has no valid slot
+    w = torch.tensor([[0.5, 9.0], [2.0, 1.0], [7.0, 7.0]])
+    out = moe_unpermute_ref(y, src2dst, w, 2, None)
+    torch.testing.assert_close(out, torch.stack([0.5 * y[2], 2.0 * y[0] + y[5], torch.zeros(2)]))
+    assert torch.equal(moe_unpermute_ref(y, src2dst, None, 2, None)[1], y[0] + y[5])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_experts_reference_matches_loop_oracle(dtype):
+    t, h, e, i, k = 7, 16, 5, 8, 3
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / 4).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / 3).to(dtype)
+    w, ids = _routing(t, e, k, invalid=0.2)
+    out = moe_experts_ref(x, ids, w, w13, w2, None)
+    assert out.dtype == torch.float32  # product of a bf16/fp32 output with fp32 weights
+    oracle = _loop_oracle(x, ids, w, w13, w2)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), oracle, rtol=tol, atol=tol * oracle.abs().max().item())
+
+
+def test_canonical_ops_pass_opcheck():
+    t, h, e, i, k = 5, 8, 3, 4, 2
+    x = torch.randn(t, h).to(BF16)
+    w, ids = _routing(t, e, k, invalid=0.2)
+    w13, w2 = torch.randn(e, 2 * i, h).to(BF16), torch.randn(e, h, i).to(BF16)
+    rows, src2dst, seg = moe_permute_ref(x, ids, e)
+    ops = torch.ops.ep_fuse
+    torch.library.opcheck(ops.moe_permute.default, (x, ids, e))
+    torch.library.opcheck(ops.grouped_gemm_swiglu.default, (rows, w13, seg))
+    torch.library.opcheck(ops.grouped_gemm.default, (rows[:, :i].contiguous(), w2, seg))
+    torch.library.opcheck(ops.grouped_gemm.default, (rows.float()[:, :i].contiguous(), w2.float(), seg))
+    torch.library.opcheck(ops.moe_unpermute.default, (rows, src2dst, w, k, BF16))
+    torch.library.opcheck(ops.moe_experts.default, (x, ids, w, w13, w2, BF16))
+
+
+# --------------------------------------------------------------------------- hand-written forms
+def _module_inputs(t=13, h=32, e=4, k=2):
+    g = torch.Generator().manual_seed(3)
+    w, ids = _routing(t, e, k, seed=3)
+    return torch.randn(t, h, generator=g).to(BF16), ids, w
+
+
+@pytest.mark.parametrize("name, variant", [("argsort_index_add", "index_add"), ("scatter_add", "scatter_add"),
+                                           ("sglang_layout", "weights_after_gather")])
+def test_hand_written_forms_fuse_to_one_block(name, variant):
+    mod = MODULES[name](4, 32, 16)
+    args = _module_inputs()
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert rep.counts() == {"moe_experts": 1}
+    assert [m.variant for m in rep.matches] == [variant]
+    canon = rep.passes[0].ops
+    assert canon.get("ep_fuse.moe_experts.default") == 1
+    for gone in ("aten._grouped_mm.default", "aten.sort.stable", "aten.index_add.default", "aten.scatter_add.default"):
+        assert canon.get(gone, 0) == 0, gone
+    after = rep.ops_after
+    for stage in ("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"):
+        assert after.get(f"ep_fuse.{stage}.default") == 1, after
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+class _IndexAddIntoInput(ArgsortIndexAdd):
+    """Accumulates into the tokens themselves (a residual add), not into zeros: a different function."""
+
+    def forward(self, x, topk_ids, topk_weights):
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.nn.functional.one_hot(flat, self.num_experts).sum(0).cumsum(0).to(torch.int32)
+        y = self._experts(x[order // k], offs) * topk_weights.reshape(-1)[order].unsqueeze(-1).to(x.dtype)
+        return x.clone().index_add_(0, order // k, y)
+
+
+class _WrongTopK(ArgsortIndexAdd):
+    """Maps slots to tokens with the wrong K (``order // 1``): rows of other tokens."""
+
+    def forward(self, x, topk_ids, topk_weights):
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.nn.functional.one_hot(flat, self.num_experts).sum(0).cumsum(0).to(torch.int32)
+        token = (order // 1).clamp(max=x.shape[0] - 1)
+        y = self._experts(x[token], offs) * topk_weights.reshape(-1)[order].unsqueeze(-1)
+        out = torch.zeros(x.shape, dtype=y.dtype)
+        return out.index_add_(0, token, y).to(x.dtype)
+
+
+class _CountsOfOtherExperts(ArgsortIndexAdd):
+    """Counts over E+1 bins: offsets that do not describe the experts' segments."""
+
+    def forward(self, x, topk_ids, topk_weights):
+        k = topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        offs = torch.nn.functional.one_hot(flat, self.num_experts + 1).sum(0).cumsum(0).to(torch.int32)[1:]
+        y = self._experts(x[order // k], offs) * topk_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros(x.shape, dtype=y.dtype).index_add_(0, order // k, y).to(x.dtype)
+
+
+@pytest.mark.parametrize("cls", [_IndexAddIntoInput, _WrongTopK, _CountsOfOtherExperts])
+def test_lookalikes_are_not_fused(cls):
+    mod = cls(4, 32, 16)
+    args = _module_inputs()
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert "moe_experts" not in rep.counts(), rep.summary()
+    assert rep.passes[0].ops.get("aten._grouped_mm.default") == 2
+    assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- HF models
+HF_CASES = [("mixtral", "grouped_mm", BF16), ("mixtral", "grouped_mm", torch.float32),
+            ("mixtral", "batched_mm", BF16), ("qwen2_moe", "grouped_mm", BF16), ("qwen3_moe", "batched_mm", BF16),
+            ("deepseek_v3", "grouped_mm", BF16), ("deepseek_v3", "grouped_mm", torch.float32),
+            ("deepseek_v3", "batched_mm", torch.float32)]
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name, impl, dtype", HF_CASES)
+def test_hf_experts_fuse_once_per_moe_layer(name, impl, dtype):
+    model = tiny_models.build(name, dtype=dtype, experts_implementation=impl)
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        out = torch.compile(model, backend="ep_fuse", options={"executor": "eager",
+                                                               "providers": {"cpu": ["reference"]}})(**inputs).logits
+    rep = ep_fuse.last_report()
+    expected = tiny_models.EXPECTED_SITES[name][0]["moe_experts"]
+    blocks = [m for m in rep.matches if m.pattern == "moe_experts"]
+    assert len(blocks) == expected
+    assert {m.variant for m in blocks} == {impl}
+    assert all(m.module_path.endswith("mlp.experts") for m in blocks)
+    assert all(set(m.stages) == {"moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"}
+               for m in blocks)
+    gemm = {"grouped_mm": "aten._grouped_mm.default", "batched_mm": "aten.bmm.default"}[impl]
+    if dtype == torch.float32 and impl == "grouped_mm":
+        gemm = "transformers.grouped_mm_fallback.default"
+    assert rep.ops_before[gemm] - rep.ops_after.get(gemm, 0) == 2 * expected, "both expert GEMMs of each block"
+    for gone in ("aten.histc.default", "aten.index_put.default", "aten.sort.default"):
+        assert rep.ops_after.get(gone, 0) == 0, gone
+    # bf16: a GEMM with another accumulation order than HF's (bmm per slot) moves logits by a few ulps
+    tol = 1e-4 if dtype == torch.float32 else 4e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.hf
+def test_hf_experts_under_inductor_on_cpu():
+    """Under Inductor without a fused provider the block's reference is inlined: Inductor compiles it."""
+    model = tiny_models.build("mixtral", experts_implementation="grouped_mm")
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+        out = torch.compile(model, backend="ep_fuse", options={"executor": "inductor",
+                                                               "providers": {"cpu": ["reference"]}})(**inputs).logits
+    rep = ep_fuse.last_report()
+    assert rep.counts()["moe_experts"] == 2
+    assert rep.ops_after.get("aten._grouped_mm.default") == 4  # bf16: the traceable reference
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+@pytest.mark.hf
+def test_gpt_oss_glu_experts_are_not_swiglu():
+    model = tiny_models.build("gpt_oss")
+    with torch.no_grad():
+        torch.compile(model, backend="ep_fuse", options={"executor": "eager"})(**tiny_models.example_inputs())
+    rep = ep_fuse.last_report()
+    assert "moe_experts" not in rep.counts()
+    assert rep.ops_after.get("aten._grouped_mm.default") == 4
+    assert [m.explain().split(" ")[0] for m in rep.near_misses] == ["sort", "sort_1"]

@@ -19,12 +19,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    bench_graph_us, bench_us, check_hf_models, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json,
+    bench_graph_us,
+    bench_us,
+    check_hf_models,
+    copy_bandwidth_gbs,
+    env_info,
+    markdown_table,
+    out_dir,
+    write_json,
 )
 
 import ep_fuse  # noqa: E402
-from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 import ep_fuse.providers.triton as tri  # noqa: E402
+from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 EPS = 1e-6
@@ -158,7 +165,9 @@ def check_compiled() -> list[str]:
 def liger_fn(op: str):
     try:
         if op == "add_rms_norm":
-            from liger_kernel.ops.fused_add_rms_norm import LigerFusedAddRMSNormFunction as F
+            from liger_kernel.ops.fused_add_rms_norm import (
+                LigerFusedAddRMSNormFunction as F,
+            )
 
             return lambda x, r, w: F.apply(x, r, w, EPS, 0.0, "llama", False)
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction as F
@@ -171,7 +180,11 @@ def liger_fn(op: str):
 
 def sweep(rows: int, h: int) -> list[dict[str, Any]]:
     """GPU time (CUDA-graph replay) of the raw kernel per launch config."""
-    from ep_fuse.providers.triton.rms_norm_kernel import LaunchConfig, launch, launch_config
+    from ep_fuse.providers.triton.rms_norm_kernel import (
+        LaunchConfig,
+        launch,
+        launch_config,
+    )
 
     x, r, w = inputs(rows, h, seed=11)
     y, s = torch.empty_like(x), torch.empty_like(x)

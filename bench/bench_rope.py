@@ -19,7 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    bench_graph_us, bench_us, check_hf_models, copy_bandwidth_gbs, env_info, markdown_table, out_dir, write_json,
+    bench_graph_us,
+    bench_us,
+    check_hf_models,
+    copy_bandwidth_gbs,
+    env_info,
+    markdown_table,
+    out_dir,
+    write_json,
 )
 
 import ep_fuse  # noqa: E402

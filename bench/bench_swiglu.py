@@ -54,7 +54,11 @@ def check(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def sweep(x, wg, wu, ref) -> list[dict[str, Any]]:
-    from ep_fuse.providers.triton.gemm_swiglu_kernel import GemmConfig, gemm_config, launch
+    from ep_fuse.providers.triton.gemm_swiglu_kernel import (
+        GemmConfig,
+        gemm_config,
+        launch,
+    )
 
     t, h = x.shape
     y = torch.empty(t, wg.shape[0], device="cuda", dtype=BF16)

@@ -38,8 +38,9 @@ def env_info() -> dict[str, Any]:
     except Exception:
         pass
     try:
-        import liger_kernel  # noqa: F401
         from importlib.metadata import version
+
+        import liger_kernel  # noqa: F401
 
         info["liger_kernel"] = version("liger-kernel")
     except Exception:

@@ -5,6 +5,7 @@
 """
 
 from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.ep import EpError, ep_options, shard_experts
 from ep_fuse.hf import prepare
 from ep_fuse.report import GraphReport, MatchRecord, last_report, reports, reset_reports
 
@@ -20,12 +21,15 @@ def make_backend(**options):  # noqa: ANN003, ANN201 - thin re-export with lazy 
 
 __all__ = [
     "ConfigError",
+    "EpError",
     "EpFuseConfig",
     "GraphReport",
     "MatchRecord",
+    "ep_options",
     "last_report",
     "make_backend",
     "prepare",
     "reports",
     "reset_reports",
+    "shard_experts",
 ]

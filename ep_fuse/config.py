@@ -41,6 +41,14 @@ class EpFuseConfig:
         inductor_config: extra Inductor config patches for the Inductor executor.
         dump_dir: write graphs before/after each pass and the match table under this folder
             (also ``EP_FUSE_DUMP_DIR``).
+        ep: expert parallelism over the default (world) group; see ``docs/ep.md`` and
+            :func:`ep_fuse.ep_options`. EP runs only where the group has more than one rank.
+        ep_group: the EP ``torch.distributed`` process group (or its name); setting it enables EP.
+        ep_backend: ``auto``, ``all_to_all``, ``deepep``, ``deepep_low_latency`` or ``npu``.
+        ep_capacity: ``None``: receive sizes are data-dependent (a host sync per layer); an int:
+            static capacity in tokens per rank (no sync, CUDA-graph capturable; every rank's batch
+            must fit).
+        ep_timeout_s: seconds any EP collective may wait before it raises.
     """
 
     executor: str = "auto"
@@ -51,6 +59,11 @@ class EpFuseConfig:
     mode: str | None = None
     inductor_config: tuple[tuple[str, Any], ...] = ()
     dump_dir: str | None = None
+    ep: bool = False
+    ep_group: str | None = None
+    ep_backend: str = "auto"
+    ep_capacity: int | None = None
+    ep_timeout_s: float = 300.0
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -113,6 +126,33 @@ class EpFuseConfig:
                     )
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise ConfigError(f"ep_fuse: dump_dir must be a path string, got {self.dump_dir!r}.")
+        self._validate_ep()
+
+    def _validate_ep(self) -> None:
+        from ep_fuse.ep import BACKENDS
+
+        if self.ep_group is not None and not isinstance(self.ep_group, str):
+            if not hasattr(self.ep_group, "group_name"):
+                raise ConfigError(f"ep_fuse: ep_group must be a torch.distributed ProcessGroup, got {self.ep_group!r}.")
+            object.__setattr__(self, "ep_group", self.ep_group.group_name)
+        if not isinstance(self.ep, bool):
+            raise ConfigError(f"ep_fuse: ep must be True or False, got {self.ep!r}.")
+        if self.ep_backend not in BACKENDS:
+            raise ConfigError(
+                f"ep_fuse: ep_backend={self.ep_backend!r} is not one of {', '.join(BACKENDS)}."
+                f"{_suggest(str(self.ep_backend), list(BACKENDS))}"
+            )
+        cap = self.ep_capacity
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+            raise ConfigError(f"ep_fuse: ep_capacity must be None or a positive number of tokens per rank, got {cap!r}.")
+        t = self.ep_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+            raise ConfigError(f"ep_fuse: ep_timeout_s must be a positive number of seconds, got {t!r}.")
+
+    @property
+    def ep_requested(self) -> bool:
+        """EP was asked for (``ep=True`` or an ``ep_group``); it runs where the group has > 1 rank."""
+        return self.ep or self.ep_group is not None
 
     # ------------------------------------------------------------------ queries
     def pattern_enabled(self, name: str) -> bool:

@@ -14,6 +14,7 @@ from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.canonicalize import Canonicalize
 from ep_fuse.passes.cleanup import Cleanup
+from ep_fuse.passes.ep import ExpertParallel
 from ep_fuse.passes.expand import Expand
 from ep_fuse.passes.lower import Lower
 from ep_fuse.passes.pair import Pair
@@ -27,7 +28,7 @@ progress = logging.getLogger("ep_fuse.progress")
 def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
-    return [Canonicalize(patterns), Pair(pairs), Cleanup(), Expand(), Lower(), Cleanup()]
+    return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(), Expand(), Lower(), Cleanup()]
 
 
 def run_passes(
@@ -47,7 +48,7 @@ def run_passes(
                       report.passes[-1].seconds)
         dumper.graph(f"{i:02d}_{p.name}", gm)
     report.ops_after = op_histogram(gm.graph)
-    canon = {c.op for c in canonical_ops().values()}
+    canon = {c.op for c in canonical_ops().values() if not c.engine}
     report.unlowered = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in canon]
     dumper.report(report)
     for m in report.matches:

@@ -30,6 +30,8 @@ class MatchRecord:
     """The match is a block (MoE experts) whose stage ops are lowered one by one."""
     stages: dict[str, str] = dataclasses.field(default_factory=dict)
     """For a block: the provider chosen for each stage op."""
+    stage_nodes: list[str] = dataclasses.field(default_factory=list)
+    """For a block: the nodes of its stage ops after expansion (what the report draws as "after")."""
 
     def set_provider(self, op: str, provider: str, declined: tuple[tuple[str, str], ...]) -> None:
         """Record the provider lowering chose for ``op`` (the fused op, or one stage of a block)."""
@@ -40,6 +42,24 @@ class MatchRecord:
         self.declined.extend((f"{p} ({op})", r) for p, r in declined)
         names = sorted(set(self.stages.values()))
         self.provider = names[0] if len(names) == 1 else "+".join(names)
+
+
+@dataclasses.dataclass
+class EpRecord:
+    """One MoE block the expert-parallel pass rewrote into dispatch -> local experts -> combine."""
+
+    block: str
+    module_path: str
+    backend: str
+    """The dispatch/combine provider (``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu``)."""
+    layout: str
+    """``rank`` (one row per token and destination rank) or ``expert`` (one row per token and expert)."""
+    requested: str
+    num_experts: int
+    local_experts: int
+    world: int
+    capacity: int
+    declined: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -102,6 +122,8 @@ class GraphReport:
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     unlowered: list[str] = dataclasses.field(default_factory=list)
     skipped: str | None = None
+    ep: list[EpRecord] = dataclasses.field(default_factory=list)
+    """MoE blocks the expert-parallel pass rewrote."""
     """Why the graph was compiled without rewriting (e.g. it needs autograd)."""
 
     def count(self, pattern: str | None = None, variant: str | None = None, provider: str | None = None) -> int:
@@ -148,6 +170,9 @@ class GraphReport:
         text = f"graph {self.graph} ({self.device}, executor={self.executor}): {counts}"
         if prov:
             text += f"; providers: {prov}"
+        if self.ep:
+            backends = sorted({f"{e.backend} over {e.world} ranks" for e in self.ep})
+            text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"
         if self.skipped:
             text += f"; not rewritten: {self.skipped}"
         if self.near_misses:

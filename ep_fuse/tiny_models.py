@@ -14,13 +14,13 @@ TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"
 
 EXPECTED_SITES = {
     # name: fused sites per pattern in the one inference graph of the 2-layer model, and the RoPE form
-    "mixtral": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "moe_experts": 2}, "half"),
-    "qwen2_moe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "gemm_swiglu": 2, "moe_experts": 2}, "half"),  # shared experts
-    "qwen3_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "moe_experts": 2}, "half"),  # + q/k-norm over head_dim
+    "mixtral": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "moe_experts": 2, "moe_gating": 2}, "half"),
+    "qwen2_moe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "gemm_swiglu": 2, "moe_experts": 2, "moe_gating": 2}, "half"),  # shared experts
+    "qwen3_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "moe_experts": 2, "moe_gating": 2}, "half"),  # + q/k-norm over head_dim
     # + q_a/kv_a norms; SwiGLU: the dense MLP of layer 0 and the shared expert of layer 1
-    "deepseek_v3": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1}, "deinterleave"),
-    "deepseek_v2": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1}, "complex"),
-    "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1}, "partial"),  # + q/k-norm
+    "deepseek_v3": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "deinterleave"),
+    "deepseek_v2": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "complex"),
+    "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "partial"),  # + q/k-norm
     "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "chunk"),  # its GLU is not SwiGLU
     "llama4": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "complex"),  # + L2 q/k-norm
 }

@@ -13,7 +13,7 @@ from types import ModuleType
 
 from ep_fuse.matching import PairRule, Pattern
 
-FAMILIES = ("rms_norm", "rope", "swiglu")
+FAMILIES = ("moe", "router", "rms_norm", "rope", "swiglu")
 
 
 def families() -> dict[str, ModuleType]:

@@ -12,7 +12,8 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
       y = _grouped_mm(act, transpose(w2, -2, -1), offs) * unsqueeze(index(view(w, [-1]), [perm]), -1)
       out = sum(view(index(y, [index_put(empty_like(perm), [perm], arange(S))]), [T, K, H]), [1])
 
-  with an optional final cast; fp32/fp16 models call the opaque ``transformers::grouped_mm_fallback``
+  with an optional final cast; HF 5.17 on CUDA also zeroes slots with ids >= E ("sentinels") with
+  ``masked_fill(·, unsqueeze(ge(sorted_ids, E), -1), 0.0)`` on the rows and both GEMM outputs; fp32/fp16 models call the opaque ``transformers::grouped_mm_fallback``
   instead of ``_grouped_mm``; the histc input is ``float`` on CPU and ``int`` on CUDA;
 * hand-written sort-based forms (Megatron/DeepSpeed/sglang styles, ``tests/moe_modules.py``): a stable
   ``argsort`` instead of ``sort``; counts from ``histc``, ``one_hot(ids, E).sum(0)`` or ``scatter_add`` of
@@ -20,7 +21,8 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   (``rows[src2dst] = x.repeat_interleave(K)``); outputs returned by the inverse-permutation gather +
   top-k ``sum`` (weights before or after the gather), ``index_add`` on the token index, or
   ``scatter_add`` into ``zeros_like(x)``;
-* ``batched_mm`` (HF's decode path): ``x`` repeated K times (``unsqueeze/expand/clone/view``), the
+* ``batched_mm`` (HF's decode path; HF 5.17 on CUDA first clamps the ids into [0, E-1], matched only
+  when the ids are a top-k output, where the clamp changes nothing): ``x`` repeated K times (``unsqueeze/expand/clone/view``), the
   expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
 
 Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
@@ -30,6 +32,7 @@ Shared experts and routed-scaling factors live outside these nodes and stay unto
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -154,11 +157,19 @@ def _routing_front() -> dict[str, Any]:
                op(aten.index_select.default, self=x, dim=Lit(equals(0)), index=token),
                op(aten.index_put.default, self=_fill(aten.empty.memory_format, size=Lit(is_shape), dtype=Lit(is_dtype)),
                   indices=[inverse], values=_repeat_interleave(x)))
-    return {"perm": perm, "offs": offs, "token": token, "inverse": inverse, "rows": rows}
+    # HF 5.17 (CUDA): slots routed to ids >= E ("sentinels" of EP) are zeroed around each GEMM
+    sentinel = op(aten.unsqueeze.default, dim=Lit(equals(-1)), bind="sentinel",
+                  self=op(aten.ge.Scalar, self=Item(sort, 0), other=Lit(is_int, bind="sentinel_e")))
+
+    def masked(p: Any) -> Any:
+        return alt(op(aten.masked_fill.Scalar, self=p, mask=sentinel, value=Lit(equals(0.0))), p)
+
+    return {"perm": perm, "offs": offs, "token": token, "inverse": inverse, "rows": masked(rows), "masked": masked}
 
 
-def _expert_outputs(rows: Any, offs: Any) -> Any:
-    return _grouped_mm(_swiglu(_grouped_mm(rows, _transposed("w13"), offs)), _transposed("w2"), offs)
+def _expert_outputs(rows: Any, offs: Any, masked: Any) -> Any:
+    gate_up = masked(_grouped_mm(rows, _transposed("w13"), offs))
+    return masked(_grouped_mm(_swiglu(gate_up), _transposed("w2"), offs))
 
 
 def _weighted(y: Any, weights_by_row: Any) -> Any:
@@ -176,7 +187,7 @@ def _topk_sum(per_slot: Any) -> Any:
 def _grouped_trees() -> dict[str, Any]:
     """Sort-based forms, by how the expert outputs return to their tokens."""
     f = _routing_front()
-    y = _expert_outputs(f["rows"], f["offs"])
+    y = _expert_outputs(f["rows"], f["offs"], f["masked"])
     w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(_one_of([-1])))
     sorted_weighted = _weighted(y, op(aten.index.Tensor, self=w_flat, indices=[f["perm"]]))
     gathered_back = _topk_sum(op(aten.index.Tensor, self=sorted_weighted, indices=[f["inverse"]]))
@@ -203,7 +214,10 @@ def _grouped_trees() -> dict[str, Any]:
 
 def _batched_tree() -> Any:
     """HF ``batched_mm``: no permute; each slot multiplies its gathered expert weights (``bmm``)."""
-    ids_flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(_one_of([-1])), bind="flat_ids")
+    flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(_one_of([-1])))
+    # HF 5.17 (CUDA) clamps the ids into [0, E-1] before gathering the weights
+    clamped = op(aten.clamp.default, self=flat, min=Lit(equals(0)), max=Lit(is_int, bind="clamp_max"))
+    ids_flat = alt(clamped, flat, bind="flat_ids")
 
     def per_row(w: str, rows: Any) -> Any:
         gathered = op(aten.index.Tensor, self=Var(w, _float_tensor), indices=[ids_flat])
@@ -254,6 +268,8 @@ def routing(m: Match) -> str | None:
         return f"slot // {m['top_k']} does not map slots of top-{k} routing to tokens"
     if "bins" in m.bindings and m["bins"] != e:
         return f"counts over {m['bins']} bins for {e} experts"
+    if "sentinel_e" in m.bindings and m["sentinel_e"] != e:
+        return f"slots with ids >= {m['sentinel_e']} are masked, the block has {e} experts"
     if "hist_max" in m.bindings and m["hist_max"] != e - 1:
         return f"histc(max={m['hist_max']}) does not count experts 0..{e - 1}"
     if "count_shape" in m.bindings and not _same_shape(m["count_shape"], [e]):
@@ -266,6 +282,35 @@ def routing(m: Match) -> str | None:
         return f"accumulator of shape {list(m['acc_shape'])}, expected [{t}, {h}]"
     if "index_shape" in m.bindings and not _same_shape(m["index_shape"], [-1, h], [t * k, h]):
         return f"scatter index expanded to {list(m['index_shape'])}, expected [{t * k}, {h}]"
+    return None
+
+
+def _from_topk(node: Any) -> bool:
+    """``node`` is the index output of a top-k (``aten.topk`` or the fused router), through views."""
+    for _ in range(4):
+        if getattr(node, "op", None) != "call_function":
+            return False
+        if node.target in VIEWS:
+            node = node.args[0]
+            continue
+        if node.target is operator.getitem and node.args[1] == 1:
+            src = node.args[0]
+            return getattr(src, "target", None) in (aten.topk.default, getattr(canonical, "moe_gating", None)
+                                                      and canonical.moe_gating.op)
+        return False
+    return False
+
+
+def clamp_is_noop(m: Match) -> str | None:
+    """A ``clamp(ids, 0, E-1)`` changes nothing only for ids a top-k produced (all in range); the
+    canonical op skips out-of-range ids where the clamp would route them to experts 0 / E-1."""
+    if "clamp_max" not in m.bindings:
+        return None
+    e = tensor_val(m["w13"]).shape[0]
+    if m["clamp_max"] != e - 1:
+        return f"ids clamped to [0, {m['clamp_max']}] for {e} experts"
+    if not _from_topk(m["topk_ids"]):
+        return "ids clamped into range are not a top-k output: out-of-range ids would differ"
     return None
 
 
@@ -284,7 +329,7 @@ def combine_dtypes(m: Match) -> str | None:
     return None
 
 
-GUARDS = (expert_weights, routing, combine_dtypes)
+GUARDS = (expert_weights, routing, combine_dtypes, clamp_is_noop)
 
 
 def _build(m: Match) -> Replacement:

@@ -25,7 +25,19 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import Cast, Lit, Match, Opt, Pattern, Replacement, Var, alt, equals, is_number, op
+from ep_fuse.matching import (
+    Cast,
+    Lit,
+    Match,
+    Opt,
+    Pattern,
+    Replacement,
+    Var,
+    alt,
+    equals,
+    is_number,
+    op,
+)
 from ep_fuse.matching.checks import tensor_of
 from ep_fuse.ops import canonical
 

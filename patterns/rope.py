@@ -23,7 +23,19 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import Cast, Item, Lit, Match, Opt, PairRule, Pattern, Replacement, Var, equals, op
+from ep_fuse.matching import (
+    Cast,
+    Item,
+    Lit,
+    Match,
+    Opt,
+    PairRule,
+    Pattern,
+    Replacement,
+    Var,
+    equals,
+    op,
+)
 from ep_fuse.matching.checks import MODEL_FLOATS, is_end, is_int, is_shape, tensor_of
 from ep_fuse.ops import canonical
 

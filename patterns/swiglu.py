@@ -23,7 +23,17 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import Anchor, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
+from ep_fuse.matching import (
+    Anchor,
+    Derived,
+    Item,
+    Lit,
+    Match,
+    Pattern,
+    Replacement,
+    Var,
+    op,
+)
 from ep_fuse.matching.checks import MODEL_FLOATS, is_shape, tensor_of
 from ep_fuse.ops import canonical
 

@@ -28,6 +28,7 @@ def torch_npu_double(monkeypatch):
     import sys
 
     import npu_double
+
     from ep_fuse.providers import npu
 
     monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())

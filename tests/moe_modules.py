@@ -8,6 +8,7 @@ They differ in how tokens are ordered, counted and combined:
   combine with ``index_add_`` on the token index (Megatron/DeepSpeed style);
 * ``ScatterAddCombine``: ``argsort``, counts via ``scatter_add_`` of ones, combine with ``scatter_add_``
   of the weighted rows into ``[T, H]``;
+* ``SentinelMasked``: the HF 5.17 CUDA form, ``masked_fill`` of slots routed to ids >= E around each GEMM;
 * ``SglangLayout``: explicit ``src2dst`` (inverse permutation) and ``seg_indptr``, rows scattered by
   ``src2dst``, outputs gathered back by it and summed over the top-k slots.
 """
@@ -79,4 +80,52 @@ class SglangLayout(_Experts):
         return out.to(x.dtype)
 
 
-MODULES = {"argsort_index_add": ArgsortIndexAdd, "scatter_add": ScatterAddCombine, "sglang_layout": SglangLayout}
+class SentinelMasked(_Experts):
+    """The HF 5.17 CUDA form: slots with ids >= E (EP sentinels) zeroed around each GEMM."""
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        ids_sorted, perm = torch.sort(topk_ids.reshape(-1))
+        rows = x[perm // k]
+        w_sorted = topk_weights.reshape(-1)[perm]
+        counts = torch.histc(ids_sorted.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        sentinel = (ids_sorted >= self.num_experts).unsqueeze(-1)
+        rows = rows.masked_fill(sentinel, 0.0)
+        h = torch._grouped_mm(rows, self.w13.transpose(-2, -1), offs=offs).masked_fill(sentinel, 0.0)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs).masked_fill(sentinel, 0.0)
+        y = y * w_sorted.unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv].view(x.shape[0], k, -1).sum(1).to(x.dtype)
+
+
+class ClampedBatched(_Experts):
+    """The HF 5.17 CUDA ``batched_mm`` form: ids clamped into range, weights gathered per slot, ``bmm``."""
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        rows = x.repeat_interleave(k, dim=0)
+        ids = topk_ids.reshape(-1).clamp(0, self.num_experts - 1)
+        h = torch.bmm(self.w13[ids], rows.unsqueeze(-1)).squeeze(-1)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.bmm(self.w2[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        y = y * topk_weights.reshape(-1).unsqueeze(-1)
+        return y.view(x.shape[0], k, -1).sum(1).to(x.dtype)
+
+
+class RoutedClampedBatched(ClampedBatched):
+    """``ClampedBatched`` with its own softmax top-k router (the ids are a top-k output)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(num_experts, hidden, inter, dtype)
+        self.gate = torch.nn.Linear(hidden, num_experts, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        w, ids = self.gate(x).float().softmax(-1).topk(topk_ids.shape[1])
+        return super().forward(x, ids, w / w.sum(-1, keepdim=True))
+
+
+MODULES = {"argsort_index_add": ArgsortIndexAdd, "scatter_add": ScatterAddCombine, "sglang_layout": SglangLayout,
+           "sentinel_masked": SentinelMasked}

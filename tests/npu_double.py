@@ -7,6 +7,7 @@ argument the real op rejects fails here too.
 
 from __future__ import annotations
 
+import importlib.machinery
 import types
 
 import torch
@@ -47,13 +48,47 @@ def npu_add_rms_norm(x1: torch.Tensor, x2: torch.Tensor, gamma: torch.Tensor, ep
     return (s * rstd * gamma.float()).to(x1.dtype), rstd, s.to(x1.dtype)
 
 
+def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_group=1, group_count=1,
+                         group_select_mode=0, renorm=0, norm_type=0, out_flag=False, routed_scaling_factor=1.0,
+                         eps=1e-20):
+    """(y, ids int32, norm_out fp32): documented gating -- p = softmax/sigmoid(x) in fp32; sel = p + bias;
+    groups by max (mode 0) / sum of top-2 (mode 1), the best k_group kept (stable), others -inf; top-k by a
+    stable argsort; y = p[ids] (no bias); sigmoid only: y /= sum(y) + eps; y *= routed_scaling_factor."""
+    if x.dim() != 2 or x.shape[1] > 2048:
+        raise RuntimeError("npu_moe_gating_top_k: x must be 2-D with at most 2048 experts")
+    t, e = x.shape
+    per = e // group_count
+    if e % group_count or per <= 2 or k > per * k_group or renorm != 0 or input_ids is not None:
+        raise RuntimeError("npu_moe_gating_top_k: needs E/group_count > 2, k <= (E/group_count)*k_group, renorm=0")
+    p = torch.softmax(x.float(), -1) if norm_type == 0 else torch.sigmoid(x.float())
+    sel = p + bias.float() if bias is not None else p
+    grouped = sel.view(t, group_count, per)
+    if group_select_mode == 0:
+        gscore = grouped.max(-1).values
+    else:
+        gscore = grouped.sort(-1, descending=True).values[..., :2].sum(-1)
+    gidx = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :k_group]
+    keep = torch.zeros_like(gscore, dtype=torch.bool).scatter(1, gidx, True).repeat_interleave(per, 1)
+    ids = torch.sort(sel.masked_fill(~keep, float("-inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+    y = p.gather(1, ids)
+    if norm_type == 1:
+        y = y / (y.sum(-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    return y.to(x.dtype), ids.to(torch.int32), (p if out_flag else None)
+
+
 def make_module() -> types.ModuleType:
     mod = types.ModuleType("torch_npu")
     mod.npu_rms_norm = npu_rms_norm
     mod.npu_add_rms_norm = npu_add_rms_norm
     mod.npu_rotary_mul = npu_rotary_mul
     mod.npu_swiglu = npu_swiglu
+    mod.npu_moe_init_routing_v2 = npu_moe_init_routing_v2
+    mod.npu_grouped_matmul = npu_grouped_matmul
+    mod.npu_moe_finalize_routing = npu_moe_finalize_routing
+    mod.npu_moe_gating_top_k = npu_moe_gating_top_k
     mod.__ep_fuse_test_double__ = True
+    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # find_spec() callers (transformers) expect one
     return mod
 
 
@@ -80,3 +115,181 @@ def npu_swiglu(x: torch.Tensor, dim: int = -1):
         raise RuntimeError("npu_swiglu: the split dim must be even and the input non-empty")
     a, b = x.float().chunk(2, dim=dim)
     return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+
+# --------------------------------------------------------------------------- MoE routing / grouped GEMM
+# Written from the op-plugin pages (docs/context/torch_npu-npu_moe_init_routing_v2.md,
+# -npu_grouped_matmul.md, -npu_moe_finalize_routing.md; op-contracts.md §6.5, §7, §9). Only the
+# non-quantised dropless paths are modelled; other modes raise NotImplementedError.
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
+                            expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
+                            quant_mode=0, active_expert_range=(), row_idx_type=0):
+    """(expanded_x, expanded_row_idx, expert_token_cumsum_or_count, expanded_scale), dropless, unquantised.
+
+    Stable sort of the **row-major** flat ids (slot i = n*K + k, token i // K); ids outside
+    ``active_expert_range`` [start, end) go last and are inactive. ``expanded_x`` [N*K, H]: the first
+    ``available`` rows are x[token of the i-th sorted slot], the rest are invalid (NaN here, so a caller
+    that reads them notices). ``row_idx_type`` 0 (gather): out[slot] = position, -1 when inactive;
+    1 (scatter): out[position] = slot, -1 past ``available``. Counts (type 1) or cumsum (type 0) over
+    [start, end), int64.
+    """
+    if x.dim() != 2 or x.dtype not in (*_FLOATS, torch.int8):
+        raise RuntimeError("npu_moe_init_routing_v2: x must be 2-D float16/bfloat16/float32/int8")
+    if expert_idx.dim() != 2 or expert_idx.dtype != torch.int32 or expert_idx.shape[0] != x.shape[0]:
+        raise RuntimeError("npu_moe_init_routing_v2: expert_idx must be int32 [NUM_ROWS, K]")
+    n, k = expert_idx.shape
+    if active_num != n * k:
+        raise RuntimeError("npu_moe_init_routing_v2: active_num is checked to equal NUM_ROWS*K")
+    if drop_pad_mode != 0:
+        raise RuntimeError("npu_moe_init_routing_v2: only drop_pad_mode=0 (dropless) is supported")
+    if quant_mode not in (-1, 1):
+        raise RuntimeError("npu_moe_init_routing_v2: quant_mode must be -1 or 1 (static quant unsupported)")
+    if quant_mode == 1 or scale is not None or offset is not None:
+        raise NotImplementedError("test double: quantisation / scale not modelled")
+    if expert_tokens_num_type not in (1, 2) or not expert_tokens_num_flag:
+        raise RuntimeError("npu_moe_init_routing_v2: expert_tokens_num_type 1/2 with expert_tokens_num_flag=True")
+    if expert_tokens_num_type == 2:
+        raise NotImplementedError("test double: key_value expert token counts not modelled")
+    if not 0 <= expert_num <= 10240:
+        raise RuntimeError("npu_moe_init_routing_v2: expert_num must be in [0, 10240]")
+    start, end = (0, expert_num) if len(active_expert_range) == 0 else tuple(active_expert_range)
+    if not 0 <= start < end <= expert_num:
+        raise RuntimeError("npu_moe_init_routing_v2: active_expert_range needs 0 <= start < end <= expert_num")
+    if row_idx_type not in (0, 1):
+        raise RuntimeError("npu_moe_init_routing_v2: row_idx_type must be 0 or 1")
+    flat = expert_idx.reshape(-1).to(torch.int64)
+    if bool((flat >= expert_num).any()):
+        raise RuntimeError("npu_moe_init_routing_v2: expert ids must not exceed expert_num")
+    active = (flat >= start) & (flat < end)
+    key = torch.where(active, flat, end)  # inactive slots sort after every active expert
+    _, order = torch.sort(key, stable=True)
+    available = int(active.sum())
+    positions = torch.arange(n * k, dtype=torch.int64)
+    fill = float("nan") if x.dtype in _FLOATS else 0
+    expanded_x = torch.full((n * k, x.shape[1]), fill, dtype=x.dtype)
+    expanded_x[:available] = x[order[:available] // k]
+    if row_idx_type == 0:
+        row_idx = torch.full((n * k,), -1, dtype=torch.int64)
+        row_idx[order[:available]] = positions[:available]
+    else:
+        row_idx = torch.where(positions < available, order, -1)
+    counts = torch.bincount(flat[active] - start, minlength=end - start).to(torch.int64)
+    tokens = counts if expert_tokens_num_type == 1 else torch.cumsum(counts, 0)
+    expanded_scale = torch.zeros(n * k, dtype=torch.float32)  # meaningless without scale
+    return expanded_x, row_idx.to(torch.int32), tokens, expanded_scale
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
+                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
+                       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
+                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+    """``[y]`` with ``y[rows of group g] = x[rows] @ weight[g]`` (weight **[E, K, N]**, i.e. [K, N] per group).
+
+    Only the unquantised "single x, single weight, single y" M-split case (``group_type=0``,
+    ``split_item`` 2/3, tensor ``group_list``) is modelled: fp32 accumulation rounded once to x's dtype.
+    A weight may be a transposed view (strides of [E, N, K] storage), as the docs allow for this case.
+    """
+    if not isinstance(x, (list, tuple)) or not isinstance(weight, (list, tuple)):
+        raise TypeError("npu_grouped_matmul: x and weight are lists of tensors")
+    if len(x) > 128 or len(weight) > 128:
+        raise RuntimeError("npu_grouped_matmul: x / weight lists hold at most 128 tensors")
+    quant = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
+             activation_quant_scale, activation_quant_offset, tuning_config)
+    if any(q is not None for q in quant) or act_type != 0:
+        raise NotImplementedError("test double: bias / quantisation / activation not modelled")
+    if len(x) != 1 or len(weight) != 1 or group_type != 0 or not isinstance(group_list, torch.Tensor):
+        raise NotImplementedError("test double: only single x / single weight / tensor group_list, group_type=0")
+    if split_item not in (2, 3):
+        raise RuntimeError("npu_grouped_matmul: single-tensor weight with group_type=0 needs split_item 2 or 3")
+    a, w = x[0], weight[0]
+    if a.dim() != 2 or w.dim() != 3:
+        raise RuntimeError("npu_grouped_matmul: x must be 2-D and weight 3-D [E, K, N]")
+    if a.dtype not in _FLOATS or w.dtype != a.dtype:
+        raise RuntimeError(f"npu_grouped_matmul: unquantised x/weight must share a float dtype ({a.dtype}, {w.dtype})")
+    if output_dtype not in (None, a.dtype):
+        raise RuntimeError(f"npu_grouped_matmul: unquantised {a.dtype} input gives {a.dtype}, not {output_dtype}")
+    if w.shape[1] != a.shape[1]:
+        raise RuntimeError(f"npu_grouped_matmul: weight must be [E, K, N] with K = x.shape[1] = {a.shape[1]}, "
+                           f"got {tuple(w.shape)}")
+    if not a.is_contiguous():
+        raise RuntimeError("npu_grouped_matmul: x cannot be transposed")
+    if not (w.is_contiguous() or w.transpose(1, 2).is_contiguous()):
+        raise RuntimeError("npu_grouped_matmul: weight must be ND contiguous or a transposed view")
+    if a.shape[1] >= 65536 or w.shape[2] >= 65536:
+        raise RuntimeError("npu_grouped_matmul: inner dims must be < 65536")
+    e = w.shape[0]
+    if group_list.dim() != 1 or group_list.dtype != torch.int64 or group_list.numel() != e:
+        raise RuntimeError("npu_grouped_matmul: group_list must be int64 [E], E = weight.shape[0]")
+    if e > 1024:
+        raise RuntimeError("npu_grouped_matmul: at most 1024 groups")
+    if group_list_type == 0:
+        bounds = group_list
+        if bool((bounds < 0).any()) or bool((bounds.diff() < 0).any()):
+            raise RuntimeError("npu_grouped_matmul: cumsum group_list must be non-negative and non-decreasing")
+    elif group_list_type == 1:
+        if e == 1 or bool((group_list < 0).any()):
+            raise RuntimeError("npu_grouped_matmul: count group_list must be non-negative with length != 1")
+        bounds = torch.cumsum(group_list, 0)
+    else:
+        raise RuntimeError("npu_grouped_matmul: group_list_type 2 needs int8 x/weight")
+    if int(bounds[-1]) != a.shape[0]:
+        raise RuntimeError("npu_grouped_matmul: the groups must cover x's rows exactly "
+                           f"({int(bounds[-1])} != {a.shape[0]})")
+    y = torch.empty(a.shape[0], w.shape[2], dtype=a.dtype)
+    lo = 0
+    for g, hi in enumerate(bounds.tolist()):
+        y[lo:hi] = (a[lo:hi].float() @ w[g].float()).to(a.dtype)
+        lo = hi
+    return [y]
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0):
+    """out[n] = skip1[n] + skip2[n] + sum_k scales[n,k] * (rows[idx(n,k)] + bias[expert[n,k]]), fp32, rounded once.
+
+    ``idx(n,k)`` = ``expanded_src_to_dst_row[k*N + n]`` (column-major, modes 0/1) or ``[n*K + k]``
+    (row-major, modes 2/3). Dropless modes (0, 2) take indices in [0, N*K-1]; modes 1/3 ([E, C, H]
+    rows, -1 contributes 0) are not modelled. ``scales`` None counts as 1.
+    """
+    rows = expanded_permuted_rows
+    if drop_pad_mode not in (0, 1, 2, 3):
+        raise RuntimeError("npu_moe_finalize_routing: drop_pad_mode must be in [0, 3]")
+    if drop_pad_mode in (1, 3):
+        raise NotImplementedError("test double: drop/pad [E, C, H] rows not modelled")
+    if rows.dim() != 2 or rows.dtype not in _FLOATS:
+        raise RuntimeError("npu_moe_finalize_routing: expanded_permuted_rows must be 2-D float16/bfloat16/float32")
+    idx = expanded_src_to_dst_row
+    if idx.dim() != 1 or idx.dtype != torch.int32:
+        raise RuntimeError("npu_moe_finalize_routing: expanded_src_to_dst_row must be 1-D int32")
+    shaped = scales if scales is not None else export_for_source_row
+    if shaped is None or shaped.dim() != 2:
+        raise NotImplementedError("test double: needs scales or export_for_source_row to know [NUM_ROWS, K]")
+    n, k = shaped.shape
+    if idx.numel() != n * k or rows.shape[0] != n * k:
+        raise RuntimeError("npu_moe_finalize_routing: rows must be [NUM_ROWS*K, H] and indices [NUM_ROWS*K]")
+    if scales is not None and scales.dtype != rows.dtype:
+        raise RuntimeError(f"npu_moe_finalize_routing: scales dtype {scales.dtype} must equal the rows' {rows.dtype}")
+    if skip1 is None and skip2 is not None:
+        raise RuntimeError("npu_moe_finalize_routing: skip2 needs skip1")
+    for name, t in (("skip1", skip1), ("skip2", skip2), ("bias", bias)):
+        if t is not None and (t.dtype != rows.dtype or t.dim() != 2 or t.shape[1] != rows.shape[1]):
+            raise RuntimeError(f"npu_moe_finalize_routing: {name} must be 2-D with the rows' dtype and H")
+    if bias is not None and export_for_source_row is None:
+        raise RuntimeError("npu_moe_finalize_routing: bias needs export_for_source_row")
+    if bool((idx < 0).any()) or bool((idx >= n * k).any()):
+        raise RuntimeError("npu_moe_finalize_routing: dropless modes take indices in [0, NUM_ROWS*K-1]")
+    idx = idx.to(torch.int64)
+    idx = idx.reshape(k, n).t() if drop_pad_mode == 0 else idx.reshape(n, k)
+    gathered = rows.float()[idx]  # [N, K, H]
+    if bias is not None:
+        gathered = gathered + bias.float()[export_for_source_row.to(torch.int64)]
+    if scales is not None:
+        gathered = gathered * scales.float().unsqueeze(-1)
+    out = gathered.sum(1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.float()
+    return out.to(rows.dtype)

@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import ep_fuse
-from ep_fuse.testing import compile_and_run
 from ep_fuse.backend import ep_fuse_backend, resolve_executor
 from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.testing import compile_and_run
 
 BF16 = torch.bfloat16
 
@@ -184,10 +184,10 @@ def test_dump_dir_writes_graphs_and_report(tmp_path):
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     names = sorted(p.name for p in graph_dir.iterdir())
     assert names == ["00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
-                     "05_expand.py", "06_lower.py", "07_cleanup.py", "graph_after.json", "graph_before.json", "report.json",
+                     "05_ep.py", "06_expand.py", "07_lower.py", "08_cleanup.py", "graph_after.json", "graph_before.json", "report.json",
                      "summary.txt", "unlowered.txt"]
     assert "ep_fuse.add_rms_norm" in (graph_dir / "02_canonicalize.py").read_text()
-    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "06_lower.py").read_text()
+    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "07_lower.py").read_text()
     assert "rsqrt" in (graph_dir / "01_aten.py").read_text()
     assert (tmp_path / "report.html").is_file()
 

@@ -1,6 +1,7 @@
 """The ep-fuse command line, run as a subprocess: dumps, catalog, explanations, diffs, errors."""
 
 import json
+import re
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -44,12 +45,14 @@ def mixtral_dump(tmp_path_factory):
 @pytest.mark.hf
 def test_dump_writes_every_stage_and_prints_the_table(mixtral_dump):
     out, stdout, stderr = mixtral_dump
-    assert "add_rms_norm  llama    model.layers.0.post_attention_layernorm" in stdout
-    assert "compiling with backend='ep_fuse'" in stderr and "canonicalize: 9 change(s)" in stderr
+    assert re.search(r"add_rms_norm +llama +model\.layers\.0\.post_attention_layernorm", stdout), stdout
+    assert re.search(r"moe_experts +grouped_mm +model\.layers\.0\.mlp\.experts", stdout), stdout
+    # 5 norms, 4 RoPE sites, 2 routers, 2 expert blocks
+    assert "compiling with backend='ep_fuse'" in stderr and "canonicalize: 13 change(s)" in stderr
     assert "pair: 2 change(s)" in stderr
     g = out / "graph_0_0"
     for name in ("00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
-                 "05_expand.py", "06_lower.py", "07_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
+                 "05_ep.py", "06_expand.py", "07_lower.py", "08_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
                  "unlowered.txt"):
         assert (g / name).is_file(), name
     assert "aten.rsqrt.default" in (g / "01_aten.py").read_text()
@@ -65,7 +68,7 @@ def test_html_report_parses_and_shows_the_rewritten_nodes(mixtral_dump):
     out, _, _ = mixtral_dump
     page = _Collect()
     page.feed((out / "report.html").read_text())
-    assert page.tags.count("svg") == 2 * 9, "a before and an after drawing per fused site (5 norms, 4 RoPE)"
+    assert page.tags.count("svg") == 2 * 13, "a before and an after drawing per fused site (5 norms, 4 RoPE, 4 MoE)"
     rep = json.loads((out / "graph_0_0" / "report.json").read_text())
     for m in rep["matches"]:
         assert m["fused_node"] in page.names
@@ -139,7 +142,6 @@ def test_console_script_is_installed():
 
 def test_env_switch_dumps_plain_torch_compile(tmp_path, monkeypatch):
     import torch
-
     from cli_targets import near_miss
 
     monkeypatch.setenv("EP_FUSE_DUMP_DIR", str(tmp_path))

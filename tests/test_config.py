@@ -29,7 +29,7 @@ def test_unknown_option_lists_valid_ones_and_suggests():
     [
         ({"executor": "tvm"}, "executor='tvm' is not one of auto, inductor, eager"),
         ({"patterns": ["rmsnorm"]}, "Did you mean 'rms_norm'"),
-        ({"disable": "add_rms"}, "Known patterns: add_rms_norm, rms_norm, rope"),
+        ({"disable": "add_rms"}, "Known patterns: moe_experts, moe_gating, add_rms_norm, rms_norm, rope, gemm_swiglu"),
         ({"providers": {"cuda": ["tritonn"]}}, "Did you mean 'triton'"),
         ({"providers": {"tpu": ["triton"]}}, "unknown device 'tpu'"),
         ({"providers": ["triton"]}, "providers must map a device"),

@@ -4,13 +4,17 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from moe_modules import MODULES, ArgsortIndexAdd
 
 import ep_fuse
 from ep_fuse import tiny_models
 from ep_fuse.ops import canonical  # noqa: F401  (defines torch.ops.ep_fuse.moe_*)
-from ep_fuse.ops.moe_reference import moe_experts_ref, moe_permute_ref, moe_unpermute_ref
+from ep_fuse.ops.moe_reference import (
+    moe_experts_ref,
+    moe_permute_ref,
+    moe_unpermute_ref,
+)
 from ep_fuse.testing import compile_and_run
-from moe_modules import MODULES, ArgsortIndexAdd
 
 BF16 = torch.bfloat16
 
@@ -106,7 +110,8 @@ def _module_inputs(t=13, h=32, e=4, k=2):
 
 
 @pytest.mark.parametrize("name, variant", [("argsort_index_add", "index_add"), ("scatter_add", "scatter_add"),
-                                           ("sglang_layout", "weights_after_gather")])
+                                           ("sglang_layout", "weights_after_gather"),
+                                           ("sentinel_masked", "grouped_mm")])
 def test_hand_written_forms_fuse_to_one_block(name, variant):
     mod = MODULES[name](4, 32, 16)
     args = _module_inputs()
@@ -118,7 +123,8 @@ def test_hand_written_forms_fuse_to_one_block(name, variant):
     assert [m.variant for m in rep.matches] == [variant]
     canon = rep.passes[0].ops
     assert canon.get("ep_fuse.moe_experts.default") == 1
-    for gone in ("aten._grouped_mm.default", "aten.sort.stable", "aten.index_add.default", "aten.scatter_add.default"):
+    for gone in ("aten._grouped_mm.default", "aten.sort.stable", "aten.index_add.default", "aten.scatter_add.default",
+                 "aten.masked_fill.Scalar", "aten.sort.default"):
         assert canon.get(gone, 0) == 0, gone
     after = rep.ops_after
     for stage in ("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"):
@@ -161,6 +167,27 @@ class _CountsOfOtherExperts(ArgsortIndexAdd):
         offs = torch.nn.functional.one_hot(flat, self.num_experts + 1).sum(0).cumsum(0).to(torch.int32)[1:]
         y = self._experts(x[order // k], offs) * topk_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros(x.shape, dtype=y.dtype).index_add_(0, order // k, y).to(x.dtype)
+
+
+def test_clamped_batched_form_needs_topk_ids():
+    """``clamp(ids, 0, E-1)`` is a no-op only for top-k ids: fused with a router, refused with raw ids."""
+    from moe_modules import ClampedBatched, RoutedClampedBatched
+
+    args = _module_inputs()
+    routed = RoutedClampedBatched(4, 32, 16)
+    with torch.no_grad():
+        ref = routed(*args)
+    out = compile_and_run(routed, *args, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert [m.variant for m in rep.matches if m.pattern == "moe_experts"] == ["batched_mm"]
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+    torch._dynamo.reset()
+    raw = ClampedBatched(4, 32, 16)
+    compile_and_run(raw, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert "moe_experts" not in rep.counts()
+    assert any("not a top-k output" in m.explain() for m in rep.near_misses), [m.explain() for m in rep.near_misses]
 
 
 @pytest.mark.parametrize("cls", [_IndexAddIntoInput, _WrongTopK, _CountsOfOtherExperts])

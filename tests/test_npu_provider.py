@@ -4,8 +4,8 @@ import sys
 
 import pytest
 import torch
-
 from _norm_cases import norm_args, ulp_close
+
 from ep_fuse.config import EpFuseConfig
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref

@@ -4,10 +4,10 @@ import logging
 
 import pytest
 import torch
+from _norm_cases import MODES, norm_args, ulp_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _norm_cases import MODES, norm_args, ulp_close
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref
 from ep_fuse.providers.common import rms_norm_out_dtype

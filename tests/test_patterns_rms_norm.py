@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from _norm_cases import ulp_close
 from torch import nn
 
 import ep_fuse
-from _norm_cases import ulp_close
 from ep_fuse.testing import compile_and_run
 
 BF16 = torch.bfloat16

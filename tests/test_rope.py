@@ -3,12 +3,12 @@
 
 import pytest
 import torch
+from _norm_cases import ulp_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-from _norm_cases import ulp_close
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops.reference import rope_qk_ref, rope_ref
 from ep_fuse.providers import npu

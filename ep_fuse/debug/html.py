@@ -35,10 +35,10 @@ def _region(graph: dict[str, dict], core: list[str]) -> list[dict]:
     return [n for name, n in graph.items() if name in keep]
 
 
-def _after_core(after: dict[str, dict], fused: str) -> list[str]:
-    if fused not in after:
-        return []
-    return [fused] + [u for u, n in after.items() if fused in n["inputs"] and n["target"] == "getitem"]
+def _after_core(after: dict[str, dict], fused: str, stages: list[str] | None = None) -> list[str]:
+    """The fused node (or a block's stage nodes) and their ``getitem`` projections in the final graph."""
+    heads = [n for n in (stages or [fused]) if n in after]
+    return heads + [u for u, n in after.items() if n["target"] == "getitem" and any(h in n["inputs"] for h in heads)]
 
 
 def _esc(v: Any) -> str:
@@ -67,7 +67,7 @@ def render(root: Path) -> str:
         parts.append("</table>")
         for m in rep["matches"]:
             parts.append(f"<h3>{_esc(m['pattern'])}[{_esc(m['variant'])}] at {_esc(m['module_path'] or m['root'])}</h3>")
-            core = _after_core(after, m["fused_node"])
+            core = _after_core(after, m["fused_node"], m.get("stage_nodes"))
             after_svg = draw(_region(after, core), core) if core else (
                 "<p>inlined: no fused provider was taken, the original ATen ops went to Inductor</p>")
             parts.append(f"<div class='region'><div><b>before</b><br>{draw(_region(before, m['nodes']), m['nodes'])}</div>"

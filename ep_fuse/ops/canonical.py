@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from ep_fuse.ops.reference import add_rms_norm_ref, gemm_swiglu_ref, rms_norm_ref, rope_qk_ref, rope_ref
+from ep_fuse.ops.reference import (
+    add_rms_norm_ref,
+    gemm_swiglu_ref,
+    rms_norm_ref,
+    rope_qk_ref,
+    rope_ref,
+)
 from ep_fuse.ops.registry import define_canonical
 
 RMS_NORM_SCHEMA = (
@@ -34,3 +40,44 @@ GEMM_SWIGLU_SCHEMA = "(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor"
 
 gemm_swiglu = define_canonical("gemm_swiglu", GEMM_SWIGLU_SCHEMA, gemm_swiglu_ref)
 """``gemm_swiglu(x, w_gate, w_up) = silu(x @ w_gate.T) * (x @ w_up.T)``: see :func:`ep_fuse.ops.reference.gemm_swiglu_ref`."""
+
+# --------------------------------------------------------------------------- MoE (op-contracts.md §6, §7)
+from ep_fuse.ops import moe_reference as _moe  # noqa: E402
+
+moe_permute = define_canonical(
+    "moe_permute", "(Tensor x, Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)", _moe.moe_permute_ref)
+"""``moe_permute(x, topk_ids, E) -> (rows, src2dst, seg_indptr)``: see :mod:`ep_fuse.ops.moe_reference`."""
+
+moe_unpermute = define_canonical(
+    "moe_unpermute",
+    "(Tensor y, Tensor src2dst, Tensor? topk_weights, int top_k, ScalarType? out_dtype) -> Tensor",
+    _moe.moe_unpermute_ref)
+"""``moe_unpermute(y, src2dst, w, K, out_dtype)``: weighted top-k sum of permuted rows back per token."""
+
+grouped_gemm = define_canonical(
+    "grouped_gemm", "(Tensor x, Tensor w, Tensor seg_indptr) -> Tensor", _moe.grouped_gemm_ref,
+    fake=_moe.grouped_gemm_fake, traceable=_moe.grouped_gemm_traceable)
+"""``grouped_gemm(x, w [E, N, K], seg_indptr)``: per-expert ``x @ w[e].T`` over row segments."""
+
+grouped_gemm_swiglu = define_canonical(
+    "grouped_gemm_swiglu", "(Tensor x, Tensor w13, Tensor seg_indptr) -> Tensor", _moe.grouped_gemm_swiglu_ref,
+    fake=_moe.grouped_gemm_swiglu_fake, traceable=_moe.grouped_gemm_traceable)
+"""``grouped_gemm_swiglu(x, w13 [E, 2I, H], seg_indptr)``: ``silu(gate) * up`` of the gate|up grouped GEMM."""
+
+moe_experts = define_canonical(
+    "moe_experts",
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, ScalarType? out_dtype) -> Tensor",
+    _moe.moe_experts_ref, block=True)
+"""The routed-expert block; expanded into the four stage ops above before lowering."""
+
+# --------------------------------------------------------------------------- router (op-contracts.md §5)
+from ep_fuse.ops.router_reference import moe_gating_ref as _moe_gating_ref  # noqa: E402
+
+MOE_GATING_SCHEMA = (
+    "(Tensor logits, Tensor? bias, int top_k, str score, int n_group, int topk_group, str group_score, "
+    "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype) -> (Tensor, Tensor)"
+)
+moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, _moe_gating_ref)
+"""``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.router_reference`."""
+
+from ep_fuse.ep import ops as _ep_ops  # noqa: E402,F401  (EP: ep_dispatch / ep_combine, docs/ep.md)

@@ -40,6 +40,9 @@ class CanonicalOp:
     """Whether the reference traces to ATen ops for these arguments (``None``: always). Where it does
     not (a host loop), an unlowered call stays the opaque canonical op."""
     fake: Callable[..., Any] | None = None
+    engine: bool = False
+    """Its kernel is the implementation (a communication engine such as ``all_to_all``), not a fallback:
+    a call left as the canonical op is not reported as unlowered."""
     block: bool = False
     """A composite of other canonical ops (the MoE block): expanded into them before lowering."""
 
@@ -95,6 +98,7 @@ def define_canonical(
     fake: Callable[..., Any] | None = None,
     traceable: Callable[[tuple[Any, ...]], bool] | None = None,
     block: bool = False,
+    engine: bool = False,
 ) -> CanonicalOp:
     """Define ``torch.ops.ep_fuse.<name>`` whose kernel is ``reference`` and fake impl ``fake``
     (default: the reference itself, which must then run on fake tensors)."""
@@ -102,7 +106,7 @@ def define_canonical(
         return _OPS[name]
     op = define_op("ep_fuse", name, schema, reference, fake or reference)
     _OPS[name] = CanonicalOp(name, schema, reference, op, traceable=traceable, fake=fake,
-                             block=block)
+                             block=block, engine=engine)
     return _OPS[name]
 
 

@@ -32,5 +32,9 @@ class Expand(GraphPass):
             for new in gm.graph.nodes:
                 if new not in before and new.op == "call_function" and canonical_for(new.target) is not None:
                     ctx.match_by_node.setdefault(new.name, []).extend(records)
+                    for record in records:
+                        if not record.stage_nodes:
+                            record.fused_node = new.name  # the block's first stage stands for it
+                        record.stage_nodes.append(new.name)
             changes += 1
         return changes

@@ -25,7 +25,12 @@ import torch
 
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.providers.common import check_norm_call, host_eps, rms_norm_out_dtype, unpack_norm_args
+from ep_fuse.providers.common import (
+    check_norm_call,
+    host_eps,
+    rms_norm_out_dtype,
+    unpack_norm_args,
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -195,3 +200,8 @@ def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
 
 register_provider(canonical.gemm_swiglu, "npu", gemm_swiglu_kernel, devices=_devices, available=_available,
                   supports=gemm_swiglu_supports)
+
+from ep_fuse.providers.npu import (
+    moe,  # noqa: F401  (MoE stage providers; registration side effects)
+    router,  # noqa: E402,F401  (moe_gating via npu_moe_gating_top_k)
+)

@@ -22,8 +22,23 @@ from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import CanonicalOp, Check, register_provider, triton_interpret
 from ep_fuse.providers.common import check_norm_call
 from ep_fuse.providers.triton import perf
+from ep_fuse.providers.triton.gemm_swiglu import (
+    check_gemm_swiglu_call,
+    gemm_swiglu_kernel,
+)
+from ep_fuse.providers.triton.grouped_gemm import (
+    check_grouped_gemm_call,
+    check_grouped_gemm_swiglu_call,
+    grouped_gemm_kernel,
+    grouped_gemm_swiglu_kernel,
+)
+from ep_fuse.providers.triton.moe_permute import (
+    check_moe_permute_call,
+    check_moe_unpermute_call,
+    moe_permute_kernel,
+    moe_unpermute_kernel,
+)
 from ep_fuse.providers.triton.rms_norm import add_rms_norm_kernel, rms_norm_kernel
-from ep_fuse.providers.triton.gemm_swiglu import check_gemm_swiglu_call, gemm_swiglu_kernel
 from ep_fuse.providers.triton.rope import check_rope_call, rope_kernel, rope_qk_kernel
 
 INLINE_IN_INDUCTOR = True
@@ -85,3 +100,12 @@ _register(canonical.add_rms_norm, add_rms_norm_kernel, check_norm_call, perf.add
 _register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _always)
 _register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always)
 _register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, perf.gemm_swiglu_prefers, _always)
+_register(canonical.grouped_gemm, grouped_gemm_kernel, check_grouped_gemm_call, perf.grouped_gemm_prefers, _always)
+_register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, check_grouped_gemm_swiglu_call,
+          perf.grouped_gemm_prefers, _always)
+_register(canonical.moe_permute, moe_permute_kernel, check_moe_permute_call, None, _always)
+_register(canonical.moe_unpermute, moe_unpermute_kernel, check_moe_unpermute_call, None, _always)
+
+from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel  # noqa: E402
+
+_register(canonical.moe_gating, moe_gating_kernel, check_gating_call, perf.gating_prefers, _always)

@@ -79,3 +79,45 @@ def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if key in GEMM_SWIGLU_WINS:
         return None
     return f"H={key[0]} I={key[1]} ({key[2]}): not measured faster than cuBLAS + the unfused SwiGLU"
+
+
+# --------------------------------------------------------------------------- MoE (H200, 2026-11-29)
+GROUPED_GEMM_MAX_ROWS_PER_EXPERT = 256
+"""The Triton grouped GEMMs measured faster than ``torch._grouped_mm`` (eager or under Inductor) at 4
+rows per expert (DeepSeek-V3 decode, T128 k8 E256: 4978 vs 6970 us for both GEMMs, 1.40x) and 128
+(prefill T4096: 9376 vs 10213 us, 1.09x), and slower at 1536 (T16384 k6 E64: 3410 vs 3081 us, 0.90x).
+Above 256 rows per expert (unmeasured between 128 and 1536) the provider declines under Inductor; eager
+``torch._grouped_mm`` was slower than the kernel at every size (3475 vs 3410 us at 1536 rows per expert)."""
+
+
+def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+    if executor != "inductor":  # eager torch._grouped_mm measured slower than the kernel at every size
+        return None
+    x, w = args[0], args[1]
+    try:
+        rows, experts = int(x.shape[0]), int(w.shape[0])
+    except Exception:  # symbolic rows: unmeasured
+        return "a symbolic row count (unmeasured)"
+    per_expert = rows / max(experts, 1)
+    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT:
+        return (f"{per_expert:.0f} rows per expert: torch._grouped_mm measured faster above "
+                f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.90x at 1536)")
+    return None
+
+
+GATING_MIN_TOKENS = 2048
+"""The fused gating kernel measured 4.2x (Mixtral softmax, T4096 E8 k2: 6.0 vs 25.2 us), 5.0x (Qwen3-MoE,
+T4096 E128 k8: 9.8 vs 48.7 us) and 1.85x (DeepSeek-V3 grouped sigmoid, T4096 E256 k8: 84.8 vs 156.9 us)
+Inductor's router code, but 0.75x at decode size (DeepSeek-V3, T128: 51.2 vs 38.4 us: too few tokens
+to fill the GPU). Below 2048 tokens (unmeasured between 128 and 4096) the provider declines."""
+
+
+def gating_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+    if executor != "inductor":  # the eager router ops measured slower at every size (64.3 vs 51.2 us at T128)
+        return None
+    rows = _static_rows(args[0])
+    if rows is None:
+        return "a symbolic token count (unmeasured)"
+    if rows < GATING_MIN_TOKENS:
+        return f"{rows} tokens: Inductor's router code measured faster at decode sizes (0.75x at 128)"
+    return None

@@ -132,7 +132,11 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
     import triton
 
     from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
-    from ep_fuse.providers.triton.rope_kernel import FORMS, _rope_kernel, rows_per_program
+    from ep_fuse.providers.triton.rope_kernel import (
+        FORMS,
+        _rope_kernel,
+        rows_per_program,
+    )
 
     d = q.shape[-1]
     rows = rows_per_program(int(d))

@@ -1,0 +1,15 @@
+"""Expert parallelism: compiler-inserted dispatch/combine around each MoE block (``docs/ep.md``).
+
+* :func:`shard_experts` / :func:`ep_options`: shard a model's experts over a process group and get the
+  backend options that enable the EP pass (``ep_fuse/passes/ep.py``).
+* :mod:`ep_fuse.ep.ops`: the canonical ``ep_dispatch`` / ``ep_combine`` ops.
+* Providers: :mod:`~ep_fuse.ep.all_to_all` (default, the reference), :mod:`~ep_fuse.ep.deepep`,
+  :mod:`~ep_fuse.ep.npu`.
+"""
+
+from ep_fuse.ep.groups import EpError
+from ep_fuse.ep.shard import ep_options, shard_experts
+
+BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu")
+
+__all__ = ["BACKENDS", "EpError", "ep_options", "shard_experts"]

@@ -1,0 +1,84 @@
+"""Process groups by name, and collectives that wait with a timeout.
+
+Custom-op schemas cannot carry a ``ProcessGroup``; the EP ops take the group's name
+(``group.group_name``) and resolve it here at run time. Every collective the EP providers issue
+goes through :func:`wait`, so a peer that never arrives raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("ep_fuse.ep")
+
+
+class EpError(RuntimeError):
+    """Expert parallelism cannot run as configured (the message says what to change)."""
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_group(group: Any) -> Any:
+    """A ``ProcessGroup`` from a group, a group name, or ``None`` (the default world group)."""
+    if not initialized():
+        raise EpError(
+            "ep_fuse: expert parallelism needs torch.distributed: call torch.distributed.init_process_group() "
+            "on every rank before compiling (or leave ep/ep_group unset for a single-process model)."
+        )
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, str):
+        try:
+            return dist.distributed_c10d._resolve_process_group(group)
+        except Exception as exc:
+            raise EpError(f"ep_fuse: no process group named {group!r} ({exc}); pass the ProcessGroup itself "
+                          "as ep_group") from exc
+    return group
+
+
+def group_name(group: Any) -> str:
+    """The registered name of ``group`` (``None``: the world group)."""
+    return resolve_group(group).group_name
+
+
+def world_and_rank(group: Any) -> tuple[int, int]:
+    g = resolve_group(group)
+    return dist.get_world_size(g), dist.get_rank(g)
+
+
+def wait(work: Any, timeout_s: float, what: str) -> None:
+    """Wait for an async collective; raise :class:`EpError` naming it after ``timeout_s`` seconds."""
+    if work is None:
+        return
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=float(timeout_s)))
+    except Exception as exc:
+        raise EpError(
+            f"ep_fuse: {what} did not complete within {timeout_s:g} s on rank {dist.get_rank()} ({exc}). "
+            "Every rank of the EP group must run the same compiled model with the same number of MoE "
+            "layers (and equal token counts where the layout needs them); raise ep_timeout_s for slow links."
+        ) from exc
+    if ok is False:
+        raise EpError(f"ep_fuse: {what} timed out after {timeout_s:g} s on rank {dist.get_rank()}")
+
+
+def all_to_all(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Any,
+    timeout_s: float,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+    what: str = "all_to_all_single",
+) -> torch.Tensor:
+    """``all_to_all_single`` (gloo, NCCL, HCCL) with a bounded wait; returns ``out``."""
+    work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    wait(work, timeout_s, what)
+    return out

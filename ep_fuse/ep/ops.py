@@ -1,0 +1,109 @@
+"""Canonical EP ops ``ep_fuse::ep_dispatch`` / ``ep_fuse::ep_combine`` (``op-contracts.md`` §8.9).
+
+``ep_dispatch(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s)
+-> (recv_x, recv_ids, recv_weights, handle)`` sends each token to the ranks owning its experts;
+``ep_combine(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and the handle format:
+:mod:`ep_fuse.ep.layout`.
+
+* The kernels run the provider named by ``backend`` (``all_to_all``, ``deepep``,
+  ``deepep_low_latency``, ``npu``); the EP pass picks it at compile time, identically on every rank,
+  so dispatch and combine of one block always use the same provider. ``all_to_all`` is the reference.
+* Fake impls have fixed shapes (a static bound, or the capacity), so the rest of the graph keeps
+  static shapes; data-dependent receive counts live in the handle.
+* Both ops are marked side-effectful (``torch.fx.node.has_side_effect``): DCE, CSE and ep_fuse's
+  cleanup never drop or merge them; data dependencies (dispatch -> experts -> combine -> next layer)
+  order them. They are opaque to Inductor (never inlined).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx
+
+from ep_fuse.ep import groups
+from ep_fuse.ep.layout import handle_len, recv_rows
+from ep_fuse.ops.registry import define_canonical
+
+DISPATCH_SCHEMA = (
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, int num_experts, str group_name, str backend, str layout, "
+    "int capacity, float timeout_s) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+COMBINE_SCHEMA = (
+    "(Tensor y, Tensor handle, Tensor topk_ids, Tensor topk_weights, int num_experts, str group_name, "
+    "str backend, str layout, int capacity, float timeout_s, ScalarType? out_dtype) -> Tensor"
+)
+
+_PROVIDERS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+
+
+def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any]) -> None:
+    """``dispatch(x, ids, w, E, group_name, layout, capacity, timeout_s)`` and
+    ``combine(y, handle, ids, w, E, group_name, layout, capacity, timeout_s, out_dtype)`` for ``backend=name``."""
+    _PROVIDERS[name] = (dispatch, combine)
+
+
+def _provider(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    _load_providers()
+    if backend not in _PROVIDERS:
+        raise groups.EpError(f"ep_fuse: unknown EP backend {backend!r}; known: {', '.join(sorted(_PROVIDERS))}")
+    return _PROVIDERS[backend]
+
+
+def ep_dispatch_impl(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s):
+    """The kernel of ``ep_fuse::ep_dispatch``: the provider named by ``backend``."""
+    return _provider(backend)[0](x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s)
+
+
+def ep_combine_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+                    timeout_s, out_dtype):
+    """The kernel of ``ep_fuse::ep_combine``."""
+    return _provider(backend)[1](y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
+                                 timeout_s, out_dtype)
+
+
+def ep_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s):
+    world = groups.resolve_group(group_name).size()
+    t, k = topk_ids.shape
+    rows = recv_rows(layout, world, num_experts, t, capacity)
+    kk = k if layout == "rank" else 1
+    return (x.new_empty(rows, x.shape[1]), topk_ids.new_empty(rows, kk, dtype=torch.int64),
+            topk_weights.new_empty(rows, kk),
+            x.new_empty(handle_len(layout, world, num_experts, t, k, capacity), dtype=torch.int64))
+
+
+def ep_combine_fake(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+                    timeout_s, out_dtype):
+    if out_dtype is None:
+        out_dtype = y.dtype if layout == "rank" else torch.promote_types(y.dtype, topk_weights.dtype)
+    return y.new_empty(topk_ids.shape[0], y.shape[1], dtype=out_dtype)
+
+
+def _never_inline(_args: tuple[Any, ...]) -> bool:
+    return False
+
+
+ep_dispatch = define_canonical("ep_dispatch", DISPATCH_SCHEMA, ep_dispatch_impl, fake=ep_dispatch_fake,
+                               traceable=_never_inline, engine=True)
+ep_combine = define_canonical("ep_combine", COMBINE_SCHEMA, ep_combine_impl, fake=ep_combine_fake,
+                              traceable=_never_inline, engine=True)
+torch.fx.node.has_side_effect(ep_dispatch.op)
+torch.fx.node.has_side_effect(ep_combine.op)
+
+_loaded = False
+
+
+def _load_providers() -> None:
+    global _loaded
+    if _loaded:
+        return
+    from ep_fuse.ep import all_to_all, deepep, npu
+
+    register_ep_provider("all_to_all", all_to_all.dispatch, all_to_all.combine)
+    register_ep_provider("deepep", deepep.dispatch_normal, deepep.combine_normal)
+    register_ep_provider("deepep_low_latency", deepep.dispatch_low_latency, deepep.combine_low_latency)
+    register_ep_provider("npu", npu.dispatch, npu.combine)
+    _loaded = True

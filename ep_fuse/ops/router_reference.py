@@ -1,0 +1,188 @@
+"""Pure-torch reference of the router gating op ``ep_fuse::moe_gating`` (``op-contracts.md`` §5).
+
+``moe_gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
+scale, weight_dtype) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging Face routers::
+
+    probs   = softmax(logits, -1) | sigmoid(logits)          # fp32 (the router logits are fp32)
+    sel     = probs + bias            (bias: selection only, never in the weights)
+    groups  (group_score != "none"): sel viewed [T, n_group, E / n_group]; group score = its max
+            ("max", DeepSeek-V2) or the sum of its two largest values ("sum_top2", DeepSeek-V3/GLM4);
+            the best ``topk_group`` groups are kept:
+              "sum_top2": the other experts' ``sel`` become -inf, weights come from ``probs``;
+              "max":      the other experts' ``sel`` and ``probs`` become 0.0 and the weights come
+                          from those masked values (HF DeepSeek-V2 takes the top-k *values*)
+    ids     = the top_k of sel
+    weights = probs[ids]  ->  / (sum + renorm_eps) if renormalize  ->  * scale  ->  .to(weight_dtype)
+
+| model | score | bias | group_score | renormalize | renorm_eps | scale | weight_dtype |
+|---|---|---|---|---|---|---|---|
+| Mixtral | softmax | - | none | True | 0 | 1 | None (fp32) |
+| Qwen3-MoE | softmax | - | none | True | 0 | 1 | bf16 |
+| Qwen2-MoE | softmax | - | none | False | 0 | 1 | bf16 |
+| DeepSeek-V2 greedy | softmax | - | none | False | 0 | routed_scaling_factor | None |
+| DeepSeek-V2 group_limited_greedy | softmax | - | max | False | 0 | routed_scaling_factor | None |
+| DeepSeek-V3 / GLM4-MoE | sigmoid | e_score_correction_bias | sum_top2 | norm_topk_prob | 1e-20 | routed_scaling_factor | None |
+
+**Slot order and ties.** The reference selects with ``torch.topk`` exactly as the model does
+(experts: ``sorted=True``; groups: ``sorted=False``), so the reference provider stays bitwise equal to
+the eager model on every device, exact ties included (bf16 router logits make ties common: two
+experts with the same bf16 logit have the same fp32 probability). For ``sorted=True`` routers
+(Mixtral, Qwen) the slot order is the model's; for ``sorted=False`` routers (DeepSeek, GLM4) the slot
+order within a row is ``sorted=True``'s (descending), which may differ from the model's unspecified
+order -- compare routing per token as a set. The renormalising sum runs over the slots in that order:
+bitwise equal to the model for K <= 2 and for every sorted=True router, otherwise within an ulp.
+
+``torch.topk``'s order among *equal* values is implementation-defined: on the CPU it follows its
+heap / nth_element order (neither lowest nor highest index first); on CUDA the boundary set is the
+lowest indices but the sort after it is not stable. The fused providers therefore implement
+:func:`moe_gating_stable_ref` instead: every top-k (groups and experts) is *stable* -- descending value,
+equal values lowest index first (NaN counts as the largest) -- which is also what
+``npu_moe_gating_top_k`` documents ("stable argsort"). Triton and NPU return identical ids on ties;
+they differ from the reference (and the eager model) only where a row has an exact tie across the
+k-th place or inside the top-k.
+
+Every other step is spelled with the ATen ops the HF code traces to (``_softmax``, ``sigmoid``,
+``add``, ``topk``+``sum`` / ``max.dim`` for the group score, ``gather``, ``sum``, ``add``, ``div``,
+``mul``, ``_to_copy``), so weights are bitwise equal to the traced model's for the same ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORES = ("softmax", "sigmoid")
+GROUP_SCORES = ("none", "max", "sum_top2")
+
+
+def check_gating_args(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    score: str,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+) -> None:
+    """Raise ``ValueError`` for arguments outside the op's contract."""
+    if logits.dim() != 2:
+        raise ValueError(f"ep_fuse moe_gating: logits must be [T, E], got {list(logits.shape)}")
+    e = logits.shape[1]
+    if score not in SCORES:
+        raise ValueError(f"ep_fuse moe_gating: score {score!r} is not one of {SCORES}")
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"ep_fuse moe_gating: group_score {group_score!r} is not one of {GROUP_SCORES}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"ep_fuse moe_gating: top_k {top_k} not in [1, {e}]")
+    if group_score == "none":
+        if n_group != 1 or topk_group != 1:
+            raise ValueError("ep_fuse moe_gating: n_group/topk_group must be 1 without a group score")
+    else:
+        if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"ep_fuse moe_gating: {e} experts do not split into {n_group} groups "
+                             f"of which {topk_group} are kept")
+        if group_score == "sum_top2" and e // n_group < 2:
+            raise ValueError("ep_fuse moe_gating: sum_top2 needs at least 2 experts per group")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != e):
+        raise ValueError(f"ep_fuse moe_gating: bias must be [E={e}], got {list(bias.shape)}")
+
+
+def stable_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest values per row: descending, ties to the lowest index (int64)."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+
+
+def torch_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``torch.topk(x, k, sorted=True)`` ids: the model's own selection (implementation-defined ties)."""
+    return torch.topk(x, k, dim=-1)[1]
+
+
+def _group_keep(sel: torch.Tensor, n_group: int, topk_group: int, group_score: str, stable: bool) -> torch.Tensor:
+    """[T, E] bool: experts of the ``topk_group`` best groups of ``sel``."""
+    t, e = sel.shape
+    grouped = sel.view(t, n_group, e // n_group)
+    if group_score == "sum_top2":
+        gscore = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+    else:
+        gscore = grouped.max(dim=-1).values
+    if stable:
+        gidx = stable_topk_ids(gscore, topk_group)
+    else:
+        gidx = torch.topk(gscore, k=topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros(gscore.shape, dtype=torch.bool, device=sel.device).scatter(1, gidx, True)
+    return keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+
+
+def _gating(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    score: str,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    renormalize: bool,
+    renorm_eps: float,
+    scale: float,
+    weight_dtype: torch.dtype | None,
+    stable: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+    x = logits.to(torch.float32)
+    probs = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
+    sel = probs + bias if bias is not None else probs
+    src = probs
+    if group_score != "none":
+        keep = _group_keep(sel, n_group, topk_group, group_score, stable)
+        if group_score == "max":
+            sel = sel.masked_fill(~keep, 0.0)
+            src = sel if bias is None else probs.masked_fill(~keep, 0.0)
+        else:
+            sel = sel.masked_fill(~keep, float("-inf"))
+    ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
+    weights = src.gather(1, ids)
+    if renormalize:
+        denom = weights.sum(dim=-1, keepdim=True)
+        if renorm_eps != 0.0:
+            denom = denom + renorm_eps
+        weights = weights / denom
+    if scale != 1.0:
+        weights = weights * scale
+    if weight_dtype is not None and weight_dtype != weights.dtype:
+        weights = weights.to(weight_dtype)
+    return weights, ids
+
+
+def moe_gating_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    score: str,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    renormalize: bool,
+    renorm_eps: float,
+    scale: float,
+    weight_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights [T, K], ids [T, K] int64)`` selected with ``torch.topk`` (the model's ties)."""
+    return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
+                   scale, weight_dtype, stable=False)
+
+
+def moe_gating_stable_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    score: str,
+    n_group: int,
+    topk_group: int,
+    group_score: str,
+    renormalize: bool,
+    renorm_eps: float,
+    scale: float,
+    weight_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused providers' contract: as :func:`moe_gating_ref` with stable, lowest-index-first ties."""
+    return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
+                   scale, weight_dtype, stable=True)

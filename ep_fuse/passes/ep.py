@@ -1,0 +1,207 @@
+"""Expert parallelism: rewrite each canonical MoE block into dispatch -> local experts -> combine.
+
+Runs after canonicalization, before Expand. For every ``ep_fuse::moe_experts(x, ids, w, w13, w2, dt)``
+whose weights hold this rank's ``E_r`` experts (``ep_fuse.shard_experts``) and whose ids are global::
+
+    recv_x, recv_ids, recv_w, handle = ep_dispatch(x, ids, w, E, group, backend, layout, C, timeout)
+    y   = moe_experts(recv_x, recv_ids, recv_w, w13, w2, dt')     # local ids, -1 = elsewhere / padding
+    out = ep_combine(y, handle, ids, w, E, group, backend, layout, C, timeout, dt'')
+
+Routing weights are applied exactly once (``op-contracts.md`` §8.1): ``rank`` layout (all_to_all,
+DeepEP normal) in the local unpermute (non-local slots carry weight 0 / id -1) and combine sums
+unweighted; ``expert`` layout (DeepEP low-latency, Ascend) runs the experts with unit weights and
+combine weights on the source rank. The provider is chosen here, once, identically on every rank.
+
+Without EP (no ``ep``/``ep_group`` option, or a group of one rank) nothing is inserted; a block whose
+router scores more experts than its weights hold (a sharded model compiled without EP) is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from ep_fuse.ep import deepep, groups, npu
+from ep_fuse.ep.groups import EpError
+from ep_fuse.ep.ops import ep_combine, ep_dispatch
+from ep_fuse.fx_utils import module_path, val
+from ep_fuse.ops import canonical
+from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.report import EpRecord
+
+log = logging.getLogger("ep_fuse.passes")
+aten = torch.ops.aten
+
+_PASS_THROUGH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten._to_copy.default,
+                 aten.clone.default, aten.alias.default, torch.ops.prims.convert_element_type.default}
+
+
+def ep_sites(report: Any) -> list[EpRecord]:
+    """EP rewrites recorded on a :class:`~ep_fuse.report.GraphReport` (its ``ep`` list)."""
+    return list(report.ep)
+
+
+def router_width(ids: Any) -> int | None:
+    """Experts the router scored (last dim of the ``topk`` / ``moe_gating`` input that produced ``ids``)."""
+    gating = canonical_ops().get("moe_gating")
+    node = ids
+    for _ in range(16):
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            return None
+        if node.target in _PASS_THROUGH:
+            node = node.args[0]
+            continue
+        if node.target is operator.getitem and node.args[1] == 1 and isinstance(node.args[0], fx.Node):
+            src = node.args[0]
+            if src.target is aten.topk.default or (gating is not None and src.target is gating.op):
+                scores = val(src.args[0])
+                if isinstance(scores, torch.Tensor) and scores.dim() >= 1:
+                    dim = src.args[2] if src.target is aten.topk.default and len(src.args) > 2 else -1
+                    if dim in (-1, scores.dim() - 1):
+                        try:
+                            return int(scores.shape[-1])
+                        except Exception:
+                            return None
+        return None
+    return None
+
+
+def choose_backend(
+    requested: str, device: str, x: Any, ids: Any, block_dtype: Any, world: int, num_experts: int, capacity: int
+) -> tuple[str, str, list[tuple[str, str]]]:
+    """``(backend, layout, declined)`` for one block; raises when an explicitly requested runtime is missing."""
+    if requested == "all_to_all":
+        return "all_to_all", "rank", []
+    if requested in ("deepep", "deepep_low_latency"):
+        why = deepep.available()
+        if why:
+            raise EpError(f"ep_fuse: ep_backend={requested!r} but {why}. Install DeepEP (CUDA, NVLink/RDMA) "
+                          "or use ep_backend='all_to_all' / 'auto'.")
+        mode = "normal" if requested == "deepep" else "low_latency"
+        why = deepep.supports(mode, x, ids, block_dtype, world, capacity)
+        if why is None:
+            return requested, "rank" if mode == "normal" else "expert", []
+        log.warning("ep_fuse: %s cannot run this MoE block (%s); using all_to_all", requested, why)
+        return "all_to_all", "rank", [(requested, why)]
+    if requested == "npu":
+        why = npu.available()
+        if why:
+            raise EpError(f"ep_fuse: ep_backend='npu' but {why}. Use ep_backend='all_to_all' / 'auto' elsewhere.")
+        why = npu.supports(x, ids, num_experts, world, capacity)
+        if why is None:
+            return "npu", "expert", []
+        log.warning("ep_fuse: npu_moe_distribute_* cannot run this MoE block (%s); using all_to_all", why)
+        return "all_to_all", "rank", [("npu", why)]
+    declined: list[tuple[str, str]] = []  # auto
+    if device == "cuda":
+        mode = "low_latency" if capacity else "normal"
+        why = deepep.available() or deepep.supports(mode, x, ids, block_dtype, world, capacity)
+        if why is None:
+            return ("deepep_low_latency", "expert", []) if capacity else ("deepep", "rank", [])
+        declined.append(("deepep", why))
+    if device == "npu":
+        why = npu.available() or npu.supports(x, ids, num_experts, world, capacity)
+        if why is None:
+            return "npu", "expert", []
+        declined.append(("npu", why))
+    return "all_to_all", "rank", declined
+
+
+class ExpertParallel(GraphPass):
+    name = "ep"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        op = canonical.moe_experts.op
+        blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+        if not blocks:
+            return 0
+        cfg = ctx.config
+        world = 1
+        group = None
+        if cfg.ep_requested:
+            if groups.initialized():
+                group = groups.resolve_group(cfg.ep_group)
+                world = group.size()
+            elif cfg.ep_group is not None:
+                raise EpError("ep_fuse: ep_group is set but torch.distributed is not initialised")
+            if world == 1:
+                log.info("ep_fuse: EP requested on a group of one rank: MoE blocks stay local")
+        for node in blocks:
+            local = int(val(node.args[3]).shape[0])
+            routed = router_width(node.args[1])
+            if world == 1:
+                if routed is not None and routed > local:
+                    raise EpError(
+                        f"ep_fuse: the MoE block at {module_path(node) or node.name} routes over {routed} experts "
+                        f"but holds {local}: its experts were sharded (ep_fuse.shard_experts) and EP is off. "
+                        "Compile with options={**ep_fuse.ep_options(model), ...} on every rank of the EP group.")
+                continue
+            if routed is not None and routed != world * local:
+                raise EpError(
+                    f"ep_fuse: the MoE block at {module_path(node) or node.name} routes over {routed} experts, "
+                    f"but {world} ranks x {local} local experts = {world * local}. Shard the experts with "
+                    "ep_fuse.shard_experts(model, group) over the same group given as ep_group.")
+        if world == 1:
+            return 0
+        for node in blocks:
+            self._rewrite(gm, node, group, world, ctx)
+        return len(blocks)
+
+    def _rewrite(self, gm: fx.GraphModule, node: fx.Node, group: Any, world: int, ctx: PassContext) -> None:
+        graph = gm.graph
+        x, ids, w, w13, w2, out_dtype = (list(node.args) + [None] * 6)[:6]
+        xv, idv, wv = val(x), val(ids), val(w)
+        local = int(val(w13).shape[0])
+        num_experts = world * local
+        cfg = ctx.config
+        cap = cfg.ep_capacity or 0
+        block_dtype = out_dtype or torch.promote_types(xv.dtype, wv.dtype)
+        backend, layout, declined = choose_backend(cfg.ep_backend, ctx.device, xv, idv, block_dtype, world,
+                                                   num_experts, cap)
+        common = (num_experts, group.group_name, backend, layout, cap, float(cfg.ep_timeout_s))
+        keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+        with graph.inserting_before(node):
+            d = graph.call_function(ep_dispatch.op, (x, ids, w, *common))
+            parts = [graph.call_function(operator.getitem, (d, i)) for i in range(4)]
+            experts_dtype = out_dtype if layout == "rank" else xv.dtype
+            y = graph.call_function(canonical.moe_experts.op, (parts[0], parts[1], parts[2], w13, w2, experts_dtype))
+            out = graph.call_function(ep_combine.op, (y, parts[3], ids, w, *common,
+                                                      None if layout == "rank" else out_dtype))
+        for n in (d, *parts, y, out):
+            n.meta.update(keep)
+        self._set_vals(d, parts, y, out, ctx)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        records = ctx.match_by_node.pop(node.name, [])
+        if records:
+            ctx.match_by_node[y.name] = records
+            for r in records:
+                r.fused_node = y.name
+        rec = EpRecord(block=y.name, module_path=module_path(y), backend=backend, layout=layout,
+                       requested=cfg.ep_backend, num_experts=num_experts, local_experts=local, world=world,
+                       capacity=cap, declined=declined)
+        ctx.report.ep.append(rec)
+        log.info("ep_fuse: EP at %s: %s (%s layout), %d of %d experts per rank x %d ranks, capacity %s",
+                 rec.module_path or rec.block, backend, layout, local, num_experts, world, cap or "data-dependent")
+
+    @staticmethod
+    def _set_vals(d: fx.Node, parts: list[fx.Node], y: fx.Node, out: fx.Node, ctx: PassContext) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+
+        def fake(a: Any) -> Any:
+            return val(a) if isinstance(a, fx.Node) else a
+
+        with mode:
+            dv = d.target(*[fake(a) for a in d.args])
+            d.meta["val"] = dv
+            for i, p in enumerate(parts):
+                p.meta["val"] = dv[i]
+            y.meta["val"] = y.target(*[fake(a) for a in y.args])
+            out.meta["val"] = out.target(*[fake(a) for a in out.args])

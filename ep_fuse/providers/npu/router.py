@@ -1,0 +1,84 @@
+"""Ascend ``moe_gating`` through ``torch_npu.npu_moe_gating_top_k`` (op-contracts.md §5, §9).
+
+Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
+
+* ``npu_moe_gating_top_k(x, k, *, bias, k_group, group_count, group_select_mode, renorm, norm_type,
+  out_flag, routed_scaling_factor, eps) -> (y, expert_idx int32, norm_out)``; ``norm_type`` 0 softmax /
+  1 sigmoid, in fp32; ``bias`` selects only; ``group_select_mode`` 0 group max / 1 sum of the top 2;
+  kept groups and experts by a stable argsort (ties: lowest index, as the Triton kernel); masked
+  experts -inf; y = p[ids] without bias; **sigmoid only**: y /= sum(y) + eps; then y *= scale.
+* ``renorm`` must be 0, so a softmax router that renormalises (Mixtral, Qwen3-MoE) gets y unscaled
+  and divides (then scales) afterwards; a sigmoid router that does *not* renormalise cannot be
+  expressed and is declined.
+* The logits are passed in fp32 (as sglang does), ids come back int32 and are widened to int64.
+
+Declined where the documented limits do not fit: logits not 2-D, more than 2048 experts,
+E / group_count <= 2, k > (E / group_count) * k_group. Within them the result equals
+:func:`ep_fuse.ops.router_reference.moe_gating_stable_ref` except one corner of DeepSeek-V2's
+``max`` grouping: HF masks dropped groups to 0.0 (not -inf), which differs only when a kept expert's
+probability underflows to exactly 0.0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ep_fuse.ops import canonical
+from ep_fuse.ops.registry import register_provider
+from ep_fuse.ops.router_reference import check_gating_args
+from ep_fuse.providers.npu import _available, _devices, _npu
+
+MAX_EXPERTS = 2048
+GROUP_SELECT_MODES = {"max": 0, "sum_top2": 1, "none": 0}
+NORM_TYPES = {"softmax": 0, "sigmoid": 1}
+
+
+def gating_supports(args: tuple[Any, ...]) -> str | None:
+    """``None`` when ``npu_moe_gating_top_k`` (plus a division for softmax renorm) computes this call."""
+    logits, bias, top_k, score, n_group, topk_group, group_score, renorm, _eps, _scale, weight_dtype = args
+    try:
+        check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+    except ValueError as exc:
+        return str(exc)
+    e = int(logits.shape[1])
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"logits dtype {logits.dtype}"
+    if e > MAX_EXPERTS:
+        return f"{e} experts (npu_moe_gating_top_k takes at most {MAX_EXPERTS})"
+    if e // n_group <= 2:
+        return f"{e // n_group} experts per group (npu_moe_gating_top_k needs E / group_count > 2)"
+    if top_k > (e // n_group) * topk_group:
+        return f"top-{top_k} exceeds the {(e // n_group) * topk_group} experts of the kept groups"
+    if score == "sigmoid" and not renorm:
+        return "npu_moe_gating_top_k always renormalises sigmoid weights; this router does not"
+    if weight_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        return f"weight dtype {weight_dtype}"
+    return None
+
+
+def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
+                      scale, weight_dtype):  # noqa: ANN001, ANN201 - schema-typed
+    """``ep_fuse_npu::moe_gating``."""
+    divide_after = score == "softmax" and renormalize
+    y, ids, _norm = _npu().npu_moe_gating_top_k(
+        logits.to(torch.float32), int(top_k), bias=bias.to(torch.float32) if bias is not None else None,
+        k_group=int(topk_group), group_count=int(n_group), group_select_mode=GROUP_SELECT_MODES[group_score],
+        renorm=0, norm_type=NORM_TYPES[score], out_flag=False,
+        routed_scaling_factor=1.0 if divide_after else float(scale), eps=float(renorm_eps))
+    y = y.to(torch.float32)
+    if divide_after:
+        denom = y.sum(dim=-1, keepdim=True)
+        if renorm_eps != 0.0:
+            denom = denom + renorm_eps
+        y = y / denom
+        if scale != 1.0:
+            y = y * scale
+    if weight_dtype is not None:
+        y = y.to(weight_dtype)
+    return y, ids.to(torch.int64)
+
+
+register_provider(canonical.moe_gating, "npu", moe_gating_kernel, devices=_devices, available=_available,
+                  supports=gating_supports)

@@ -1,0 +1,78 @@
+"""Host side of the Triton grouped-GEMM providers (``grouped_gemm``, ``grouped_gemm_swiglu``).
+
+The launch reads no tensor values on the host (the work list is built on the device from
+``seg_indptr``), so it is CUDA-graph capturable and Inductor may trace it through ``wrap_triton``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ep_fuse.providers.common import KERNEL_DTYPES
+
+INT32_MAX = 2**31 - 1
+
+
+def _unit_k(t: torch.Tensor) -> bool:
+    return int(t.shape[-1]) <= 1 or int(t.stride(-1)) == 1
+
+
+def check_grouped_gemm_call(args: tuple[Any, ...]) -> str | None:
+    """``None`` when the kernel runs ``(x [M, K], w [E, N, K], seg_indptr [E+1])``, else why not."""
+    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
+
+    x, w, seg = args
+    if x.dtype not in KERNEL_DTYPES or w.dtype != x.dtype:
+        return f"dtypes {x.dtype}/{w.dtype} (the kernel takes one of fp16/bf16/fp32 for both)"
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1]:
+        return f"shapes x {tuple(x.shape)} / w {tuple(w.shape)} are not [M, K] / [E, N, K]"
+    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or seg.shape[0] != w.shape[0] + 1:
+        return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
+    if seg.device != x.device or w.device != x.device:
+        return "operands on different devices"
+    try:
+        if not (_unit_k(x) and _unit_k(w)):
+            return "x or w is not unit-stride along K"
+        if int(w.shape[0]) > MAX_EXPERTS:
+            return f"more than {MAX_EXPERTS} experts"
+        if int(w.shape[1]) * int(w.stride(1)) > INT32_MAX:
+            return "one expert's weight spans more than 2**31 elements"
+    except Exception:  # symbolic sizes or strides that cannot be decided
+        return "symbolic strides"
+    return None
+
+
+def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
+    """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows)."""
+    reason = check_grouped_gemm_call(args)
+    if reason is None and args[1].shape[1] % 2:
+        return "w13 has an odd number of rows (not gate|up halves)"
+    return reason
+
+
+def _run(launch: Callable[..., None], x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, n: int,
+         wrap: Callable[[Any], Any] | None) -> torch.Tensor:
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or n == 0:
+        return y
+    if w.shape[0] == 0:  # no experts: every row is tail
+        return y.zero_()
+    launch(x, w, seg, y, wrap=wrap)
+    return y
+
+
+def grouped_gemm_kernel(x, w, seg_indptr, wrap=None):
+    """``ep_fuse_triton::grouped_gemm``."""
+    from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm
+
+    return _run(launch_grouped_gemm, x, w, seg_indptr, w.shape[1], wrap)
+
+
+def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, wrap=None):
+    """``ep_fuse_triton::grouped_gemm_swiglu``."""
+    from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm_swiglu
+
+    return _run(launch_grouped_gemm_swiglu, x, w13, seg_indptr, w13.shape[1] // 2, wrap)

@@ -1,0 +1,269 @@
+"""Triton grouped GEMMs over expert row segments: ``x @ w[e].T`` and the fused gate|up SwiGLU.
+
+Rows are in expert-major order: expert ``e`` owns rows ``[seg[e], seg[e+1])`` of ``x``; rows from
+``seg[E]`` on are written as zeros. The work list is built on the device, inside every program,
+from ``seg_indptr`` alone (no host sync, so the launch is CUDA-graph capturable and traceable):
+
+* a *tile* is ``BM`` rows of one expert; expert ``e`` has ``cdiv(count_e, BM)`` tiles, listed
+  expert by expert, followed by the ``BM``-row tiles of the zero tail. The total never exceeds the
+  static bound ``cdiv(M, BM) + E``, so the flat grid is ``(cdiv(M, BM) + E) * cdiv(N, BN)``
+  (grouped ``GROUP_M`` tiles at a time, for L2 reuse); programs past the real tiles store nothing.
+* each program loads the ``E + 1`` offsets (a few hundred bytes, L2 resident), takes a cumulative
+  sum of the tile counts and finds its expert by counting the experts that end before its tile.
+* ``SWAP_AB`` computes ``w_tile @ x_tile.T`` so that the weight rows fill the MMA's M dimension
+  (decode: a handful of rows per expert); the accumulator is transposed back for the epilogue.
+
+Rows past the tile's segment are clamped into ``x`` and their results discarded by the store mask,
+so the inner loop has no row masks; with ``K % BK == 0`` it has no masks at all. Numerics follow the
+unfused model: fp32 accumulation, each GEMM output rounded to the input dtype, then silu and the
+product rounded again. Under the interpreter the dot operands are upcast (bf16 dots are wrong there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ep_fuse.providers.triton.rms_norm_kernel import (
+    DTYPE_CODES,
+    INTERPRET,
+    _for_store,
+    _round,
+)
+
+MIN_BLOCK_E = 16
+MAX_EXPERTS = 8192
+"""Experts whose offsets one program scans in registers; more are declined on the host."""
+DECODE_ROWS_PER_EXPERT = 16
+"""At most this many rows per expert on average: the weight-bandwidth-bound decode regime."""
+
+
+@triton.jit
+def _tile_rows(tile, SEG, M, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """``(expert, first row, row end, is_real)`` of work tile ``tile`` (see the module docstring)."""
+    offs = tl.arange(0, BLOCK_E)
+    inside = offs < E
+    lo = tl.load(SEG + offs, mask=inside, other=0).to(tl.int32)
+    hi = tl.load(SEG + offs + 1, mask=inside, other=0).to(tl.int32)
+    lo = tl.minimum(tl.maximum(lo, 0), M)
+    hi = tl.minimum(tl.maximum(hi, lo), M)
+    ntiles = tl.where(inside, (hi - lo + BM - 1) // BM, 0)
+    cum = tl.cumsum(ntiles, 0)
+    total = tl.sum(ntiles, 0)
+    e = tl.sum((cum <= tile).to(tl.int32), 0)
+    first_tile = tl.sum(tl.where(offs < e, ntiles, 0), 0)
+    row_lo = tl.sum(tl.where(offs == e, lo, 0), 0)
+    row_hi = tl.sum(tl.where(offs == e, hi, 0), 0)
+    seg_end = tl.minimum(tl.maximum(tl.load(SEG + E).to(tl.int32), 0), M)
+    is_real = tile < total
+    m_start = tl.where(is_real, row_lo + (tile - first_tile) * BM, seg_end + (tile - total) * BM)
+    m_end = tl.where(is_real, tl.minimum(m_start + BM, row_hi), tl.minimum(m_start + BM, M))
+    return tl.minimum(e, E - 1), m_start, m_end, is_real
+
+
+@triton.jit
+def _work_item(M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(tile, n-tile)`` of this program: ``GROUP_M`` tiles at a time, tiles fastest within a group."""
+    pid = tl.program_id(0)
+    num_tiles = tl.cdiv(M, BM) + E
+    num_n = tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_tiles - first, GROUP_M)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _operand_ptrs(X, W, rm, rn, rk, sxm, swn, SWAP_AB: tl.constexpr):
+    """x and w tile pointers, oriented for ``dot(x, w.T)`` (or ``dot(w, x.T)`` when ``SWAP_AB``)."""
+    if SWAP_AB:
+        xp = X + rm[None, :].to(tl.int64) * sxm + rk[:, None]
+        wp = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
+    else:
+        xp = X + rm[:, None].to(tl.int64) * sxm + rk[None, :]
+        wp = W + rn[None, :].to(tl.int64) * swn + rk[:, None]
+    return xp, wp
+
+
+@triton.jit
+def _load(p, rk, k_left, SWAP_OR_W: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+    """A K-slice of one operand; ``SWAP_OR_W`` says whether K runs along the tile's rows."""
+    if EVEN_K:
+        v = tl.load(p)
+    elif SWAP_OR_W:
+        v = tl.load(p, mask=(rk < k_left)[:, None], other=0.0)
+    else:
+        v = tl.load(p, mask=(rk < k_left)[None, :], other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _mma(a, b, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
+    if SWAP_AB:
+        a, b = b, a
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    X, W, SEG, Y, M, N, K, E,
+    sxm, swe, swn, sym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IEEE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
+    e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
+    rm = m_start + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xp, wp = _operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
+                           sxm, swn, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
+    for k in range(num_k):
+        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST_DOT)
+        b = _load(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
+        acc = _mma(a, b, acc, SWAP_AB, IEEE)
+        xp += BK
+        wp += BK
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    y = _round(acc, CODE, EMULATE_RTNE)
+    mask = (rm < m_end)[:, None] & (rn < N)[None, :]
+    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+
+
+@triton.jit
+def _grouped_gemm_swiglu_kernel(
+    X, W, SEG, Y, M, N, K, E,
+    sxm, swe, swn, sym,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    IEEE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """``N`` is the intermediate size I: gate rows ``[n, n+BN)`` and up rows ``[I+n, I+n+BN)`` of ``w13[e]``."""
+    tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
+    e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
+    rm = m_start + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    xp, gp = _operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
+                           sxm, swn, SWAP_AB)
+    up = gp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
+    if SWAP_AB:
+        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
+    for k in range(num_k):
+        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST_DOT)
+        bg = _load(gp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
+        bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
+        acc_g = _mma(a, bg, acc_g, SWAP_AB, IEEE)
+        acc_u = _mma(a, bu, acc_u, SWAP_AB, IEEE)
+        xp += BK
+        gp += BK
+        up += BK
+    if SWAP_AB:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    g = _round(acc_g, CODE, EMULATE_RTNE)
+    u = _round(acc_u, CODE, EMULATE_RTNE)
+    act = _round(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
+    y = _round(act * u, CODE, EMULATE_RTNE)
+    mask = (rm < m_end)[:, None] & (rn < N)[None, :]
+    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and schedule of one grouped-GEMM launch."""
+
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    swap_ab: bool = False
+
+    def __str__(self) -> str:
+        return (f"BM{self.bm} BN{self.bn} BK{self.bk} w{self.num_warps} s{self.num_stages} g{self.group_m}"
+                + (" swap" if self.swap_ab else ""))
+
+
+def is_decode(m: int, e: int) -> bool:
+    """Few rows per expert: every weight is read about once, the launch is weight-bandwidth bound."""
+    return m <= DECODE_ROWS_PER_EXPERT * max(e, 1)
+
+
+def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> GemmConfig:
+    """Tile config from static shapes (``n``: output columns; ``swiglu``: two accumulators per tile).
+
+    Not yet tuned on a GPU (``bench/bench_moe_experts.py`` sweeps the alternatives). The interpreter
+    gets small tiles of the same two regimes.
+    """
+    decode = is_decode(m, e)
+    if interpret:
+        return GemmConfig(16, 16, 32, 4, 1, 1, swap_ab=True) if decode else GemmConfig(32, 32, 16, 4, 1, 2)
+    if decode:
+        return GemmConfig(16, 64, 128, 4, 4, 1, swap_ab=True)
+    if m <= 64 * e:
+        return GemmConfig(64, 128, 64, 4, 4, 8)
+    if swiglu:
+        return GemmConfig(128, 128, 64, 8, 3, 8)
+    return GemmConfig(128, 256, 64, 8, 3, 8)
+
+
+def block_e(e: int) -> int:
+    return max(MIN_BLOCK_E, triton.next_power_of_2(e))
+
+
+def _launch(kernel: Any, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int,
+            cfg: GemmConfig, wrap: Callable[[Any], Any] | None) -> None:
+    m, k = x.shape
+    e = w.shape[0]
+    fn = wrap(kernel) if wrap is not None else kernel
+    grid = ((triton.cdiv(m, cfg.bm) + e) * triton.cdiv(n, cfg.bn),)
+    fn[grid](
+        x, w, seg, y, m, n, k, e,
+        x.stride(0), w.stride(0), w.stride(1), y.stride(0),
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BLOCK_E=block_e(e), SWAP_AB=cfg.swap_ab,
+        EVEN_K=k % cfg.bk == 0, CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET,
+        IEEE=x.dtype == torch.float32, EMULATE_RTNE=int(INTERPRET),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def launch_grouped_gemm(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
+                        config: GemmConfig | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
+    """``y [M, N] = x [M, K] @ w[e].T`` per expert segment, zero tail (``x``, ``w`` unit stride along K)."""
+    m, k = x.shape
+    e, n = w.shape[0], w.shape[1]
+    cfg = config or config_for(m, n, k, e)
+    _launch(_grouped_gemm_kernel, x, w, seg, y, n, cfg, wrap)
+
+
+def launch_grouped_gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
+                               config: GemmConfig | None = None,
+                               wrap: Callable[[Any], Any] | None = None) -> None:
+    """``y [M, I] = silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)`` per expert segment, zero tail."""
+    m, k = x.shape
+    e, n = w13.shape[0], w13.shape[1] // 2
+    cfg = config or config_for(m, n, k, e, swiglu=True)
+    _launch(_grouped_gemm_swiglu_kernel, x, w13, seg, y, n, cfg, wrap)

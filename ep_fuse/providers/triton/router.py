@@ -1,0 +1,63 @@
+"""Host side of the Triton router-gating provider: argument checks, output allocation, launch.
+
+The kernel implements :func:`ep_fuse.ops.router_reference.moe_gating_stable_ref` (stable ties);
+see :mod:`ep_fuse.providers.triton.router_kernel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ep_fuse.ops.router_reference import check_gating_args
+
+log = logging.getLogger("ep_fuse.providers")
+
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WEIGHT_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)
+MAX_EXPERTS = 2048
+"""Widest expert row held in registers (one token per program at this width)."""
+MAX_TOP_K = 32
+MAX_GROUPS = 64
+"""Top-k and group loops are unrolled: bound the generated code."""
+
+
+def check_gating_call(args: tuple[Any, ...]) -> str | None:
+    """``None`` when the Triton kernel can run these ``moe_gating`` arguments, else why not."""
+    logits, bias, top_k, score, n_group, topk_group, group_score, _renorm, _eps, _scale, weight_dtype = args
+    try:
+        check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+    except ValueError as exc:
+        return str(exc)
+    if logits.dtype not in LOGIT_DTYPES:
+        return f"logits dtype {logits.dtype} is not fp32/bf16/fp16"
+    e = logits.shape[1]
+    if not statically_known_true(e <= MAX_EXPERTS):
+        return f"{e} experts (the kernel holds at most {MAX_EXPERTS} per row)"
+    if top_k > MAX_TOP_K or n_group > MAX_GROUPS:
+        return f"top-{top_k} of {n_group} groups (unrolled loops are bounded at {MAX_TOP_K} / {MAX_GROUPS})"
+    if not (statically_known_true(e == 1) or statically_known_true(logits.stride(1) == 1)):
+        return "expert logits are not unit-stride"
+    if bias is not None and (bias.dtype not in LOGIT_DTYPES or not statically_known_true(bias.stride(0) == 1)):
+        return "bias is not a unit-stride floating vector"
+    if weight_dtype not in WEIGHT_DTYPES:
+        return f"weight dtype {weight_dtype}"
+    return None
+
+
+def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
+                      scale, weight_dtype, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
+    """``ep_fuse_triton::moe_gating``: ``(weights [T, K], ids [T, K] int64)``."""
+    from ep_fuse.providers.triton.router_kernel import launch
+
+    t = logits.shape[0]
+    weights = torch.empty((t, top_k), dtype=weight_dtype or torch.float32, device=logits.device)
+    ids = torch.empty((t, top_k), dtype=torch.int64, device=logits.device)
+    if isinstance(t, int) and t == 0:
+        return weights, ids
+    launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize,
+           renorm_eps, scale, wrap=wrap)
+    return weights, ids

@@ -1,0 +1,135 @@
+"""Triton kernel for router gating: softmax/sigmoid, selection bias, group-limited top-k, renorm, scale.
+
+One program handles ``BLOCK_T`` tokens; a token's ``E`` logits sit in registers (``BLOCK_E`` =
+next power of two), are upcast to fp32 right after the load, and never leave the chip until the
+``[T, K]`` weights and ids are stored. Every top-k is an unrolled loop of arg-max steps in which the
+**lowest index wins among equal values** (a max, then a min over the indices that reach it), i.e. a
+stable descending top-k -- the tie order of ``npu_moe_gating_top_k`` and of
+:func:`ep_fuse.ops.router_reference.moe_gating_stable_ref`. Only Triton 3.x core ops are used
+(``max``/``min``/``sum``/``where``/``exp``/``static_range``), nothing newer than Triton 3.6 offers.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ep_fuse.providers.triton.rms_norm_kernel import _for_store
+
+SCORES = {"softmax": 0, "sigmoid": 1}
+GROUP_SCORES = {"none": 0, "max": 1, "sum_top2": 2}
+
+
+@triton.jit
+def _argmax_lowest(vals, taken, cols, BIG: tl.constexpr):
+    """Per row: (best value, lowest column reaching it) among the columns not yet ``taken``."""
+    cand = tl.where(taken, float("-inf"), vals)
+    best = tl.max(cand, axis=1)
+    idx = tl.min(tl.where((~taken) & (cand == best[:, None]), cols, BIG), axis=1)
+    return best, idx
+
+
+@triton.jit
+def _gating_kernel(
+    L, B, W, I, T, E, stride_l, eps, scale,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    RENORM: tl.constexpr, HAS_EPS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    OUT_CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    cols = tl.arange(0, BLOCK_E)[None, :]
+    cmask = cols < E
+    x = tl.load(L + rows[:, None].to(tl.int64) * stride_l + cols, mask=rmask[:, None] & cmask,
+                other=float("-inf")).to(tl.float32)
+    x = tl.where(rmask[:, None], x, 0.0)  # rows past T: finite values, never stored
+    if SCORE == 0:
+        ex = tl.exp(x - tl.max(x, axis=1)[:, None])
+        ex = tl.where(cmask, ex, 0.0)
+        p = ex / tl.sum(ex, axis=1)[:, None]
+    else:
+        p = 1.0 / (1.0 + tl.exp(-x))
+    sel = p
+    if HAS_BIAS:
+        sel = p + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
+    src = p
+    pad = (cols >= E) | (rows[:, None] < 0)  # [BLOCK_T, BLOCK_E]: padding columns
+    if GROUP != 0:
+        gcols = tl.arange(0, BLOCK_G)[None, :]
+        gid = cols // GROUP_SIZE
+        gscore = tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            in_g = (gid == g) & cmask
+            first, i1 = _argmax_lowest(sel, pad | ~in_g, cols, BLOCK_E)
+            s = first
+            if GROUP == 2:  # sum of the two largest values of the group
+                second, _i2 = _argmax_lowest(sel, pad | ~in_g | (cols == i1[:, None]), cols, BLOCK_E)
+                s = first + second
+            gscore = tl.where(gcols == g, s[:, None], gscore)
+        gtaken = (gcols >= N_GROUP) | (rows[:, None] < 0)
+        picked = (gcols < 0) | (rows[:, None] < 0)
+        for j in tl.static_range(TOPK_GROUP):
+            _best, gi = _argmax_lowest(gscore, gtaken, gcols, BLOCK_G)
+            hit = gcols == gi[:, None]
+            gtaken = gtaken | hit
+            picked = picked | hit
+        keep = (cols < 0) | (rows[:, None] < 0)
+        for g in tl.static_range(N_GROUP):
+            kept_g = tl.sum(tl.where((gcols == g) & picked, 1, 0), axis=1) > 0
+            keep = keep | ((gid == g) & kept_g[:, None])
+        if GROUP == 2:
+            sel = tl.where(keep, sel, float("-inf"))
+        else:
+            sel = tl.where(keep, sel, 0.0)
+            if HAS_BIAS:
+                src = tl.where(keep, p, 0.0)
+            else:
+                src = sel
+    kcols = tl.arange(0, BLOCK_K)[None, :]
+    w = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
+    total = tl.zeros([BLOCK_T], tl.float32)
+    taken = pad
+    for j in tl.static_range(K):
+        _best, idx = _argmax_lowest(sel, taken, cols, BLOCK_E)
+        hit = cols == idx[:, None]
+        wj = tl.sum(tl.where(hit, src, 0.0), axis=1)
+        taken = taken | hit
+        total = total + wj  # slot order, as the reference's row sum
+        w = tl.where(kcols == j, wj[:, None], w)
+        ids = tl.where(kcols == j, idx[:, None].to(tl.int64), ids)
+    if RENORM:
+        if HAS_EPS:
+            total = total + eps
+        w = w / total[:, None]
+    if HAS_SCALE:
+        w = w * scale
+    out = rows[:, None].to(tl.int64) * K + kcols
+    omask = rmask[:, None] & (kcols < K)
+    tl.store(W + out, _for_store(w, OUT_CODE, EMULATE_RTNE), mask=omask)
+    tl.store(I + out, ids, mask=omask)
+
+
+def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
+           scale, wrap=None) -> None:  # noqa: ANN001 - tensors and schema scalars
+    """Launch the gating kernel writing ``weights`` and ``ids`` (both contiguous [T, K])."""
+    from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
+
+    t, e = logits.shape
+    block_e = triton.next_power_of_2(int(e))
+    block_t = max(1, min(16, 2048 // block_e))
+    kernel = wrap(_gating_kernel) if wrap is not None else _gating_kernel
+    grouped = group_score != "none"
+    kernel[(triton.cdiv(t, block_t),)](
+        logits, bias if bias is not None else logits, weights, ids, t, e, logits.stride(0),
+        float(renorm_eps), float(scale),
+        K=int(top_k), BLOCK_K=triton.next_power_of_2(int(top_k)), BLOCK_T=block_t, BLOCK_E=block_e,
+        SCORE=SCORES[score], HAS_BIAS=bias is not None, GROUP=GROUP_SCORES[group_score],
+        N_GROUP=int(n_group) if grouped else 1, GROUP_SIZE=int(e) // int(n_group) if grouped else int(e),
+        TOPK_GROUP=int(topk_group) if grouped else 1,
+        BLOCK_G=triton.next_power_of_2(int(n_group)) if grouped else 1,
+        RENORM=bool(renormalize), HAS_EPS=float(renorm_eps) != 0.0, HAS_SCALE=float(scale) != 1.0,
+        OUT_CODE=DTYPE_CODES[weights.dtype], EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,
+    )

@@ -1,0 +1,303 @@
+"""Router top-k gating: router logits -> (routing weights, expert ids) (``traced-graphs.md`` §4.3, §6.5).
+
+Matched from the fp32 router logits (the input of ``_softmax``/``sigmoid``; the router GEMM and its
+upcast stay outside) to the ``(weights, ids)`` pair the experts consume; both become the two outputs
+of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its semantics):
+
+* ``softmax_topk`` (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 ``greedy``)::
+
+      v, ids = topk(_softmax(logits, -1), K[, sorted=False])
+      w = [_to_copy](  [mul]( [div(v, [add](sum(v, [-1], True), eps))], scale ), dtype)
+
+* ``softmax_group_max`` (DeepSeek-V2 ``group_limited_greedy``): ``p = _softmax(logits)``; group
+  score ``max.dim(view(p, [-1, G, E/G]), -1)[0]``; ``topk(·, topk_group, sorted=False)[1]`` ->
+  ``scatter.value(zeros_like, 1, ·, 1)`` -> ``unsqueeze/expand/clone/_unsafe_view`` -> ``_to_copy(bool)``
+  -> ``bitwise_not`` -> ``masked_fill(p, ·, 0.0)`` -> ``topk(K, sorted=False)``; the weights are its
+  values (then the same tail);
+* ``sigmoid_group_sum_top2`` (DeepSeek-V3, GLM4-MoE): ``s = sigmoid(logits)``, ``sel = s + bias``
+  (``e_score_correction_bias``; optional), group score ``sum(topk(view(sel), 2)[0], [-1])``, the same
+  mask chain with ``masked_fill(sel, ·, -inf)`` (optional: no groups), ``ids = topk(·, K, sorted=False)[1]``,
+  weights ``gather(s, 1, ids)`` -- the bias selects, it never weighs -- then the tail.
+
+The ids are not on the weights' path in most forms (they are the other output of the same ``topk``),
+and in the sigmoid form they are also read by the experts. The engine's trees have one root and no
+shared ``Item``, so each pattern here matches the weights' tree and then attaches the ids' tree
+with the guard :func:`_attach_ids` (same bindings, so the DAG is checked), which also re-checks that
+no interior node is used outside the two outputs.
+
+Not matched: GPT-OSS (``topk`` on the logits, then a bf16 softmax of the K values) and Llama4
+(``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): different functions.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ep_fuse.fx_utils import tensor_val
+from ep_fuse.matching import (
+    Anchor,
+    Cast,
+    Item,
+    Lit,
+    Match,
+    Mismatch,
+    Opt,
+    Pattern,
+    Replacement,
+    Var,
+    alt,
+    op,
+)
+from ep_fuse.matching.checks import is_int, is_shape
+from ep_fuse.matching.matcher import State, match_tree
+from ep_fuse.matching.pattern import equals, is_number
+from ep_fuse.ops import canonical
+
+aten = torch.ops.aten
+log = logging.getLogger("ep_fuse.patterns")
+
+DESCRIPTION = "router top-k gating (softmax/sigmoid, bias, group-limited, renorm, scale) -> ep_fuse::moe_gating"
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+ARITH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
+         aten.sum.dim_IntList, aten.sum.default}
+
+
+# --------------------------------------------------------------------------- value checks
+def _one_of(*values: Any) -> Any:
+    def check(v: Any) -> str | None:
+        ok = any(equals(x)(v) is None for x in values)
+        return None if ok else f"expected one of {values}, got {v!r}"
+
+    check.__name__ = f"one of {values}"
+    return check
+
+
+def _is_bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else f"expected a bool, got {v!r}"
+
+
+def _is_value(expected: Any) -> Any:
+    def check(v: Any) -> str | None:
+        return None if v == expected else f"expected {expected}, got {v!r}"
+
+    check.__name__ = f"is {expected}"
+    return check
+
+
+def _f32_2d(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None:
+        return f"expected a tensor, got {v!r}"
+    if t.dtype != torch.float32 or t.dim() != 2:
+        return f"router logits must be a fp32 [T, E] tensor, got {t.dtype} of {t.dim()} dims"
+    return None
+
+
+def _bias_vector(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dtype not in FLOATS or t.dim() != 1:
+        return "a selection bias is a floating [E] vector"
+    return None
+
+
+def _int64_tensor(v: Any) -> str | None:
+    t = tensor_val(v)
+    return None if t is not None and t.dtype == torch.int64 else "expected int64 top-k ids"
+
+
+def _neg_inf(v: Any) -> str | None:
+    return None if isinstance(v, float) and v == float("-inf") else f"expected -inf, got {v!r}"
+
+
+LAST_2D = _one_of(-1, 1)
+LAST_3D = _one_of(-1, 2)
+
+
+# --------------------------------------------------------------------------- trees
+def _probs(kind: str, shared: bool = False) -> Any:
+    logits = Var("logits", _f32_2d)
+    if kind == "softmax":
+        return op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
+                  bind="probs", shared=shared)
+    return op(aten.sigmoid.default, self=logits, bind="probs", shared=shared)
+
+
+def _topk(x: Any, bind: str | None = None, shared: bool = False) -> Any:
+    """``topk(x, K, -1, largest=True, sorted=any)`` over the experts."""
+    return op(aten.topk.default, self=x, k=Lit(is_int, bind="top_k"), dim=Lit(LAST_2D), largest=Lit(equals(True)),
+              sorted=Lit(_is_bool), bind=bind, shared=shared)
+
+
+def _not_in_kept_groups(sel: Any, group_score: str) -> Any:
+    """``~mask`` [T, E] (bool) of the experts outside the ``topk_group`` best groups of ``sel``."""
+    grouped = op(VIEWS, self=sel, size=Lit(is_shape, bind="group_view"))
+    if group_score == "sum_top2":
+        top2 = op(aten.topk.default, self=grouped, k=Lit(equals(2)), dim=Lit(LAST_3D), largest=Lit(equals(True)),
+                  sorted=Lit(_is_bool))
+        gscore = op(aten.sum.dim_IntList, self=Item(top2, 0), dim=Lit(_one_of([-1], [2])), bind="gscore")
+    else:
+        gscore = Item(op(aten.max.dim, self=grouped, dim=Lit(LAST_3D)), 0, bind="gscore")
+    gidx = Item(op(aten.topk.default, self=gscore, k=Lit(is_int, bind="topk_group"), dim=Lit(LAST_2D),
+                   largest=Lit(equals(True)), sorted=Lit(_is_bool)), 1)
+    mask = op(aten.scatter.value, self=op(aten.zeros_like.default, self=gscore, ignore=("pin_memory",)),
+              dim=Lit(LAST_2D), index=gidx, value=Lit(equals(1)))
+    expanded = op(aten.expand.default, self=op(aten.unsqueeze.default, self=mask, dim=Lit(LAST_3D)),
+                  size=Lit(is_shape, bind="group_expand"))
+    flat = op(VIEWS, size=Lit(is_shape, bind="group_flat"), self=alt(
+        op(aten.clone.default, self=expanded, memory_format=Lit(_is_value(torch.contiguous_format))), expanded))
+    return op(aten.bitwise_not.default, self=Cast(flat, torch.bool))
+
+
+def _tail(w: Any) -> Any:
+    """``[_to_copy]([mul]([div(w, [add](sum(w, [-1], True), eps))], scale))`` (``w`` must carry a bind)."""
+    total = op(aten.sum.dim_IntList, self=w, dim=Lit(_one_of([-1], [1])), keepdim=Lit(equals(True)))
+    denom = alt(op(aten.add.Tensor, self=total, other=Lit(is_number, bind="renorm_eps")), total)
+    renormed = alt(op(aten.div.Tensor, self=w, other=denom, bind="renorm"), w)
+    scaled = alt(op((aten.mul.Tensor, aten.mul.Scalar), self=renormed, other=Lit(is_number, bind="scale")), renormed)
+    return Opt(Cast(scaled, dtype="weight_dtype"))
+
+
+def _softmax_topk() -> tuple[Any, Any]:
+    topk = _topk(_probs("softmax"), bind="topk", shared=True)
+    return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
+
+
+def _softmax_group_max() -> tuple[Any, Any]:
+    probs = _probs("softmax")
+    masked = op(aten.masked_fill.Scalar, self=probs, mask=_not_in_kept_groups(probs, "max"),
+                value=Lit(_is_value(0.0)))
+    topk = _topk(masked, bind="topk", shared=True)
+    return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
+
+
+def _sigmoid_group_sum_top2() -> tuple[Any, Any]:
+    probs = _probs("sigmoid", shared=True)  # also read by the selection (the ids' tree)
+    gathered = op(aten.gather.default, self=probs, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor),
+                  bind="weights_raw")
+    sel = alt(op(aten.add.Tensor, self=probs, other=Var("bias", _bias_vector), commutative=("self", "other")),
+              probs, bind="sel")
+    masked = alt(op(aten.masked_fill.Scalar, self=sel, mask=_not_in_kept_groups(sel, "sum_top2"),
+                    value=Lit(_neg_inf)), sel)
+    return _tail(gathered), Item(_topk(masked), 1)
+
+
+# --------------------------------------------------------------------------- guards
+def _attach_ids(ids_tree: Any) -> Any:
+    """Match the ids' tree at the ids node (bound, or the ``[1]`` output of the bound ``topk``)."""
+
+    def attach_ids(m: Match) -> str | tuple[Any, str] | None:
+        ids = m.get("ids")
+        if ids is None:
+            topk = m["topk"]
+            items = [u for u in topk.users if u.target is operator.getitem and u.args[1] == 1]
+            if len(items) != 1:
+                return topk, "the top-k ids are not read through exactly one getitem"
+            ids = items[0]
+        res = match_tree(ids_tree, ids, State(dict(m.bindings), [], set()))
+        if isinstance(res, Mismatch):
+            return res.node, f"ids: {res.reason}"
+        m.bindings.update(res.bindings)
+        m.bindings["ids"] = ids
+        m.nodes.extend(n for n in res.nodes if n not in m.nodes)
+        inside = set(m.nodes)
+        for node in m.nodes:
+            if node is m.root or node is ids:
+                continue
+            outside = [u.name for u in node.users if u not in inside]
+            if outside:
+                return node, f"is also used outside the router (by {', '.join(outside[:3])})"
+        return None
+
+    return attach_ids
+
+
+def router_shapes(m: Match) -> str | tuple[Any, str] | None:
+    """[T, E] logits, K <= E, a [E] bias, groups that tile the experts, [T, K] outputs."""
+    logits = tensor_val(m["logits"])
+    t, e = logits.shape
+    k = m["top_k"]
+    if not statically_known_true(k <= e):
+        return f"top-{k} of {e} experts"
+    if "bias" in m.bindings and not statically_known_true(tensor_val(m["bias"]).shape[0] == e):
+        return m["bias"], f"bias of shape {list(tensor_val(m['bias']).shape)} is not [{e}]"
+    if "gscore" in m.bindings:
+        view = list(m["group_view"])
+        if len(view) != 3 or view[0] not in (-1, t) or not statically_known_true(view[1] * view[2] == e):
+            return f"group view {view} does not split [{t}, {e}] into [T, groups, experts per group]"
+        g, per = view[1], view[2]
+        if list(m["group_expand"]) not in ([-1, g, per], [t, g, per]):
+            return f"group mask expanded to {list(m['group_expand'])}, expected [-1, {g}, {per}]"
+        if list(m["group_flat"]) not in ([t, e], [-1, e]):
+            return f"group mask flattened to {list(m['group_flat'])}, expected [{t}, {e}]"
+        if not 1 <= m["topk_group"] <= g:
+            return f"keeps {m['topk_group']} of {g} groups"
+    w = tensor_val(m["weights_raw"])
+    if w.dim() != 2 or not statically_known_true(w.shape[1] == k):
+        return f"weights of shape {list(w.shape)} are not [T, {k}]"
+    return None
+
+
+def whole_tail(m: Match) -> str | None:
+    """A match ending at the raw top-k values must not leave a renormalisation half outside."""
+    if m.root is not m["weights_raw"]:
+        return None
+    arith = [u.name for u in m.root.users if u.target in ARITH]
+    if arith:
+        return f"the routing weights feed {', '.join(arith)} (a normalisation this pattern does not cover)"
+    return None
+
+
+# --------------------------------------------------------------------------- replacement
+def _build(m: Match) -> Replacement:
+    probs = m["probs"]
+    score = "softmax" if probs.target is aten._softmax.default else "sigmoid"
+    group_score, n_group, topk_group = "none", 1, 1
+    if "gscore" in m.bindings:
+        group_score = "sum_top2" if m["gscore"].target is aten.sum.dim_IntList else "max"
+        n_group, topk_group = int(m["group_view"][1]), int(m["topk_group"])
+    args = (m["logits"], m.get("bias"), int(m["top_k"]), score, n_group, topk_group, group_score,
+            "renorm" in m.bindings, float(m.get("renorm_eps", 0.0)), float(m.get("scale", 1.0)),
+            m.get("weight_dtype"))
+    log.debug("ep_fuse: moe_gating%s at %s", args[2:], m.root.name)
+    return Replacement(canonical.moe_gating.op, args, ("root", "ids"))
+
+
+def _router_head(node: Any) -> bool:
+    """A 2-D ``_softmax``/``sigmoid`` feeding a ``topk`` (directly or through a bias add): a router."""
+    t = tensor_val(node)
+    if t is None or t.dim() != 2:
+        return False
+    for user in node.users:
+        if user.target is aten.topk.default:
+            return True
+        if user.target is aten.add.Tensor and any(u.target in (aten.topk.default, *VIEWS) for u in user.users):
+            return True
+    return False
+
+
+ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.default, _router_head))
+
+_FORMS = {
+    "softmax_topk": (_softmax_topk, "softmax -> topk -> [renorm] [scale] [cast] (Mixtral, Qwen, DeepSeek-V2 greedy)"),
+    "softmax_group_max": (_softmax_group_max, "softmax, group max, masked_fill 0.0, topk (DeepSeek-V2 group-limited)"),
+    "sigmoid_group_sum_top2": (_sigmoid_group_sum_top2,
+                               "sigmoid + bias, group sum of top-2, masked_fill -inf, topk, gather (DeepSeek-V3, GLM4)"),
+}
+
+
+def _pattern(variant: str) -> Pattern:
+    make, description = _FORMS[variant]
+    weights, ids = make()
+    return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
+                   guards=(_attach_ids(ids), router_shapes, whole_tail), anchors=ANCHORS,
+                   description=description, produces="ep_fuse::moe_gating")
+
+
+PATTERNS = [_pattern(v) for v in _FORMS]

@@ -1,0 +1,294 @@
+"""A test double of ``deep_ep`` (V1 ``Buffer`` API) over ``torch.distributed`` -- NOT DeepEP.
+
+Implements the documented contract summarised in ``op-contracts.md`` §8.3-§8.7 (layout, normal
+dispatch/combine, low-latency dispatch/combine, size hints, ``clean_low_latency_buffer``) on CPU with
+gloo, so ep_fuse's DeepEP adapter can be checked for its calls, layouts and weight handling. It
+checks the documented preconditions (BF16 tokens, int64 ids, fp32 weights, layout tensors equal to
+the recomputed layout, config-table group sizes, clean buffer before LL kernels, T <= M) and makes
+the places the contract leaves open visible: rows past the real counts are NaN (uninitialised), and
+low-latency blocks are placed in *descending* source-rank order (real placement is decided by atomics).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+topk_idx_t = torch.int64
+
+
+class Config:
+    def __init__(self, num_sms: int, nvl_send: int, nvl_recv: int, rdma_send: int, rdma_recv: int) -> None:
+        assert nvl_send < nvl_recv and rdma_send <= rdma_recv // 2
+        self.num_sms, self.nvl_send, self.nvl_recv = num_sms, nvl_send, nvl_recv
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return (self.num_sms // 2) * num_ranks * self.nvl_recv * (hidden_bytes + 64)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        return 0 if num_ranks <= 8 else (self.num_sms // 2) * (num_ranks // 8) * hidden_bytes * 64
+
+
+class EventOverlap:
+    def current_stream_wait(self) -> None:
+        pass
+
+    def __enter__(self) -> EventOverlap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _check_deterministic() -> None:
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        raise RuntimeError("DeepEP (double): deterministic algorithms with fill_uninitialized_memory")
+
+
+def _exchange(group: Any, per_dest: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """per_dest[r] = payload tensors (same row count) for rank r -> per_source[s] = payloads from rank s."""
+    world = group.size()
+    counts = torch.tensor([p[0].shape[0] for p in per_dest], dtype=torch.int64)
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    out: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for j in range(len(per_dest[0])):
+        send = torch.cat([p[j] for p in per_dest])
+        recv = send.new_empty((int(recv_counts.sum()), *send.shape[1:]))
+        dist.all_to_all_single(recv, send, recv_counts.tolist(), counts.tolist(), group=group)
+        for s, chunk in enumerate(recv.split(recv_counts.tolist())):
+            out[s].append(chunk)
+    return out
+
+
+class Buffer:
+    num_sms = 20
+    created: list[Buffer] = []
+    """Every Buffer constructed in this process (tests count them)."""
+
+    def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None) -> None:
+        self.group, self.rank, self.num_ranks = group, group.rank(), group.size()
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.num_qps_per_rank = low_latency_mode, num_qps_per_rank
+        self.explicitly_destroy = explicitly_destroy
+        ids = [torch.zeros(1) for _ in range(self.num_ranks)]
+        dist.all_gather(ids, torch.tensor([float(self.rank)]), group=group)  # collective, like the IPC handshake
+        self.calls: list[str] = []
+        self.normal_used_since_clean = False
+        self.destroyed = False
+        Buffer.created.append(self)
+
+    # ------------------------------------------------------------------ configs and hints
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        assert num_ranks in CONFIG_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        assert num_ranks in CONFIG_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        per_msg = hidden * 2 + 16
+        return 2 * 2 * num_max_dispatch_tokens_per_rank * per_msg * num_experts
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        self.calls.append("clean_low_latency_buffer")
+        self.normal_used_since_clean = False
+
+    def destroy(self) -> None:
+        assert not self.destroyed, "Buffer destroyed twice"
+        self.destroyed = True
+
+    def _alive(self) -> None:
+        assert not self.destroyed, "Buffer used after destroy()"
+
+    # ------------------------------------------------------------------ layout
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        self._alive()
+        assert topk_idx.dtype == topk_idx_t and topk_idx.dim() == 2
+        assert num_experts % self.num_ranks == 0
+        per_rank = num_experts // self.num_ranks
+        t = topk_idx.shape[0]
+        is_token_in_rank = torch.zeros(t, self.num_ranks, dtype=torch.bool)
+        per_expert = torch.zeros(num_experts, dtype=torch.int32)
+        for i in range(t):
+            for e in topk_idx[i].tolist():
+                if e >= 0:
+                    per_expert[e] += 1
+                    is_token_in_rank[i, e // per_rank] = True
+        per_rdma = None if self.num_ranks <= 8 else is_token_in_rank.view(t, -1, 8).any(-1).sum(0).int()
+        return is_token_in_rank.sum(0).int(), per_rdma, per_expert, is_token_in_rank, EventOverlap()
+
+    # ------------------------------------------------------------------ normal
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
+                 num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        self._alive()
+        _check_deterministic()
+        if isinstance(x, tuple):
+            raise NotImplementedError("deepep_double: FP8 dispatch is not implemented")
+        assert x.dtype == torch.bfloat16 and x.dim() == 2, "dispatch takes BF16 [T, H]"
+        assert handle is None, "deepep_double: cached dispatch is not implemented"
+        assert (topk_idx is None) == (topk_weights is None)
+        assert topk_idx.dtype == topk_idx_t and topk_weights.dtype == torch.float32
+        num_experts = num_tokens_per_expert.numel()
+        expect = self.get_dispatch_layout(topk_idx, num_experts)
+        assert torch.equal(num_tokens_per_rank, expect[0]), "num_tokens_per_rank differs from the layout"
+        assert torch.equal(is_token_in_rank, expect[3]), "is_token_in_rank differs from the layout"
+        assert torch.equal(num_tokens_per_expert, expect[2]), "num_tokens_per_expert differs from the layout"
+        assert num_tokens_per_rdma_rank is None or self.num_ranks > 8
+        if num_worst_tokens:
+            assert self.num_ranks <= 8, "num_worst_tokens is intranode only"
+        self.normal_used_since_clean = True
+        self.calls.append("dispatch")
+        w, me = self.num_ranks, self.rank
+        per_rank = num_experts // w
+        per_dest = []
+        for r in range(w):
+            tok = is_token_in_rank[:, r].nonzero().flatten()
+            per_dest.append([x[tok], topk_idx[tok], topk_weights[tok], tok])
+        got = _exchange(self.group, per_dest)
+        recv_x = torch.cat([g[0] for g in got])
+        idx = torch.cat([g[1] for g in got])
+        weights = torch.cat([g[2] for g in got])
+        src_idx = torch.cat([g[3] for g in got]).int()
+        local = (idx >= me * per_rank) & (idx < (me + 1) * per_rank)
+        recv_idx = torch.where(local, idx - me * per_rank, -1)
+        recv_w = torch.where(local, weights, 0.0)
+        matrix = [torch.zeros(w, dtype=torch.int32) for _ in range(w)]
+        dist.all_gather(matrix, num_tokens_per_rank.int(), group=self.group)
+        rank_prefix_matrix = torch.stack(matrix).cumsum(0).int()  # [src, dst]
+        n = recv_x.shape[0]
+        counts = [int((recv_idx == e).sum()) for e in range(per_rank)]
+        counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        native = (rank_prefix_matrix, torch.zeros(1), torch.zeros(1), src_idx, is_token_in_rank.clone(),
+                  torch.zeros(1))
+        if num_worst_tokens:
+            assert n <= num_worst_tokens
+            pad = num_worst_tokens - n
+            recv_x = torch.cat([recv_x, torch.full((pad, x.shape[1]), float("nan"), dtype=x.dtype)])
+            recv_idx = torch.cat([recv_idx, torch.full((pad, idx.shape[1]), -1, dtype=idx.dtype)])
+            recv_w = torch.cat([recv_w, torch.zeros(pad, idx.shape[1])])
+            counts = []
+        return recv_x, recv_idx, recv_w, counts, native, EventOverlap()
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        self._alive()
+        _check_deterministic()
+        assert x.dtype == torch.bfloat16 and x.dim() == 2, "combine takes BF16 [N, H]"
+        rank_prefix_matrix, _c, _r, src_idx, is_token_in_rank, _h = handle
+        n = src_idx.numel()
+        assert x.shape[0] >= n, "combine needs one row per received token"
+        self.normal_used_since_clean = True
+        self.calls.append("combine")
+        w = self.num_ranks
+        bounds = [0] + rank_prefix_matrix[:, self.rank].tolist()
+        per_dest = [[x[bounds[s]:bounds[s + 1]]] for s in range(w)]
+        got = _exchange(self.group, per_dest)
+        t = is_token_in_rank.shape[0]
+        acc = torch.zeros(t, x.shape[1], dtype=torch.float32)
+        for r in range(w):
+            tok = is_token_in_rank[:, r].nonzero().flatten()
+            acc.index_add_(0, tok, got[r][0].float())
+        for b in (bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()):
+            acc += b.float()
+        return acc.to(torch.bfloat16), None, EventOverlap()
+
+    # ------------------------------------------------------------------ low latency
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        self._alive()
+        _check_deterministic()
+        assert self.low_latency_mode, "low-latency kernels need Buffer(low_latency_mode=True)"
+        assert not self.normal_used_since_clean, "call clean_low_latency_buffer() after normal kernels, before LL"
+        if use_fp8:
+            raise NotImplementedError("deepep_double: FP8 low-latency dispatch is not implemented")
+        m = num_max_dispatch_tokens_per_rank
+        assert x.dtype == torch.bfloat16 and x.shape[0] <= m, "LL dispatch: BF16 and T <= num_max_dispatch_tokens"
+        assert topk_idx.dtype == topk_idx_t
+        self.calls.append("low_latency_dispatch")
+        w, me = self.num_ranks, self.rank
+        per_rank = num_experts // w
+        t, k = topk_idx.shape
+        per_dest = [[], [], []]
+        pairs = [(ti, e) for ti in range(t) for e in topk_idx[ti].tolist() if e >= 0]
+        per_dest = []
+        for r in range(w):
+            mine = [(ti, e) for ti, e in pairs if e // per_rank == r]
+            tok = torch.tensor([p[0] for p in mine], dtype=torch.int64)
+            exp = torch.tensor([p[1] for p in mine], dtype=torch.int64)
+            per_dest.append([x[tok] if mine else x.new_empty(0, x.shape[1]), tok, exp])
+        got = _exchange(self.group, per_dest)
+        h = x.shape[1]
+        recv_x = torch.full((per_rank, w * m, h), float("nan"), dtype=x.dtype)
+        src_info = torch.full((per_rank, w * m), -1, dtype=torch.int32)
+        layout_range = torch.zeros(per_rank, w, dtype=torch.int64)
+        recv_count = torch.zeros(per_rank, dtype=torch.int32)
+        for s in reversed(range(w)):  # placement order is not rank order in the real kernel either
+            rows, tok, exp = got[s]
+            for e in range(per_rank):
+                sel = (exp - me * per_rank == e).nonzero().flatten()
+                begin, cnt = int(recv_count[e]), sel.numel()
+                recv_x[e, begin:begin + cnt] = rows[sel]
+                src_info[e, begin:begin + cnt] = tok[sel].int()
+                layout_range[e, s] = (begin << 32) | cnt
+                recv_count[e] += cnt
+        native = (src_info, layout_range, m, h, num_experts)
+        return recv_x, recv_count, native, EventOverlap(), (lambda: None)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        self._alive()
+        assert self.low_latency_mode and not self.normal_used_since_clean
+        src_info, layout_range, m, h, num_experts = handle
+        w, me = self.num_ranks, self.rank
+        per_rank = num_experts // w
+        assert x.dtype == torch.bfloat16 and tuple(x.shape) == (per_rank, w * m, h), "x must be BF16 [E_r, W*M, H]"
+        assert topk_weights.dtype == torch.float32 and topk_weights.shape == topk_idx.shape
+        self.calls.append("low_latency_combine")
+        per_dest = []
+        for s in range(w):
+            rows, tok, exp = [], [], []
+            for e in range(per_rank):
+                rng = int(layout_range[e, s])
+                begin, cnt = rng >> 32, rng & 0xFFFFFFFF
+                rows.append(x[e, begin:begin + cnt])
+                tok.append(src_info[e, begin:begin + cnt].long())
+                exp.append(torch.full((cnt,), me * per_rank + e, dtype=torch.int64))
+            per_dest.append([torch.cat(rows), torch.cat(tok), torch.cat(exp)])
+        got = _exchange(self.group, per_dest)
+        t = topk_idx.shape[0]
+        acc = torch.zeros(t, h, dtype=torch.float32)
+        for rows, tok, exp in got:
+            for i in range(rows.shape[0]):
+                ti, e = int(tok[i]), int(exp[i])
+                for kk in (topk_idx[ti] == e).nonzero().flatten().tolist():
+                    acc[ti] += topk_weights[ti, kk] * rows[i].float()
+        return acc.to(torch.bfloat16), EventOverlap(), (lambda: None)
+
+
+def make_module() -> types.ModuleType:
+    """A ``deep_ep`` module object: ``sys.modules["deep_ep"] = make_module()``."""
+    mod = types.ModuleType("deep_ep")
+    mod.Buffer = Buffer
+    mod.Config = Config
+    mod.EventOverlap = EventOverlap
+    mod.topk_idx_t = topk_idx_t
+    mod.__ep_fuse_test_double__ = True
+    return mod

@@ -1,0 +1,285 @@
+"""Router gating (``ep_fuse::moe_gating``): reference vs HF routers, Triton and NPU vs the stable
+reference (ties included), patterns and look-alikes, and the tiny HF MoE models end to end."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import ep_fuse
+from ep_fuse import tiny_models
+from ep_fuse.ops import canonical, choose
+from ep_fuse.ops.router_reference import moe_gating_ref, moe_gating_stable_ref
+from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel
+from ep_fuse.testing import compile_and_run
+
+BF16, F32 = torch.bfloat16, torch.float32
+
+# name -> (HF overrides, moe_gating arguments after the logits and bias, MoE layers, matched variant)
+MODELS = {
+    "mixtral": ({}, (2, "softmax", 1, 1, "none", True, 0.0, 1.0, None), 2, "softmax_topk"),
+    "qwen2_moe": ({}, (2, "softmax", 1, 1, "none", False, 0.0, 1.0, BF16), 2, "softmax_topk"),
+    "qwen3_moe": ({}, (2, "softmax", 1, 1, "none", True, 0.0, 1.0, BF16), 2, "softmax_topk"),
+    "deepseek_v3": ({}, (2, "sigmoid", 2, 1, "sum_top2", True, 1e-20, 2.5, None), 1, "sigmoid_group_sum_top2"),
+    "deepseek_v2": ({}, (2, "softmax", 1, 1, "none", False, 0.0, 1.0, None), 1, "softmax_topk"),
+    "deepseek_v2_grouped": ({"topk_method": "group_limited_greedy"},
+                            (2, "softmax", 2, 1, "max", False, 0.0, 1.0, None), 1, "softmax_group_max"),
+    "glm4_moe": ({}, (2, "sigmoid", 2, 1, "sum_top2", True, 1e-20, 1.0, None), 1, "sigmoid_group_sum_top2"),
+}
+
+
+def _build(name):
+    overrides = MODELS[name][0]
+    return tiny_models.build(name.replace("_grouped", ""), **overrides)
+
+
+def _gate_calls(model):
+    """(logits fp32, bias, HF weights, HF ids) of every router call of one eager forward."""
+    calls = []
+
+    def hook(mod, _inputs, out):
+        bias = getattr(mod, "e_score_correction_bias", None)
+        calls.append((out[0].detach().float(), bias, out[1].detach(), out[2].detach()))
+
+    handles = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers
+               if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    with torch.no_grad():
+        model(**tiny_models.example_inputs())
+    for h in handles:
+        h.remove()
+    return calls
+
+
+def _same_routing(w, ids, ref_w, ref_ids, exact=True):
+    """Per token the same (expert, weight) pairs in any slot order; ``exact=False``: weights within an ulp."""
+    assert ids.dtype == torch.int64 and w.dtype == ref_w.dtype and w.shape == ref_w.shape
+    o, ro = ids.argsort(-1), ref_ids.argsort(-1)
+    assert torch.equal(ids.gather(1, o), ref_ids.gather(1, ro))
+    if exact:
+        assert torch.equal(w.gather(1, o), ref_w.gather(1, ro))
+    else:
+        torch.testing.assert_close(w.gather(1, o).float(), ref_w.gather(1, ro).float(), rtol=1e-6 if w.dtype == F32
+                                   else 8e-3, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- reference vs the HF routers
+@pytest.mark.parametrize("name", list(MODELS))
+def test_reference_is_the_hf_router(name):
+    args = MODELS[name][1]
+    calls = _gate_calls(_build(name))
+    assert len(calls) == MODELS[name][2]
+    for logits, bias, w, ids in calls:
+        rw, rids = moe_gating_ref(logits, bias, *args)
+        if args[1] == "softmax" and args[4] == "none" and name != "deepseek_v2":
+            assert torch.equal(rids, ids) and torch.equal(rw, w)  # sorted=True: same slot order
+        else:
+            _same_routing(rw, rids, w, ids)  # sorted=False: the model's slot order is unspecified
+
+
+def test_opcheck():
+    g = torch.Generator().manual_seed(0)
+    x, b = torch.randn(9, 16, generator=g), torch.randn(16, generator=g) * 0.1
+    for args in [(x, None, 3, "softmax", 1, 1, "none", True, 0.0, 1.0, BF16),
+                 (x, b, 4, "sigmoid", 4, 2, "sum_top2", True, 1e-20, 2.5, None),
+                 (x, None, 2, "softmax", 4, 2, "max", False, 0.0, 16.0, None)]:
+        torch.library.opcheck(torch.ops.ep_fuse.moe_gating.default, args)
+        torch.library.opcheck(torch.ops.ep_fuse_triton.moe_gating.default, args)
+
+
+def test_reference_rejects_bad_arguments():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="groups"):
+        moe_gating_ref(x, None, 2, "sigmoid", 3, 1, "sum_top2", True, 0.0, 1.0, None)
+    with pytest.raises(ValueError, match="bias"):
+        moe_gating_ref(x, torch.zeros(4, 8), 2, "sigmoid", 2, 1, "sum_top2", True, 0.0, 1.0, None)
+    with pytest.raises(ValueError, match="top_k"):
+        moe_gating_ref(x, None, 9, "softmax", 1, 1, "none", True, 0.0, 1.0, None)
+
+
+# --------------------------------------------------------------------------- Triton kernel
+def _logits(t, e, ties, seed, dtype=F32):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct values: many exact ties inside and across the top-k and the groups
+        x = torch.randint(-2, 3, (t, e), generator=g).to(F32) * 0.5
+    else:
+        x = torch.randn(t, e, generator=g) * 2
+    return x.to(dtype)
+
+
+@settings(max_examples=80, deadline=None)
+@given(t=st.integers(1, 40), e_g=st.sampled_from([(4, 1), (8, 1), (8, 2), (16, 4), (24, 3), (64, 8), (40, 5)]),
+       k=st.integers(1, 6), topk_group=st.integers(1, 3), form=st.sampled_from(["softmax", "v2", "v3", "sigmoid"]),
+       ties=st.booleans(), bias=st.booleans(), renorm=st.booleans(),
+       weight_dtype=st.sampled_from([None, BF16, torch.float16]), logit_dtype=st.sampled_from([F32, BF16]),
+       seed=st.integers(0, 2**16))
+def test_triton_matches_the_stable_reference(t, e_g, k, topk_group, form, ties, bias, renorm, weight_dtype,
+                                             logit_dtype, seed):
+    e, n_group = e_g
+    score = "sigmoid" if form in ("v3", "sigmoid") else "softmax"
+    group_score = {"v2": "max", "v3": "sum_top2"}.get(form, "none")
+    if group_score == "none":
+        n_group, topk_group = 1, 1
+    topk_group = min(topk_group, n_group)
+    k = min(k, e)
+    b = (torch.randint(-1, 2, (e,), generator=torch.Generator().manual_seed(seed)).float() * 0.25) if bias else None
+    args = (_logits(t, e, ties, seed, logit_dtype), b, k, score, n_group, topk_group, group_score, renorm,
+            1e-20 if score == "sigmoid" else 0.0, 2.5 if form == "v3" else 1.0, weight_dtype)
+    assert check_gating_call(args) is None
+    w, ids = moe_gating_kernel(*args)
+    rw, rids = moe_gating_stable_ref(*args)
+    assert torch.equal(ids, rids), "identical ids, exact ties included (lowest index first)"
+    ulp = {None: 1e-6, BF16: 8e-3, torch.float16: 1e-3}[weight_dtype]
+    torch.testing.assert_close(w.float(), rw.float(), rtol=ulp, atol=1e-6)
+    if not ties and logit_dtype == F32 and k <= topk_group * (e // n_group):
+        # no ties (masked experts tie at -inf / 0.0): the model's own torch.topk selects the same experts
+        _tw, tids = moe_gating_ref(*args)
+        assert torch.equal(tids, ids)
+
+
+def test_triton_declines_outside_its_limits():
+    x = torch.randn(4, 4096)
+    assert "experts" in check_gating_call((x, None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None))
+    x = torch.randn(8, 4)
+    assert "unit-stride" in check_gating_call((x.t(), None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None))
+    assert moe_gating_kernel(torch.randn(0, 8), None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None)[0].shape == (0, 2)
+
+
+# --------------------------------------------------------------------------- Ascend provider (test double)
+@pytest.mark.parametrize("form", ["mixtral", "qwen2", "v2", "v3", "v3_k4"])
+def test_npu_matches_the_stable_reference(torch_npu_double, form):
+    from ep_fuse.providers.npu import router as npu_router
+
+    x = _logits(33, 16, ties=True, seed=3)
+    b = torch.linspace(-0.2, 0.2, 16)
+    args = {"mixtral": (x, None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None),
+            "qwen2": (x, None, 4, "softmax", 1, 1, "none", False, 0.0, 1.0, BF16),
+            "v2": (x, None, 3, "softmax", 4, 2, "max", False, 0.0, 16.0, None),
+            "v3": (x, b, 2, "sigmoid", 4, 1, "sum_top2", True, 1e-20, 2.5, None),
+            "v3_k4": (x, b, 4, "sigmoid", 2, 1, "sum_top2", True, 1e-20, 2.5, BF16)}[form]
+    assert choose(canonical.moe_gating, args, "npu").provider == "npu"
+    w, ids = npu_router.moe_gating_kernel(*args)
+    rw, rids = moe_gating_stable_ref(*args)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w.float(), rw.float(), rtol=1e-6 if w.dtype == F32 else 8e-3, atol=1e-6)
+    torch.library.opcheck(torch.ops.ep_fuse_npu.moe_gating.default, args)
+
+
+def test_npu_declines_what_the_op_cannot_compute(torch_npu_double):
+    from ep_fuse.providers.npu.router import gating_supports
+
+    x = torch.randn(4, 8)
+    assert "E / group_count" in gating_supports((x, None, 2, "sigmoid", 4, 1, "sum_top2", True, 0.0, 1.0, None))
+    assert "kept groups" in gating_supports((x, None, 5, "sigmoid", 2, 1, "sum_top2", True, 0.0, 1.0, None))
+    assert "renormalises" in gating_supports((x, None, 2, "sigmoid", 2, 1, "sum_top2", False, 0.0, 1.0, None))
+    assert "2048" in gating_supports((torch.randn(2, 4096), None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None))
+
+
+# --------------------------------------------------------------------------- patterns and look-alikes
+class Router(nn.Module):
+    """A DeepSeek-V3-style router on given logits with knobs that break its contract."""
+
+    def __init__(self, e=8, n_group=2, k=2, variant="ok"):
+        super().__init__()
+        self.register_buffer("bias", torch.linspace(-0.1, 0.1, e))
+        self.e, self.n_group, self.k, self.variant = e, n_group, k, variant
+
+    def forward(self, logits):
+        scores = logits.sigmoid()
+        sel = scores + self.bias
+        g = sel.view(-1, self.n_group, self.e // self.n_group).topk(2, dim=-1)[0].sum(dim=-1)
+        idx = torch.topk(g, k=1, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(g).scatter_(1, idx, 1)
+        mask = mask.unsqueeze(-1).expand(-1, self.n_group, self.e // self.n_group).reshape(-1, self.e)
+        sel = sel.masked_fill(~mask.bool(), float("-inf"))
+        ids = torch.topk(sel, k=self.k, dim=-1, sorted=False)[1]
+        w = (sel if self.variant == "bias_in_weights" else scores).gather(1, ids)
+        if self.variant == "eps_in_numerator":
+            w = (w + 1e-20) / w.sum(dim=-1, keepdim=True)
+        else:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * 2.5, ids
+
+
+class SoftmaxRouter(nn.Module):
+    def __init__(self, variant="ok"):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, logits):
+        p = torch.softmax(logits, dim=0 if self.variant == "softmax_dim0" else -1)
+        w, ids = torch.topk(p, 2, dim=-1)
+        w = w / w.sum(dim=0 if self.variant == "sum_dim0" else -1, keepdim=True)
+        return w.to(BF16), ids
+
+
+def _matches(mod, x):
+    with torch.no_grad():
+        ref = mod(x)
+    out = compile_and_run(mod, x, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    return [m.variant for m in rep.matches if m.pattern == "moe_gating"], rep
+
+
+def test_router_modules_match():
+    x = _logits(12, 8, ties=False, seed=1)
+    assert _matches(Router(), x)[0] == ["sigmoid_group_sum_top2"]
+    assert _matches(SoftmaxRouter(), x)[0] == ["softmax_topk"]
+
+
+@pytest.mark.parametrize("mod", [Router(variant="bias_in_weights"), Router(variant="eps_in_numerator"),
+                                 SoftmaxRouter("softmax_dim0"), SoftmaxRouter("sum_dim0")],
+                         ids=["bias_in_weights", "eps_in_numerator", "softmax_dim0", "sum_dim0"])
+def test_look_alikes_do_not_match(mod):
+    variants, rep = _matches(mod, _logits(12, 8, ties=False, seed=2))
+    assert variants == [], rep
+
+
+# --------------------------------------------------------------------------- tiny HF models end to end
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_models(name):
+    _, args, layers, variant = MODELS[name]
+    model = _build(name)
+    inputs = tiny_models.example_inputs()
+    with torch.no_grad():
+        ref = model(**inputs).logits
+    out = _compiled(model, inputs, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    gating = [m for m in rep.matches if m.pattern == "moe_gating"]
+    assert [m.variant for m in gating] == [variant] * layers, rep
+    assert torch.equal(out, ref), "the reference provider is bitwise the eager model"
+    torch._dynamo.reset()
+    out = _compiled(model, inputs, executor="eager", patterns=["moe_gating"])  # the interpreter runs the router only
+    rep = ep_fuse.last_report()
+    assert {m.provider for m in rep.matches if m.pattern == "moe_gating"} == {"triton"}
+    # routing of the Triton kernel vs the model's, per layer; exact ties may be broken differently
+    keep = torch.ones(ref.shape[:2], dtype=torch.bool)
+    for logits, bias, w, ids in _gate_calls(model):
+        kw, kids = moe_gating_kernel(logits, bias, *args)
+        tied = _tied_rows(kids, ids, logits, bias, args)
+        rest = [t for t in range(ids.shape[0]) if t not in tied]
+        _same_routing(kw[rest], kids[rest], w[rest], ids[rest], exact=False)
+        for t in tied:  # a token routed differently changes itself and (causal attention) later tokens
+            b, pos = divmod(t, ref.shape[1])
+            keep[b, pos:] = False
+    assert keep.sum() >= keep.numel() // 2, "ties are rare"
+    torch.testing.assert_close(out[keep].float(), ref[keep].float(), rtol=0.02,
+                               atol=0.02 * ref.float().abs().max().item())
+
+
+def _compiled(model, inputs, **options):
+    with torch.no_grad():
+        return torch.compile(model, backend="ep_fuse", options=options)(**inputs).logits
+
+
+def _tied_rows(kids, ids, logits, bias, args):
+    """Tokens where the kernel and the model's torch.topk chose different experts, after checking that
+    the experts swapped carry exactly the same selection score (an exact tie)."""
+    sel = torch.softmax(logits, -1) if args[1] == "softmax" else torch.sigmoid(logits)
+    sel = sel + bias if bias is not None else sel
+    rows = [t for t in range(ids.shape[0]) if set(kids[t].tolist()) != set(ids[t].tolist())]
+    for t in rows:
+        a, b = sorted(sel[t, kids[t]].tolist()), sorted(sel[t, ids[t]].tolist())
+        assert a == b, f"token {t}: the kernel picked {kids[t].tolist()}, the model {ids[t].tolist()}"
+    return rows

@@ -148,7 +148,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
     aten_gm = captured["gm"]
     dumper = Dumper.for_config(config, report.graph)
     dumper.graph("00_dynamo", gm)
-    run_passes(aten_gm, config, report, dumper)
+    run_passes(aten_gm, config, report, dumper, inputs=_static_inputs(captured, example_inputs))
     record(report)
     if executor == "eager":
         impl.append(aten_gm.forward)  # bound after the rewrite recompiled the module
@@ -181,6 +181,25 @@ def _same_signature(captured: dict[str, Any], example_inputs: Sequence[Any]) -> 
     if getattr(meta, "num_intermediate_bases", 0) or getattr(meta, "tokens", None):
         return False
     return all(o.output_type == OutputType.non_alias for o in meta.output_info)
+
+
+def _static_inputs(captured: dict[str, Any], example_inputs: Sequence[Any]) -> list[Any] | None:
+    """Dynamo's real tensors for the ATen graph's *static* inputs (parameters, buffers), ``None`` for
+    the others; ``None`` when the placeholders do not line up with Dynamo's inputs. Passes that need
+    weight values at compile time (``quant``) read these; activations are never exposed."""
+    meta, fakes = captured.get("meta"), captured["inputs"]
+    static = set(getattr(meta, "static_input_indices", None) or ())
+    if len(fakes) != len(example_inputs) or not static:
+        return None
+    out: list[Any] = []
+    for i, (fake, real) in enumerate(zip(fakes, example_inputs)):
+        if i in static and isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):
+            if real.dtype != fake.dtype or real.dim() != fake.dim():
+                return None
+            out.append(real)
+        else:
+            out.append(None)
+    return out
 
 
 def _boxed_forward(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., Any]:

@@ -13,6 +13,7 @@ from typing import Any
 EXECUTORS = ("auto", "inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "npu")
+QUANT_MODES = (None, "w8a8_int8")
 
 
 class ConfigError(ValueError):
@@ -49,6 +50,9 @@ class EpFuseConfig:
             static capacity in tokens per rank (no sync, CUDA-graph capturable; every rank's batch
             must fit).
         ep_timeout_s: seconds any EP collective may wait before it raises.
+        quant: ``None`` (no quantization) or ``"w8a8_int8"``: routed-expert weights int8 with
+            per-output-channel fp32 scales (made once at compile time), activations quantized per
+            token; see :mod:`ep_fuse.passes.quant`. Dense layers stay in their dtype.
     """
 
     executor: str = "auto"
@@ -64,6 +68,7 @@ class EpFuseConfig:
     ep_backend: str = "auto"
     ep_capacity: int | None = None
     ep_timeout_s: float = 300.0
+    quant: str | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -127,6 +132,11 @@ class EpFuseConfig:
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise ConfigError(f"ep_fuse: dump_dir must be a path string, got {self.dump_dir!r}.")
         self._validate_ep()
+        if self.quant not in QUANT_MODES:
+            raise ConfigError(
+                f"ep_fuse: quant={self.quant!r} is not one of {', '.join(repr(q) for q in QUANT_MODES)}."
+                f"{_suggest(str(self.quant), [q for q in QUANT_MODES if q])}"
+            )
 
     def _validate_ep(self) -> None:
         from ep_fuse.ep import BACKENDS

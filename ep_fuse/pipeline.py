@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch.fx as fx
 
@@ -18,6 +19,7 @@ from ep_fuse.passes.ep import ExpertParallel
 from ep_fuse.passes.expand import Expand
 from ep_fuse.passes.lower import Lower
 from ep_fuse.passes.pair import Pair
+from ep_fuse.passes.quant import QuantizeExperts
 from ep_fuse.patterns import all_pairs, all_patterns
 from ep_fuse.report import GraphReport, PassRecord
 
@@ -28,15 +30,20 @@ progress = logging.getLogger("ep_fuse.progress")
 def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
-    return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(), Expand(), Lower(), Cleanup()]
+    return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(), QuantizeExperts(), Expand(), Lower(), Cleanup()]
 
 
 def run_passes(
-    gm: fx.GraphModule, config: EpFuseConfig, report: GraphReport, dumper: Dumper | None = None
+    gm: fx.GraphModule, config: EpFuseConfig, report: GraphReport, dumper: Dumper | None = None,
+    inputs: list[Any] | None = None,
 ) -> GraphReport:
-    """Rewrite ``gm`` in place; fills and returns ``report`` (and writes dumps when ``dumper`` has a folder)."""
+    """Rewrite ``gm`` in place; fills and returns ``report`` (and writes dumps when ``dumper`` has a folder).
+
+    ``inputs``: the real tensors of ``gm``'s placeholders, in order (weights for the quant pass)."""
+    placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     ctx = PassContext(config=config, device=report.device, executor=report.executor, report=report,
-                      fake_mode=fake_mode_of(gm))
+                      fake_mode=fake_mode_of(gm),
+                      inputs=dict(zip(placeholders, inputs)) if inputs is not None else {})
     dumper = dumper or Dumper.for_config(config, report.graph)
     report.ops_before = op_histogram(gm.graph)
     dumper.graph("01_aten", gm)

@@ -87,6 +87,8 @@ def make_module() -> types.ModuleType:
     mod.npu_grouped_matmul = npu_grouped_matmul
     mod.npu_moe_finalize_routing = npu_moe_finalize_routing
     mod.npu_moe_gating_top_k = npu_moe_gating_top_k
+    mod.npu_dynamic_quant = npu_dynamic_quant
+    mod.npu_dequant_swiglu_quant = npu_dequant_swiglu_quant
     mod.__ep_fuse_test_double__ = True
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # find_spec() callers (transformers) expect one
     return mod
@@ -194,6 +196,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     """
     if not isinstance(x, (list, tuple)) or not isinstance(weight, (list, tuple)):
         raise TypeError("npu_grouped_matmul: x and weight are lists of tensors")
+    if len(x) == 1 and x[0].dtype == torch.int8:
+        return _grouped_matmul_int8(x, weight, scale, per_token_scale, group_list, split_item, group_type,
+                                    group_list_type, output_dtype, (bias, offset, antiquant_scale, antiquant_offset,
+                                                                    activation_input, tuning_config), act_type)
     if len(x) > 128 or len(weight) > 128:
         raise RuntimeError("npu_grouped_matmul: x / weight lists hold at most 128 tensors")
     quant = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
@@ -293,3 +299,98 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
         if skip is not None:
             out = out + skip.float()
     return out.to(rows.dtype)
+
+
+# --------------------------------------------------------------------------- W8A8 int8 (op-contracts.md §7, §9)
+# Modelled from the documented semantics: rowmax/127 per-token scales, int32 GEMM, (x@W)*scale*per_token_scale.
+# Code rounding: half to even (assumed; the docs do not say).
+def _quant_rows(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax.clamp(min=1e-30), torch.zeros(()))
+    return torch.round(xf * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), amax / 127.0
+
+
+def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+    """(int8 y, fp32 scale [x.shape[:-1]]): per-token symmetric, scale = rowmax(|x|) / 127."""
+    if x.dtype not in (torch.float16, torch.bfloat16) and x.dtype != torch.float32:
+        raise RuntimeError("npu_dynamic_quant: x must be float16/bfloat16")
+    if smooth_scales is not None or group_index is not None or dst_type not in (None, torch.int8):
+        raise NotImplementedError("test double: smooth scales / groups / other dst types not modelled")
+    if x.dim() < 2 or x.numel() == 0:
+        raise RuntimeError("npu_dynamic_quant: x must be at least 2-D and non-empty")
+    return _quant_rows(x.float())
+
+
+def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None,
+                             quant_offset=None, group_index=None, activate_left=False, quant_mode=0):
+    """(int8 y [M, H], fp32 scale [M]) from int32 x [M, 2H]: x * weight_scale[group] * activation_scale[m] in
+    fp32 -> SwiGLU (silu on the left half when ``activate_left``) -> dynamic per-token quant (quant_mode=1).
+    Rows past sum(group_index) are undefined (filled with garbage here)."""
+    if x.dtype != torch.int32 or x.dim() != 2 or x.shape[1] % 2:
+        raise RuntimeError("npu_dequant_swiglu_quant: x must be int32 [M, 2H]")
+    if quant_mode != 1 or bias is not None or quant_scale is not None or quant_offset is not None:
+        raise NotImplementedError("test double: only dynamic quant (quant_mode=1) without bias/static scales")
+    if group_index is None or group_index.dtype != torch.int64 or group_index.dim() != 1:
+        raise RuntimeError("npu_dequant_swiglu_quant: group_index must be int64 counts [E]")
+    e = group_index.numel()
+    if weight_scale is None or weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (e, x.shape[1]):
+        raise RuntimeError("npu_dequant_swiglu_quant: weight_scale must be fp32 [E, 2H]")
+    if activation_scale is None or activation_scale.dtype != torch.float32 or activation_scale.numel() != x.shape[0]:
+        raise RuntimeError("npu_dequant_swiglu_quant: activation_scale must be fp32 [M]")
+    if bool((group_index < 0).any()) or int(group_index.sum()) > x.shape[0]:
+        raise RuntimeError("npu_dequant_swiglu_quant: group_index counts must be >= 0 and sum to <= M")
+    rows_w = weight_scale.repeat_interleave(group_index, dim=0)
+    n = rows_w.shape[0]
+    h = x[:n].float() * activation_scale.reshape(-1)[:n].unsqueeze(-1) * rows_w
+    a, b = h.chunk(2, dim=-1)
+    if not activate_left:
+        a, b = b, a
+    q, s = _quant_rows(torch.nn.functional.silu(a) * b)
+    y = torch.full((x.shape[0], x.shape[1] // 2), 127, dtype=torch.int8)
+    scale = torch.full((x.shape[0],), float("nan"))
+    y[:n], scale[:n] = q, s
+    return y, scale
+
+
+def _grouped_matmul_int8(x, weight, scale, per_token_scale, group_list, split_item, group_type, group_list_type,
+                         output_dtype, unsupported, act_type):
+    """int8 x / int8 weight [E, K, N]: int32 out without scales, or (x@W) * scale[g] * per_token_scale in
+    bf16/fp16 (scale fp32/bf16 [E, N], per_token_scale fp32 [M])."""
+    if any(u is not None for u in unsupported) or act_type != 0:
+        raise NotImplementedError("test double: int8 gmm with bias/offset/antiquant/activation not modelled")
+    if len(weight) != 1 or group_type != 0 or split_item not in (2, 3) or not isinstance(group_list, torch.Tensor):
+        raise NotImplementedError("test double: only single x / single weight / tensor group_list, group_type=0")
+    a, w = x[0], weight[0]
+    if w.dtype != torch.int8 or a.dim() != 2 or w.dim() != 3 or w.shape[1] != a.shape[1]:
+        raise RuntimeError("npu_grouped_matmul: int8 x [M, K] needs an int8 weight [E, K, N]")
+    if not a.is_contiguous() or not (w.is_contiguous() or w.transpose(1, 2).is_contiguous()):
+        raise RuntimeError("npu_grouped_matmul: x contiguous, weight ND contiguous or a transposed view")
+    e = w.shape[0]
+    if group_list.dtype != torch.int64 or group_list.numel() != e:
+        raise RuntimeError("npu_grouped_matmul: group_list must be int64 [E]")
+    bounds = group_list if group_list_type == 0 else torch.cumsum(group_list, 0)
+    if group_list_type not in (0, 1) or int(bounds[-1]) != a.shape[0]:
+        raise RuntimeError("npu_grouped_matmul: the groups must cover x's rows exactly")
+    if output_dtype == torch.int32:
+        if scale is not None or per_token_scale is not None:
+            raise RuntimeError("npu_grouped_matmul: int32 output takes no scale / per_token_scale")
+    elif output_dtype in (torch.bfloat16, torch.float16):
+        if scale is None or per_token_scale is None:
+            raise RuntimeError("npu_grouped_matmul: int8 -> float output needs scale and per_token_scale")
+        (sc,), (pt,) = scale, per_token_scale
+        if sc.dtype not in (torch.float32, torch.bfloat16) or tuple(sc.shape) != (e, w.shape[2]):
+            raise RuntimeError("npu_grouped_matmul: scale must be fp32/bf16 [E, N]")
+        if pt.dtype != torch.float32 or pt.numel() != a.shape[0]:
+            raise RuntimeError("npu_grouped_matmul: per_token_scale must be fp32 [M]")
+    else:
+        raise RuntimeError(f"npu_grouped_matmul: int8 input gives int32, bfloat16 or float16, not {output_dtype}")
+    acc = torch.zeros(a.shape[0], w.shape[2], dtype=torch.int32)
+    lo = 0
+    for g, hi in enumerate(bounds.tolist()):
+        acc[lo:hi] = (a[lo:hi].double() @ w[g].double()).to(torch.int32)
+        lo = hi
+    if output_dtype == torch.int32:
+        return [acc]
+    group = torch.repeat_interleave(torch.arange(e), torch.diff(bounds, prepend=bounds.new_zeros(1)))
+    y = acc.float() * sc.float()[group] * pt.reshape(-1, 1)
+    return [y.to(output_dtype)]

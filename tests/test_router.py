@@ -95,6 +95,8 @@ def test_reference_rejects_bad_arguments():
         moe_gating_ref(x, torch.zeros(4, 8), 2, "sigmoid", 2, 1, "sum_top2", True, 0.0, 1.0, None)
     with pytest.raises(ValueError, match="top_k"):
         moe_gating_ref(x, None, 9, "softmax", 1, 1, "none", True, 0.0, 1.0, None)
+    with pytest.raises(ValueError, match="group_score='max'"):
+        moe_gating_ref(x, torch.zeros(8), 2, "softmax", 2, 1, "max", False, 0.0, 1.0, None)
 
 
 # --------------------------------------------------------------------------- Triton kernel
@@ -122,6 +124,7 @@ def test_triton_matches_the_stable_reference(t, e_g, k, topk_group, form, ties, 
         n_group, topk_group = 1, 1
     topk_group = min(topk_group, n_group)
     k = min(k, e)
+    bias = bias and form != "v2"  # the group-max form takes no selection bias (check_gating_args)
     b = (torch.randint(-1, 2, (e,), generator=torch.Generator().manual_seed(seed)).float() * 0.25) if bias else None
     args = (_logits(t, e, ties, seed, logit_dtype), b, k, score, n_group, topk_group, group_score, renorm,
             1e-20 if score == "sigmoid" else 0.0, 2.5 if form == "v3" else 1.0, weight_dtype)

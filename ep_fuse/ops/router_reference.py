@@ -82,6 +82,9 @@ def check_gating_args(
                              f"of which {topk_group} are kept")
         if group_score == "sum_top2" and e // n_group < 2:
             raise ValueError("ep_fuse moe_gating: sum_top2 needs at least 2 experts per group")
+    if bias is not None and group_score == "max":
+        raise ValueError("ep_fuse moe_gating: a selection bias with group_score='max' is not supported "
+                         "(DeepSeek-V2's group-max router has none; masked experts would compete at 0.0)")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != e):
         raise ValueError(f"ep_fuse moe_gating: bias must be [E={e}], got {list(bias.shape)}")
 

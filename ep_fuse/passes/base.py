@@ -21,6 +21,9 @@ class PassContext:
     fake_mode: Any = None
     match_by_node: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     """Fused node name -> the :class:`~ep_fuse.report.MatchRecord` s it carries (lowering fills in the provider)."""
+    inputs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Placeholder name -> the real tensor the graph was captured with (parameters included), where the
+    backend has them; passes that need weight values (``quant``) read them here, never the activations."""
 
 
 class GraphPass(abc.ABC):

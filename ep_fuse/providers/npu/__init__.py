@@ -205,3 +205,4 @@ from ep_fuse.providers.npu import (
     moe,  # noqa: F401  (MoE stage providers; registration side effects)
     router,  # noqa: E402,F401  (moe_gating via npu_moe_gating_top_k)
 )
+from ep_fuse.providers.npu import w8a8  # noqa: E402,F401  (W8A8 int8 expert stages, quant="w8a8_int8")

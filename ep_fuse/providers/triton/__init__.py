@@ -109,3 +109,19 @@ _register(canonical.moe_unpermute, moe_unpermute_kernel, check_moe_unpermute_cal
 from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel  # noqa: E402
 
 _register(canonical.moe_gating, moe_gating_kernel, check_gating_call, perf.gating_prefers, _always)
+
+# --------------------------------------------------------------------------- W8A8 int8 experts (quant="w8a8_int8")
+from ep_fuse.ops import quant_ops as _quant_ops  # noqa: E402
+from ep_fuse.providers.triton.w8a8 import (  # noqa: E402
+    check_quant_call,
+    check_w8a8_gemm_call,
+    check_w8a8_swiglu_call,
+    grouped_gemm_w8a8_kernel,
+    grouped_gemm_w8a8_swiglu_quant_kernel,
+    quant_per_token_kernel,
+)
+
+_register(_quant_ops.quant_per_token, quant_per_token_kernel, check_quant_call, None, _always)
+_register(_quant_ops.grouped_gemm_w8a8_swiglu_quant, grouped_gemm_w8a8_swiglu_quant_kernel, check_w8a8_swiglu_call,
+          None, _always)
+_register(_quant_ops.grouped_gemm_w8a8, grouped_gemm_w8a8_kernel, check_w8a8_gemm_call, None, _always)

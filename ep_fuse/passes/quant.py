@@ -1,0 +1,256 @@
+"""Quant: rewrite each routed-expert block to W8A8 int8 (option ``quant="w8a8_int8"``).
+
+Runs after EP and before expand. Each ``ep_fuse::moe_experts(x, ids, w, w13, w2, out_dtype)`` becomes
+``ep_fuse::moe_experts_w8a8(x, ids, w, w13_q, w13_scale, w2_q, w2_scale, out_dtype)``
+(:mod:`ep_fuse.ops.quant_ops`), which expand turns into ``moe_permute -> quant_per_token ->
+grouped_gemm_w8a8_swiglu_quant -> grouped_gemm_w8a8 -> moe_unpermute``. Dense layers are untouched.
+
+Where the int8 weights come from:
+
+* **Already-quantized models** (used as they are, nothing is made at compile time): the expert weight
+  the block reads is a dequantization ``q * s`` of an int8 tensor ``q`` [E, N, K] by a per-output-channel
+  scale ``s`` ([E, N, 1], or ``s.unsqueeze(-1)`` of [E, N]), optionally with dtype casts around either
+  operand or the product. The accepted module convention (see ``tests/test_w8a8.py::Int8Experts``)::
+
+      gate_up_proj int8 [E, 2I, H], gate_up_proj_scale fp32 [E, 2I]   (gate rows, then up rows)
+      down_proj    int8 [E, H, I],  down_proj_scale    fp32 [E, H]
+      w13 = self.gate_up_proj.to(x.dtype) * self.gate_up_proj_scale.unsqueeze(-1).to(x.dtype)
+
+  (int8 parameters with ``requires_grad=False`` or buffers; any routing/combine form the
+  ``moe_experts`` pattern matches).
+* **Everything else**: the weight's real value is computed from the graph's *static* inputs
+  (parameters and buffers; :attr:`PassContext.inputs`, filled by the backend from Dynamo's example
+  inputs) and quantized per output channel (:func:`ep_fuse.ops.quant_reference.quantize_weight`) once:
+  the result is cached by a weak reference to the source parameter(s) plus their ``_version``, so a
+  recompile (or a second graph over the same weights) reuses it and an in-place weight update
+  requantizes. The codes and scales enter the graph as constants (``get_attr`` of non-persistent
+  buffers of the GraphModule): the eager executor reads them, Inductor (which then compiles behind
+  AOT's wrapper: :func:`ep_fuse.backend._same_signature` refuses graphs with constants) embeds them.
+
+A block whose weights depend on activations, or whose weights the backend could not see (e.g.
+``run_passes`` called without inputs), is left in bf16 with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ep_fuse.ops.quant_reference import quantize_weight
+from ep_fuse.passes.base import GraphPass, PassContext
+
+log = logging.getLogger("ep_fuse.passes.quant")
+
+aten = torch.ops.aten
+_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+_MAX_CHAIN = 16
+"""At most this many ops between a parameter and the expert weight that is evaluated at compile time."""
+
+
+class _WeightCache:
+    """int8 codes + scales per source weight, held by weak reference to the source tensor(s)."""
+
+    def __init__(self) -> None:
+        self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._lock = threading.Lock()
+        self.quantized = 0
+        """How many weights were quantized (tests check a recompile adds none)."""
+
+    def get(self, sources: list[torch.Tensor], chain: tuple[Any, ...], value: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        key = sources[0]
+        sig = (chain, tuple(id(s) for s in sources[1:]))
+        versions = tuple(s._version for s in sources)
+        with self._lock:
+            per_source = self._entries.get(key)
+            if per_source is None:
+                per_source = {}
+                self._entries[key] = per_source
+            hit = per_source.get(sig)
+            if hit is not None and hit[0] == versions:
+                return hit[1], hit[2]
+        with torch.no_grad():
+            q, s = quantize_weight(value.detach())
+        with self._lock:
+            per_source[sig] = (versions, q, s)
+            self.quantized += 1
+        log.info("ep_fuse: quantized expert weight %s %s to int8 (per-channel scales)",
+                 tuple(value.shape), value.dtype)
+        return q, s
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries = WeakIdKeyDictionary()
+            self.quantized = 0
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._entries.values())
+
+
+WEIGHT_CACHE = _WeightCache()
+
+
+class QuantizeExperts(GraphPass):
+    name = "quant"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        if ctx.config.quant is None:
+            return 0
+        from ep_fuse.ops import canonical
+
+        block, w8a8 = canonical.moe_experts.op, canonical._quant_ops.moe_experts_w8a8.op
+        changes = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target is not block:
+                continue
+            x, ids, w, w13, w2, out_dtype = node.args
+            with gm.graph.inserting_before(node):
+                q13 = _int8_weight(gm, ctx, w13, node, "w13")
+                q2 = _int8_weight(gm, ctx, w2, node, "w2") if q13 is not None else None
+                if q13 is None or q2 is None:
+                    continue
+                new = gm.graph.call_function(w8a8, (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            if node.name in ctx.match_by_node:
+                ctx.match_by_node[new.name] = ctx.match_by_node.pop(node.name)
+            changes += 1
+        if changes:
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+        return changes
+
+
+# --------------------------------------------------------------------------- weights
+def _int8_weight(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node, block: fx.Node, label: str
+                 ) -> tuple[fx.Node, fx.Node] | None:
+    """``(codes node int8 [E, N, K], scale node fp32 [E, N])`` for an expert weight node, or ``None``."""
+    pre = _prequantized(gm, ctx, weight)
+    if pre is not None:
+        log.info("ep_fuse: %s at %s: using the model's int8 %s and its scales", block.name, weight.name, label)
+        return pre
+    sources: list[torch.Tensor] = []
+    chain: list[Any] = []
+    value = _evaluate(gm, ctx, weight, sources, chain, 0)
+    if value is None or not sources:
+        log.warning("ep_fuse: quant: %s at %s: %s is not computed from parameters the backend can read "
+                    "(pass the model's weights as parameters or buffers); the block stays unquantized",
+                    block.name, weight.name, label)
+        return None
+    q, s = WEIGHT_CACHE.get(sources, tuple(chain), value)
+    return _constant(gm, ctx, q, f"{label}_q"), _constant(gm, ctx, s, f"{label}_scale")
+
+
+def _evaluate(gm: fx.GraphModule, ctx: PassContext, node: Any, sources: list[torch.Tensor], chain: list[Any],
+              depth: int) -> Any:
+    """The real value of ``node`` from static inputs and constants only (``None`` if it needs anything else)."""
+    if not isinstance(node, fx.Node):
+        return node
+    if depth > _MAX_CHAIN:
+        return None
+    if node.op == "placeholder":
+        t = ctx.inputs.get(node.name)
+        if isinstance(t, torch.Tensor):
+            sources.append(t)
+            chain.append(("input", node.name))
+        return t
+    if node.op == "get_attr":
+        t = getattr(gm, str(node.target), None)
+        if isinstance(t, torch.Tensor):
+            sources.append(t)
+            chain.append(("attr", node.target))
+        return t
+    if node.op != "call_function":
+        return None
+    missing = False
+
+    def ev(a: Any) -> Any:
+        nonlocal missing
+        v = _evaluate(gm, ctx, a, sources, chain, depth + 1)
+        missing |= v is None
+        return v
+
+    args = fx.node.map_aggregate(node.args, ev)
+    kwargs = fx.node.map_aggregate(node.kwargs, ev)
+    if missing:
+        return None
+    chain.append((str(node.target), tuple(a for a in node.args if not isinstance(a, fx.Node))))
+    with torch.no_grad():
+        return node.target(*args, **kwargs)
+
+
+def _strip_casts(node: Any) -> Any:
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _CASTS:
+        node = node.args[0]
+    return node
+
+
+def _val(node: Any) -> Any:
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """Match ``[cast](mul([cast](q int8 [E,N,K]), [cast](s [E,N,1] | unsqueeze(s [E,N], -1))))``."""
+    w = _strip_casts(weight)
+    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target is aten.mul.Tensor):
+        return None
+    wv = _val(weight)
+    for a, b in (w.args, tuple(reversed(w.args))):
+        q, s = _strip_casts(a), _strip_casts(b)
+        qv, sv = _val(q), _val(s)
+        if not (isinstance(qv, torch.Tensor) and isinstance(sv, torch.Tensor)) or qv.dtype != torch.int8:
+            continue
+        if wv is None or qv.dim() != 3 or tuple(qv.shape) != tuple(wv.shape):
+            continue
+        e, n = qv.shape[0], qv.shape[1]
+        if (isinstance(s, fx.Node) and s.op == "call_function" and s.target is aten.unsqueeze.default
+                and s.args[1] in (-1, 2)):
+            base = _strip_casts(s.args[0])
+            if tuple(_val(base).shape) == (e, n):
+                s, sv = base, _val(base)
+        if tuple(sv.shape) == (e, n, 1):
+            s = _call(ctx, gm, aten.view.default, (s, [e, n]))
+            sv = _val(s)
+        if tuple(sv.shape) != (e, n) or not sv.dtype.is_floating_point:
+            continue
+        if sv.dtype != torch.float32:
+            s = _call(ctx, gm, aten._to_copy.default, (s,), {"dtype": torch.float32})
+        return q, s
+    return None
+
+
+def _fake_mode(ctx: PassContext) -> Any:
+    if ctx.fake_mode is not None:
+        return ctx.fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ctx.fake_mode = FakeTensorMode()
+    return ctx.fake_mode
+
+
+def _call(ctx: PassContext, gm: fx.GraphModule, target: Any, args: tuple[Any, ...],
+          kwargs: dict[str, Any] | None = None) -> fx.Node:
+    node = gm.graph.call_function(target, args, kwargs or {})
+    fakes = fx.node.map_arg(args, lambda a: a.meta["val"])
+    with _fake_mode(ctx):
+        node.meta["val"] = target(*fakes, **(kwargs or {}))
+    return node
+
+
+def _constant(gm: fx.GraphModule, ctx: PassContext, t: torch.Tensor, label: str) -> fx.Node:
+    """A ``get_attr`` node for ``t``, a non-persistent buffer of ``gm`` (Inductor's AOT re-trace lifts
+    buffers to inputs; a plain tensor attribute would reach its fake-tensor trace as a real tensor)."""
+    i = 0
+    while hasattr(gm, f"_ep_fuse_w8a8_{label}_{i}"):
+        i += 1
+    name = f"_ep_fuse_w8a8_{label}_{i}"
+    gm.register_buffer(name, t, persistent=False)
+    node = gm.graph.get_attr(name)
+    node.meta["val"] = _fake_mode(ctx).from_tensor(t, static_shapes=True)
+    return node

@@ -1,0 +1,110 @@
+"""Host side of the Triton W8A8 providers: ``quant_per_token``, ``grouped_gemm_w8a8_swiglu_quant``,
+``grouped_gemm_w8a8`` (kernels in :mod:`ep_fuse.providers.triton.w8a8_kernel`).
+
+No tensor value is read on the host, so the launches are CUDA-graph capturable and Inductor may
+trace them through ``wrap_triton``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ep_fuse.providers.common import KERNEL_DTYPES
+
+INT32_MAX = 2**31 - 1
+
+
+def _unit_last(t: torch.Tensor) -> bool:
+    return int(t.shape[-1]) <= 1 or int(t.stride(-1)) == 1
+
+
+def check_quant_call(args: tuple[Any, ...]) -> str | None:
+    """``None`` when the kernel runs ``quant_per_token(x [M, K])``, else why not."""
+    (x,) = args
+    if x.dtype not in KERNEL_DTYPES:
+        return f"x dtype {x.dtype} (the kernel takes fp16/bf16/fp32)"
+    if x.dim() != 2:
+        return f"x is {x.dim()}-D, not [M, K]"
+    try:
+        if not _unit_last(x):
+            return "x is not unit-stride along K"
+    except Exception:
+        return "symbolic strides"
+    return None
+
+
+def check_w8a8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | None:
+    """``None`` when the int8 grouped GEMM kernel runs ``(xq, x_scale, w_q, w_scale, seg_indptr, ...)``."""
+    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
+
+    xq, xs, wq, ws, seg = args[:5]
+    if xq.dtype != torch.int8 or wq.dtype != torch.int8:
+        return f"codes {xq.dtype}/{wq.dtype} are not int8"
+    if xs.dtype != torch.float32 or ws.dtype != torch.float32:
+        return f"scales {xs.dtype}/{ws.dtype} are not fp32"
+    if xq.dim() != 2 or wq.dim() != 3 or wq.shape[2] != xq.shape[1]:
+        return f"shapes xq {tuple(xq.shape)} / w_q {tuple(wq.shape)} are not [M, K] / [E, N, K]"
+    if tuple(xs.shape) != (xq.shape[0],) or tuple(ws.shape) != tuple(wq.shape[:2]):
+        return "scales are not x_scale [M] / w_scale [E, N]"
+    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or seg.shape[0] != wq.shape[0] + 1:
+        return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
+    if len({t.device for t in (xq, xs, wq, ws, seg)}) != 1:
+        return "operands on different devices"
+    if swiglu and wq.shape[1] % 2:
+        return "w13 has an odd number of rows (not gate|up halves)"
+    if not swiglu and args[5] not in KERNEL_DTYPES:
+        return f"out_dtype {args[5]} (the kernel writes fp16/bf16/fp32)"
+    try:
+        if not (_unit_last(xq) and _unit_last(wq) and _unit_last(xs) and _unit_last(ws)):
+            return "operands are not unit-stride along their last dim"
+        if int(wq.shape[0]) > MAX_EXPERTS:
+            return f"more than {MAX_EXPERTS} experts"
+        if int(wq.shape[1]) * int(wq.stride(1)) > INT32_MAX:
+            return "one expert's weight spans more than 2**31 elements"
+    except Exception:  # symbolic sizes or strides that cannot be decided
+        return "symbolic strides"
+    return None
+
+
+def check_w8a8_swiglu_call(args: tuple[Any, ...]) -> str | None:
+    return check_w8a8_gemm_call(args, swiglu=True)
+
+
+def quant_per_token_kernel(x, wrap=None):
+    """``ep_fuse_triton::quant_per_token``."""
+    from ep_fuse.providers.triton.w8a8_kernel import launch_quant_rows
+
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    s = torch.empty(x.shape[:1], dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        if x.shape[1] == 0:
+            return q, s.zero_()
+        launch_quant_rows(x, q, s, wrap=wrap)
+    return q, s
+
+
+def _gemm(xq, xs, wq, ws, seg, n: int, dtype: torch.dtype, swiglu: bool,
+          wrap: Callable[[Any], Any] | None) -> torch.Tensor:
+    from ep_fuse.providers.triton.w8a8_kernel import launch_w8a8_gemm
+
+    y = torch.empty((xq.shape[0], n), dtype=dtype, device=xq.device)
+    if xq.shape[0] == 0 or n == 0:
+        return y
+    if wq.shape[0] == 0 or xq.shape[1] == 0:  # no experts (every row is tail) or an empty K
+        return y.zero_()
+    launch_w8a8_gemm(xq, xs, wq, ws, seg, y, swiglu=swiglu, wrap=wrap)
+    return y
+
+
+def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr, wrap=None):
+    """``ep_fuse_triton::grouped_gemm_w8a8_swiglu_quant``: int8 GEMM + dequant + SwiGLU (fp32 rows), then requant."""
+    act = _gemm(xq, x_scale, w13_q, w13_scale, seg_indptr, w13_q.shape[1] // 2, torch.float32, True, wrap)
+    return quant_per_token_kernel(act, wrap=wrap)
+
+
+def grouped_gemm_w8a8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, out_dtype, wrap=None):
+    """``ep_fuse_triton::grouped_gemm_w8a8``: int8 GEMM with the per-token x per-channel dequant epilogue."""
+    return _gemm(xq, x_scale, w_q, w_scale, seg_indptr, w_q.shape[1], out_dtype, False, wrap)

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ep_fuse
 import ep_fuse.ops.canonical
 from ep_fuse.ep import deepep
@@ -117,6 +116,7 @@ def run_shape(name, t, h, inter, e, k, backends, iters, device):
     x = torch.randn(t, h, generator=g).to(device, BF16)
     w, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k)
     ids, w = ids.to(device), w.to(device)
+    torch.manual_seed(1234)  # one model: every rank must hold the same expert weights before sharding
     full = Block(e, h, inter, device)
     for backend in backends:
         for cap in ((None, t) if backend == "all_to_all" else (None,) if backend == "deepep" else (t,)):
@@ -137,6 +137,10 @@ def run_shape(name, t, h, inter, e, k, backends, iters, device):
                 executor = "inductor" if device.type == "cuda" else "eager"
                 fn = torch.compile(model, backend="ep_fuse", options={**opts, "executor": executor})
                 with torch.no_grad():
+                    out, ref = fn(x, ids, w), full(x, ids, w)  # EP layer vs all experts on this rank
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    if not err < 1e-2:
+                        raise AssertionError(f"rank {rank}: EP output differs from the full layer (rel L2 {err:.2e})")
                     sec_layer = timed(lambda fn=fn: fn(x, ids, w), iters, device)
                 from ep_fuse.passes.ep import ep_sites
 
@@ -148,7 +152,8 @@ def run_shape(name, t, h, inter, e, k, backends, iters, device):
             gbs = traffic_bytes(ids, e, world, rank, h, layout) / sec_comm / 1e9
             rows.append(dict(shape=name, backend=label, ran=ran, world=world, tokens_per_rank=t,
                              dispatch_combine_us=round(sec_comm * 1e6, 1), gb_s_per_rank=round(gbs, 2),
-                             layer_us=round(sec_layer * 1e6, 1), tokens_s_per_rank=round(t / sec_layer)))
+                             layer_us=round(sec_layer * 1e6, 1), tokens_s_per_rank=round(t / sec_layer),
+                             rel_l2_vs_full=f"{err:.1e}"))
             log(rows[-1])
             torch._dynamo.reset()
     return rows
@@ -159,6 +164,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backends", default=None)
+    ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     args = ap.parse_args()
     device = init()
     world = dist.get_world_size()
@@ -169,7 +175,10 @@ def main() -> None:
             if world == 1 else f"{world} ranks, {dist.get_backend()}")
     log(f"bench_ep: {note}; device {device}; backends {backends}; deep_ep: {deepep.available() or 'available'}")
     rows = []
-    for shape in (QUICK if args.quick else SHAPES):
+    shapes = QUICK if args.quick else SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    for shape in shapes:
         rows += run_shape(*shape, backends, args.iters, device)
     if dist.get_rank() == 0:
         out = Path(os.environ.get("OUT", "bench_out"))
@@ -178,7 +187,7 @@ def main() -> None:
                     gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
         (out / "ep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
         head = ["shape", "backend", "ran", "world", "tokens_per_rank", "dispatch_combine_us", "gb_s_per_rank",
-                "layer_us", "tokens_s_per_rank"]
+                "layer_us", "tokens_s_per_rank", "rel_l2_vs_full"]
         lines = [f"EP benchmark ({note}; {meta['gpu'] or 'CPU'})", "", "| " + " | ".join(head) + " |",
                  "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(str(r[c]) for c in head) + " |" for r in rows]

@@ -30,7 +30,8 @@ progress = logging.getLogger("ep_fuse.progress")
 def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
-    return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(), QuantizeExperts(), Expand(), Lower(), Cleanup()]
+    return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
+            *([QuantizeExperts()] if config.quant else []), Expand(), Lower(), Cleanup()]
 
 
 def run_passes(

@@ -48,14 +48,33 @@ def group_name(group: Any) -> str:
     return resolve_group(group).group_name
 
 
+def _backend(group: Any) -> str | None:
+    try:
+        return str(dist.get_backend(group)).lower()
+    except Exception:  # a test double's group
+        return None
+
+
 def world_and_rank(group: Any) -> tuple[int, int]:
     g = resolve_group(group)
     return dist.get_world_size(g), dist.get_rank(g)
 
 
-def wait(work: Any, timeout_s: float, what: str) -> None:
-    """Wait for an async collective; raise :class:`EpError` naming it after ``timeout_s`` seconds."""
+DEVICE_ORDERED = ("nccl", "hccl")
+"""Backends whose ``work.wait()`` only orders the GPU stream after the collective. A CPU-side wait with a
+timeout on them blocks the host in ~1 ms polling steps (measured: 3.9 ms of dispatch + combine for 128
+tokens on 2 H200s); their watchdog enforces the process group's timeout instead."""
+
+
+def wait(work: Any, timeout_s: float, what: str, backend: str | None = None) -> None:
+    """Wait for an async collective; raise :class:`EpError` naming it after ``timeout_s`` seconds.
+
+    On NCCL/HCCL the wait is stream-ordered (no host block): the communicator's watchdog aborts a
+    collective that exceeds the process group's ``timeout`` (``init_process_group(timeout=...)``)."""
     if work is None:
+        return
+    if backend in DEVICE_ORDERED:
+        work.wait()
         return
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=float(timeout_s)))
@@ -80,5 +99,5 @@ def all_to_all(
 ) -> torch.Tensor:
     """``all_to_all_single`` (gloo, NCCL, HCCL) with a bounded wait; returns ``out``."""
     work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    wait(work, timeout_s, what)
+    wait(work, timeout_s, what, _backend(group))
     return out

@@ -84,7 +84,7 @@ def grouped_gemm_w8a8_swiglu_quant_ref(xq: torch.Tensor, xs: torch.Tensor, w13q:
     return quantize_rows(torch.nn.functional.silu(gate) * up)
 
 
-def grouped_gemm_w8a8_swiglu_quant_fake(xq, xs, w13q, w13s, seg_indptr):  # noqa: ANN001, ANN201 - schema-typed
+def grouped_gemm_w8a8_swiglu_quant_fake(xq, xs, w13q, w13s, seg_indptr):
     m, i = xq.shape[0], w13q.shape[1] // 2
     return xq.new_empty(m, i, dtype=torch.int8), xq.new_empty(m, dtype=torch.float32)
 
@@ -95,7 +95,7 @@ def grouped_gemm_w8a8_ref(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, 
     return _int_gemm_dequant(xq, xs, wq, ws, seg_indptr).to(out_dtype)
 
 
-def grouped_gemm_w8a8_fake(xq, xs, wq, ws, seg_indptr, out_dtype):  # noqa: ANN001, ANN201 - schema-typed
+def grouped_gemm_w8a8_fake(xq, xs, wq, ws, seg_indptr, out_dtype):
     return xq.new_empty(xq.shape[0], wq.shape[1], dtype=out_dtype)
 
 

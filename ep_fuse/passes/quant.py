@@ -38,7 +38,7 @@ import threading
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ep_fuse.ops.quant_reference import quantize_weight

@@ -30,7 +30,13 @@ import torch
 from ep_fuse.ops import quant_ops as Q
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.providers.npu import _available, _devices, _npu
-from ep_fuse.providers.npu.moe import MAX_GROUPS, INNER_LIMIT, _group_list, _rows_mask, gmm_weight
+from ep_fuse.providers.npu.moe import (
+    INNER_LIMIT,
+    MAX_GROUPS,
+    _group_list,
+    _rows_mask,
+    gmm_weight,
+)
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 GMM_OUT = (torch.float16, torch.bfloat16)
@@ -92,7 +98,7 @@ def _gmm(xq: torch.Tensor, wq: torch.Tensor, seg: torch.Tensor, **kw: Any) -> to
     return y
 
 
-def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr):  # noqa: ANN001, ANN201
+def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr):
     h = _gmm(xq, w13_q, seg_indptr, output_dtype=torch.int32)
     counts = torch.diff(_group_list(seg_indptr, xq.shape[0]), prepend=seg_indptr.new_zeros(1)).to(torch.int64)
     q, s = _npu().npu_dequant_swiglu_quant(h, weight_scale=w13_scale.contiguous(), activation_scale=x_scale,
@@ -100,7 +106,7 @@ def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_ind
     return _tail_zero(q, seg_indptr), _tail_zero(s.reshape(-1).to(torch.float32), seg_indptr)
 
 
-def grouped_gemm_w8a8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, out_dtype):  # noqa: ANN001, ANN201
+def grouped_gemm_w8a8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, out_dtype):
     y = _gmm(xq, w_q, seg_indptr, scale=[w_scale.contiguous()], per_token_scale=[x_scale], output_dtype=out_dtype)
     return _tail_zero(y, seg_indptr)
 

@@ -33,7 +33,12 @@ from ep_fuse.providers.triton.grouped_gemm_kernel import (
     block_e,
     is_decode,
 )
-from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store, _round
+from ep_fuse.providers.triton.rms_norm_kernel import (
+    DTYPE_CODES,
+    INTERPRET,
+    _for_store,
+    _round,
+)
 
 QUANT_BLOCK = 4096
 """Columns one per-token quant program handles per step (wider rows loop)."""

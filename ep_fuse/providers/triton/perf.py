@@ -12,8 +12,9 @@ H200 runs (GPU time from CUDA-graph replays, 2026-11-29):
 * ``rms_norm`` (no residual): Inductor's kernel was as fast or faster at every size measured
   (16384x7168: 114.6 vs 167.8 us; 16384x4096: 78.5 vs 79.7 us; 262144x128: 37.1 vs 39.2 us), so
   the provider always declines it under Inductor. It is still used by the eager executor.
-* ``rope`` / ``rope_qk``: 0.60-0.85x Inductor at every measured size (16384 tokens x 32+8 heads x
-  128: 146.6 vs 88.4 us), so declined under Inductor; 7.6-9.7x faster than eager ATen ops.
+* ``rope`` / ``rope_qk``: after retuning 0.81-0.89x Inductor at large sizes (16384 tokens x 32+8
+  heads x 128: 109.3 vs 89.1 us; the first kernel took 146.6), 1.11x only at 64 tokens, so declined
+  under Inductor; 5-11x faster than eager ATen ops.
 * ``gemm_swiglu``: slower than cuBLAS + Inductor's SwiGLU (0.71-0.97x) and than eager cuBLAS at
   every measured 7B-class shape, so declined under both executors (``GEMM_SWIGLU_WINS`` is empty).
 
@@ -59,7 +60,7 @@ def rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
 def rope_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if executor != "inductor":
         return None
-    return "RoPE: Inductor's fused kernel measured faster (0.60-0.85x at every size measured)"
+    return "RoPE: Inductor's fused kernel measured faster (0.81-0.89x at large sizes)"
 
 
 GEMM_SWIGLU_WINS: set[tuple[int, int, str]] = set()

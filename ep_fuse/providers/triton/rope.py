@@ -136,10 +136,11 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         FORMS,
         _rope_kernel,
         rows_per_program,
+        warps_for,
     )
 
     d = q.shape[-1]
-    rows = rows_per_program(int(d))
+    rows = TUNING.get("rows") or rows_per_program(int(d))
     qlead, qxs = _lead3(q)
     _, qys = _lead3(qy)
     qc, qs, qcs, qss = _trig(q, cos, sin, form, rot)
@@ -167,8 +168,18 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         HALF=half, ROT=rot, D=int(d), FORM=FORMS[form], CODE=DTYPE_CODES[q.dtype],
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
-        EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,  # exact bf16 rounding (bits / inline PTX)
+        EMULATE_RTNE=1 if INTERPRET else TUNING.get("rounding", 2),  # exact bf16 rounding (bits / inline PTX)
+        IDX32=_fits_int32(q_rows + rows, k_rows + rows) and not TUNING.get("idx64", False),
+        num_warps=TUNING.get("num_warps") or warps_for(int(d)),
     )
+
+
+TUNING: dict[str, Any] = {}
+"""Benchmark-only overrides (``rounding``, ``idx64``, ``num_warps``); empty in normal use."""
+
+
+def _fits_int32(*values: Any) -> bool:
+    return all(isinstance(v, int) and v < 2**31 for v in values)
 
 
 def _check_out(y: torch.Tensor) -> torch.Tensor:

@@ -201,10 +201,14 @@ def cmd_patterns(args: argparse.Namespace) -> int:
                 print(f"      {g.__name__}: {(g.__doc__ or '').strip().splitlines()[0] if g.__doc__ else ''}")
             canon = ops.get(first.produces.split("::")[-1])
             print("    providers by device (first that supports a call wins):")
+            parts = [ops[n] for n in canon.stages] if canon is not None and canon.stages else [canon]
             for dev in ("cuda", "npu", "cpu"):
-                order = [p for p in default_priority(dev)
-                         if p == "reference" or (canon is not None and p in canon.providers)]
-                print(f"      {dev}: {' > '.join(order)}")
+                chains = []
+                for part in parts:
+                    order = [p for p in default_priority(dev)
+                             if p == "reference" or (part is not None and p in part.providers)]
+                    chains.append((f"{part.name}: " if len(parts) > 1 else "") + " > ".join(order))
+                print(f"      {dev}: {'; '.join(chains)}")
     return EXIT_OK
 
 

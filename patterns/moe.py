@@ -302,8 +302,9 @@ def _from_topk(node: Any) -> bool:
 
 
 def clamp_is_noop(m: Match) -> str | None:
-    """A ``clamp(ids, 0, E-1)`` changes nothing only for ids a top-k produced (all in range); the
-    canonical op skips out-of-range ids where the clamp would route them to experts 0 / E-1."""
+    """A ``clamp(ids, 0, E-1)`` is accepted only on top-k ids, where it changes nothing.
+
+    The canonical op skips out-of-range ids where the clamp would route them to experts 0 / E-1."""
     if "clamp_max" not in m.bindings:
         return None
     e = tensor_val(m["w13"]).shape[0]
@@ -315,8 +316,9 @@ def clamp_is_noop(m: Match) -> str | None:
 
 
 def combine_dtypes(m: Match) -> str | None:
-    """The weighted sum runs in the dtype the canonical op uses: the promotion of the expert output
-    and the (possibly cast) routing weight."""
+    """The weighted sum runs in the promotion of the expert output and the (cast) routing weight.
+
+    That is the dtype the canonical op accumulates the product in; a narrower accumulator is refused."""
     x, w = tensor_val(m["x"]), tensor_val(m["topk_weights"])
     prod = torch.promote_types(x.dtype, m.get("weight_dtype") or w.dtype)
     for name in ("acc_dtype", "gathered_dtype"):

@@ -193,6 +193,7 @@ def _attach_ids(ids_tree: Any) -> Any:
     """Match the ids' tree at the ids node (bound, or the ``[1]`` output of the bound ``topk``)."""
 
     def attach_ids(m: Match) -> str | tuple[Any, str] | None:
+        """The ids output matches its tree on the same bindings and is the only other way out of the router."""
         ids = m.get("ids")
         if ids is None:
             topk = m["topk"]

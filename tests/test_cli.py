@@ -114,6 +114,16 @@ def test_patterns_lists_variants_guards_and_providers():
     assert "cuda: triton > reference" in stdout and "npu: npu > reference" in stdout
 
 
+def test_patterns_lists_the_stage_providers_of_a_block():
+    code, stdout, _ = run("patterns", "--family", "moe")
+    assert code == 0
+    assert "variants: grouped_mm, weights_after_gather, index_add, scatter_add, batched_mm" in stdout
+    assert "anchors:  aten.sort.default (where _expert_gemm)" in stdout
+    assert ("cuda: moe_permute: triton > reference; grouped_gemm_swiglu: triton > reference; "
+            "grouped_gemm: triton > reference; moe_unpermute: triton > reference") in stdout
+    assert "npu: moe_permute: npu > reference" in stdout
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [

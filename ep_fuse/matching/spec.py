@@ -34,6 +34,9 @@ class Anchor:
     def __call__(self, node: fx.Node) -> bool:
         return node.op == "call_function" and node.target is self.target and bool(self.when(node))
 
+    def __str__(self) -> str:
+        return f"{self.target} (where {getattr(self.when, '__name__', 'a condition holds')})"
+
 
 @dataclasses.dataclass(frozen=True)
 class Derived:

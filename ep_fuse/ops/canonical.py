@@ -67,7 +67,7 @@ grouped_gemm_swiglu = define_canonical(
 moe_experts = define_canonical(
     "moe_experts",
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, ScalarType? out_dtype) -> Tensor",
-    _moe.moe_experts_ref, block=True)
+    _moe.moe_experts_ref, block=True, stages=("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"))
 """The routed-expert block; expanded into the four stage ops above before lowering."""
 
 # --------------------------------------------------------------------------- router (op-contracts.md §5)

@@ -32,5 +32,6 @@ moe_experts_w8a8 = define_canonical(
     "moe_experts_w8a8",
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_q, Tensor w13_scale, Tensor w2_q, "
     "Tensor w2_scale, ScalarType? out_dtype) -> Tensor",
-    _q.moe_experts_w8a8_ref, block=True)
+    _q.moe_experts_w8a8_ref, block=True,
+    stages=("moe_permute", "quant_per_token", "grouped_gemm_w8a8_swiglu_quant", "grouped_gemm_w8a8", "moe_unpermute"))
 """The W8A8 routed-expert block (``moe_experts`` with int8 weights + per-channel scales)."""

@@ -45,6 +45,8 @@ class CanonicalOp:
     a call left as the canonical op is not reported as unlowered."""
     block: bool = False
     """A composite of other canonical ops (the MoE block): expanded into them before lowering."""
+    stages: tuple[str, ...] = ()
+    """For a block: the canonical ops it expands into (each lowered to its own provider)."""
 
 
 @dataclasses.dataclass
@@ -99,6 +101,7 @@ def define_canonical(
     traceable: Callable[[tuple[Any, ...]], bool] | None = None,
     block: bool = False,
     engine: bool = False,
+    stages: tuple[str, ...] = (),
 ) -> CanonicalOp:
     """Define ``torch.ops.ep_fuse.<name>`` whose kernel is ``reference`` and fake impl ``fake``
     (default: the reference itself, which must then run on fake tensors)."""
@@ -106,7 +109,7 @@ def define_canonical(
         return _OPS[name]
     op = define_op("ep_fuse", name, schema, reference, fake or reference)
     _OPS[name] = CanonicalOp(name, schema, reference, op, traceable=traceable, fake=fake,
-                             block=block, engine=engine)
+                             block=block, engine=engine, stages=stages)
     return _OPS[name]
 
 

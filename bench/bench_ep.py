@@ -20,7 +20,6 @@ import datetime
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -51,7 +51,16 @@ from ep_fuse.matching import (
     Var,
     op,
 )
-from ep_fuse.matching.checks import MODEL_FLOATS, is_int, is_shape, tensor_of
+from ep_fuse.matching.checks import (
+    MODEL_FLOATS,
+    VIEWS,
+    is_dtype,
+    is_int,
+    is_shape,
+    is_value,
+    one_of,
+    tensor_of,
+)
 from ep_fuse.matching.pattern import Opt, alt, equals
 from ep_fuse.ops import canonical
 
@@ -62,33 +71,6 @@ DESCRIPTION = "routed MoE experts (permute, grouped GEMM + SwiGLU, unpermute) ->
 INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
 _float_tensor = tensor_of(MODEL_FLOATS, "fp16/bf16/fp32")
 _int_tensor = tensor_of(INT_DTYPES, "integer")
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-def _one_of(*values: Any) -> Any:
-    """A literal equal to one of ``values`` (ints, or lists compared element-wise)."""
-
-    def same(v: Any, x: Any) -> bool:
-        if isinstance(x, list):
-            return isinstance(v, (list, tuple)) and list(v) == x
-        return equals(x)(v) is None
-
-    def check(v: Any) -> str | None:
-        return None if any(same(v, x) for x in values) else f"expected one of {values}, got {v!r}"
-
-    check.__name__ = f"one of {values}"
-    return check
-
-
-def _is(expected: Any) -> Any:
-    def check(v: Any) -> str | None:
-        return None if v == expected else f"expected {expected}, got {v!r}"
-
-    check.__name__ = f"is {expected}"
-    return check
-
-
-def is_dtype(v: Any) -> str | None:
-    return None if isinstance(v, torch.dtype) else f"expected a dtype, got {v!r}"
 
 
 def _grouped_mm(a: Any, b: Any, offs: Any) -> Any:
@@ -105,11 +87,11 @@ def _grouped_mm(a: Any, b: Any, offs: Any) -> Any:
 
 def _transposed(name: str) -> Any:
     """``transpose(W, -2, -1)`` of a 3-D expert weight (torch Linear layout [E, out, in])."""
-    return op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(_one_of(-2, 1)), dim1=Lit(_one_of(-1, 2)))
+    return op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(one_of(-2, 1)), dim1=Lit(one_of(-1, 2)))
 
 
 def _swiglu(h: Any) -> Any:
-    split = op(aten.split.Tensor, self=h, split_size=Lit(is_int, bind="inter"), dim=Lit(_one_of(-1, 1)),
+    split = op(aten.split.Tensor, self=h, split_size=Lit(is_int, bind="inter"), dim=Lit(one_of(-1, 1)),
                bind="gate_up")
     return op(aten.mul.Tensor, self=op(aten.silu.default, self=Item(split, 0)), other=Item(split, 1),
               commutative=("self", "other"))
@@ -124,7 +106,7 @@ def _fill(target: Any, **args: Any) -> Any:
 def _repeat_interleave(x: Any) -> Any:
     """``x.repeat_interleave(K, 0)`` as traced: ``view(clone(expand(unsqueeze(x, 1), [T, K, H])), [T*K, H])``."""
     return op(VIEWS, size=Lit(is_shape), self=op(
-        aten.clone.default, memory_format=Lit(_is(torch.contiguous_format)),
+        aten.clone.default, memory_format=Lit(is_value(torch.contiguous_format)),
         self=op(aten.expand.default, size=Lit(is_shape, bind="expand_size"),
                 self=op(aten.unsqueeze.default, self=x, dim=Lit(equals(1))))))
 
@@ -133,21 +115,21 @@ def _routing_front() -> dict[str, Any]:
     """What every sort-based form shares: the slot order, per-expert offsets, the token of each sorted
     slot, the inverse permutation and the permuted rows (each with its spelling variants)."""
     x = Var("x", _float_tensor)
-    flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(_one_of([-1])), bind="flat_ids", shared=True)
+    flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(one_of([-1])), bind="flat_ids", shared=True)
     sort = alt(op(aten.sort.default, self=flat), op(aten.sort.stable, self=flat, stable=Lit(equals(True))),
                bind="sort")
     perm = Item(sort, 1, bind="perm")
     histc = op(aten.histc.default, self=Cast(Item(sort, 0), dtype="histc_dtype"), bins=Lit(is_int, bind="bins"),
                min=Lit(equals(0)), max=Lit(is_int, bind="hist_max"))
-    one_hot = op(aten.sum.dim_IntList, dim=Lit(_one_of([0])), self=Cast(
+    one_hot = op(aten.sum.dim_IntList, dim=Lit(one_of([0])), self=Cast(
         op(aten.eq.Tensor, self=op(aten.unsqueeze.default, self=flat, dim=Lit(equals(-1))),
-           other=_fill(aten.arange.default, end=Lit(is_int, bind="bins"), dtype=Lit(_is(torch.int64)))),
+           other=_fill(aten.arange.default, end=Lit(is_int, bind="bins"), dtype=Lit(is_value(torch.int64)))),
         dtype=torch.int64))
     scattered = op(aten.scatter_add.default, dim=Lit(equals(0)), index=flat,
-                   self=_fill(aten.zeros.default, size=Lit(is_shape, bind="count_shape"), dtype=Lit(_is(torch.int64))),
+                   self=_fill(aten.zeros.default, size=Lit(is_shape, bind="count_shape"), dtype=Lit(is_value(torch.int64))),
                    src=op(aten.ones_like.default, self=flat, ignore=("pin_memory",)))
     counts = alt(histc, one_hot, scattered)
-    offs = alt(op(aten.cumsum.default, self=counts, dim=Lit(equals(0)), dtype=Lit(_is(torch.int32))),
+    offs = alt(op(aten.cumsum.default, self=counts, dim=Lit(equals(0)), dtype=Lit(is_value(torch.int32))),
                Cast(op(aten.cumsum.default, self=counts, dim=Lit(equals(0))), dtype=torch.int32), bind="offs")
     token = op(aten.floor_divide.default, self=perm, other=Lit(is_int, bind="top_k"), bind="token")
     inverse = op(aten.index_put.default, self=op(aten.empty_like.default, self=perm, ignore=("pin_memory",)),
@@ -180,7 +162,7 @@ def _weighted(y: Any, weights_by_row: Any) -> Any:
 
 def _topk_sum(per_slot: Any) -> Any:
     """``sum(view(per_slot, [T, K, H]), [1])``."""
-    return op(aten.sum.dim_IntList, dim=Lit(_one_of([1], [-2])),
+    return op(aten.sum.dim_IntList, dim=Lit(one_of([1], [-2])),
               self=op(VIEWS, self=per_slot, size=Lit(is_shape, bind="tkh")))
 
 
@@ -188,13 +170,13 @@ def _grouped_trees() -> dict[str, Any]:
     """Sort-based forms, by how the expert outputs return to their tokens."""
     f = _routing_front()
     y = _expert_outputs(f["rows"], f["offs"], f["masked"])
-    w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(_one_of([-1])))
+    w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(one_of([-1])))
     sorted_weighted = _weighted(y, op(aten.index.Tensor, self=w_flat, indices=[f["perm"]]))
     gathered_back = _topk_sum(op(aten.index.Tensor, self=sorted_weighted, indices=[f["inverse"]]))
     # sglang style: gather back by src2dst first, weight in [T, K] layout
     by_slot = Opt(Cast(op(VIEWS, self=op(aten.index.Tensor, self=y, indices=[f["inverse"]]),
                           size=Lit(is_shape, bind="tkh")), dtype="gathered_dtype"))
-    weighted_late = op(aten.sum.dim_IntList, dim=Lit(_one_of([1], [-2])), self=op(
+    weighted_late = op(aten.sum.dim_IntList, dim=Lit(one_of([1], [-2])), self=op(
         aten.mul.Tensor, self=by_slot, commutative=("self", "other"),
         other=op(aten.unsqueeze.default, self=Var("topk_weights", _float_tensor), dim=Lit(equals(-1)))))
     index_add = op(aten.index_add.default, dim=Lit(equals(0)), index=f["token"], source=sorted_weighted,
@@ -214,7 +196,7 @@ def _grouped_trees() -> dict[str, Any]:
 
 def _batched_tree() -> Any:
     """HF ``batched_mm``: no permute; each slot multiplies its gathered expert weights (``bmm``)."""
-    flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(_one_of([-1])))
+    flat = op(VIEWS, self=Var("topk_ids", _int_tensor), size=Lit(one_of([-1])))
     # HF 5.17 (CUDA) clamps the ids into [0, E-1] before gathering the weights
     clamped = op(aten.clamp.default, self=flat, min=Lit(equals(0)), max=Lit(is_int, bind="clamp_max"))
     ids_flat = alt(clamped, flat, bind="flat_ids")
@@ -225,7 +207,7 @@ def _batched_tree() -> Any:
         return op(aten.squeeze.dim, self=prod, dim=Lit(equals(-1)))
 
     y = per_row("w2", _swiglu(per_row("w13", _repeat_interleave(Var("x", _float_tensor)))))
-    w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(_one_of([-1])))
+    w_flat = op(VIEWS, self=Var("topk_weights", _float_tensor), size=Lit(one_of([-1])))
     return Opt(Cast(_topk_sum(_weighted(y, w_flat)), dtype="out_dtype"))
 
 

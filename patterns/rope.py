@@ -36,18 +36,24 @@ from ep_fuse.matching import (
     equals,
     op,
 )
-from ep_fuse.matching.checks import MODEL_FLOATS, is_end, is_int, is_shape, tensor_of
+from ep_fuse.matching.checks import (
+    MODEL_FLOATS,
+    VIEWS,
+    is_end,
+    is_int,
+    is_shape,
+    tensor_of,
+)
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten
 F32 = torch.float32
-FLOATS = MODEL_FLOATS
 
 DESCRIPTION = "rotary embedding (rotate-half, partial, chunk, de-interleaved, complex) -> ep_fuse::rope / rope_qk"
 
 
 # --------------------------------------------------------------------------- value checks
-_float_tensor = tensor_of(FLOATS, "fp16/bf16/fp32")
+_float_tensor = tensor_of(MODEL_FLOATS, "fp16/bf16/fp32")
 _complex_tensor = tensor_of((torch.complex64,), "complex64 freqs_cis")
 
 
@@ -88,11 +94,10 @@ def _trees() -> dict[str, Any]:
                      end=Lit(is_end))
     split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
                bind="split")
-    views = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
     xc = op(aten.view_as_complex.default,
-            self=op(views, self=Opt(Cast(x, F32, bind="upcast")), size=Lit(is_shape), bind="pairs"))
+            self=op(VIEWS, self=Opt(Cast(x, F32, bind="upcast")), size=Lit(is_shape), bind="pairs"))
     rotated = op(aten.mul.Tensor, self=xc, other=Var("cos", _complex_tensor), commutative=("self", "other"))
-    complex_out = op(views, self=op(aten.view_as_real.default, self=rotated), size=Lit(is_shape), bind="unpairs")
+    complex_out = op(VIEWS, self=op(aten.view_as_real.default, self=rotated), size=Lit(is_shape), bind="unpairs")
     return {
         "partial": op(aten.cat.default, tensors=[_half(xr), passthrough], dim=Lit(is_int, bind="cat_outer")),
         "half": _half(x),

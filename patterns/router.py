@@ -53,7 +53,15 @@ from ep_fuse.matching import (
     alt,
     op,
 )
-from ep_fuse.matching.checks import is_int, is_shape
+from ep_fuse.matching.checks import (
+    MODEL_FLOATS,
+    VIEWS,
+    is_bool,
+    is_int,
+    is_shape,
+    is_value,
+    one_of,
+)
 from ep_fuse.matching.matcher import State, match_tree
 from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import canonical
@@ -63,34 +71,11 @@ log = logging.getLogger("ep_fuse.patterns")
 
 DESCRIPTION = "router top-k gating (softmax/sigmoid, bias, group-limited, renorm, scale) -> ep_fuse::moe_gating"
 
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 ARITH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor,
          aten.sum.dim_IntList, aten.sum.default}
 
 
 # --------------------------------------------------------------------------- value checks
-def _one_of(*values: Any) -> Any:
-    def check(v: Any) -> str | None:
-        ok = any(equals(x)(v) is None for x in values)
-        return None if ok else f"expected one of {values}, got {v!r}"
-
-    check.__name__ = f"one of {values}"
-    return check
-
-
-def _is_bool(v: Any) -> str | None:
-    return None if isinstance(v, bool) else f"expected a bool, got {v!r}"
-
-
-def _is_value(expected: Any) -> Any:
-    def check(v: Any) -> str | None:
-        return None if v == expected else f"expected {expected}, got {v!r}"
-
-    check.__name__ = f"is {expected}"
-    return check
-
-
 def _f32_2d(v: Any) -> str | None:
     t = tensor_val(v)
     if t is None:
@@ -102,7 +87,7 @@ def _f32_2d(v: Any) -> str | None:
 
 def _bias_vector(v: Any) -> str | None:
     t = tensor_val(v)
-    if t is None or t.dtype not in FLOATS or t.dim() != 1:
+    if t is None or t.dtype not in MODEL_FLOATS or t.dim() != 1:
         return "a selection bias is a floating [E] vector"
     return None
 
@@ -116,8 +101,8 @@ def _neg_inf(v: Any) -> str | None:
     return None if isinstance(v, float) and v == float("-inf") else f"expected -inf, got {v!r}"
 
 
-LAST_2D = _one_of(-1, 1)
-LAST_3D = _one_of(-1, 2)
+LAST_2D = one_of(-1, 1)
+LAST_3D = one_of(-1, 2)
 
 
 # --------------------------------------------------------------------------- trees
@@ -132,7 +117,7 @@ def _probs(kind: str, shared: bool = False) -> Any:
 def _topk(x: Any, bind: str | None = None, shared: bool = False) -> Any:
     """``topk(x, K, -1, largest=True, sorted=any)`` over the experts."""
     return op(aten.topk.default, self=x, k=Lit(is_int, bind="top_k"), dim=Lit(LAST_2D), largest=Lit(equals(True)),
-              sorted=Lit(_is_bool), bind=bind, shared=shared)
+              sorted=Lit(is_bool), bind=bind, shared=shared)
 
 
 def _not_in_kept_groups(sel: Any, group_score: str) -> Any:
@@ -140,24 +125,24 @@ def _not_in_kept_groups(sel: Any, group_score: str) -> Any:
     grouped = op(VIEWS, self=sel, size=Lit(is_shape, bind="group_view"))
     if group_score == "sum_top2":
         top2 = op(aten.topk.default, self=grouped, k=Lit(equals(2)), dim=Lit(LAST_3D), largest=Lit(equals(True)),
-                  sorted=Lit(_is_bool))
-        gscore = op(aten.sum.dim_IntList, self=Item(top2, 0), dim=Lit(_one_of([-1], [2])), bind="gscore")
+                  sorted=Lit(is_bool))
+        gscore = op(aten.sum.dim_IntList, self=Item(top2, 0), dim=Lit(one_of([-1], [2])), bind="gscore")
     else:
         gscore = Item(op(aten.max.dim, self=grouped, dim=Lit(LAST_3D)), 0, bind="gscore")
     gidx = Item(op(aten.topk.default, self=gscore, k=Lit(is_int, bind="topk_group"), dim=Lit(LAST_2D),
-                   largest=Lit(equals(True)), sorted=Lit(_is_bool)), 1)
+                   largest=Lit(equals(True)), sorted=Lit(is_bool)), 1)
     mask = op(aten.scatter.value, self=op(aten.zeros_like.default, self=gscore, ignore=("pin_memory",)),
               dim=Lit(LAST_2D), index=gidx, value=Lit(equals(1)))
     expanded = op(aten.expand.default, self=op(aten.unsqueeze.default, self=mask, dim=Lit(LAST_3D)),
                   size=Lit(is_shape, bind="group_expand"))
     flat = op(VIEWS, size=Lit(is_shape, bind="group_flat"), self=alt(
-        op(aten.clone.default, self=expanded, memory_format=Lit(_is_value(torch.contiguous_format))), expanded))
+        op(aten.clone.default, self=expanded, memory_format=Lit(is_value(torch.contiguous_format))), expanded))
     return op(aten.bitwise_not.default, self=Cast(flat, torch.bool))
 
 
 def _tail(w: Any) -> Any:
     """``[_to_copy]([mul]([div(w, [add](sum(w, [-1], True), eps))], scale))`` (``w`` must carry a bind)."""
-    total = op(aten.sum.dim_IntList, self=w, dim=Lit(_one_of([-1], [1])), keepdim=Lit(equals(True)))
+    total = op(aten.sum.dim_IntList, self=w, dim=Lit(one_of([-1], [1])), keepdim=Lit(equals(True)))
     denom = alt(op(aten.add.Tensor, self=total, other=Lit(is_number, bind="renorm_eps")), total)
     renormed = alt(op(aten.div.Tensor, self=w, other=denom, bind="renorm"), w)
     scaled = alt(op((aten.mul.Tensor, aten.mul.Scalar), self=renormed, other=Lit(is_number, bind="scale")), renormed)
@@ -172,7 +157,7 @@ def _softmax_topk() -> tuple[Any, Any]:
 def _softmax_group_max() -> tuple[Any, Any]:
     probs = _probs("softmax")
     masked = op(aten.masked_fill.Scalar, self=probs, mask=_not_in_kept_groups(probs, "max"),
-                value=Lit(_is_value(0.0)))
+                value=Lit(is_value(0.0)))
     topk = _topk(masked, bind="topk", shared=True)
     return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
 

@@ -34,7 +34,7 @@ from ep_fuse.matching import (
     Var,
     op,
 )
-from ep_fuse.matching.checks import MODEL_FLOATS, is_shape, tensor_of
+from ep_fuse.matching.checks import MODEL_FLOATS, VIEWS, is_shape, tensor_of
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten
@@ -45,7 +45,6 @@ DESCRIPTION = "dense GEMM + SwiGLU (gate/up projections, shared experts) -> ep_f
 _float_tensor = tensor_of(MODEL_FLOATS, "fp16/bf16/fp32")
 
 
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _linear(w: str, flat: str) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ep_fuse.fx_utils import tensor_val
+from ep_fuse.matching.pattern import equals
 
 MODEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INT64_MAX = 2**63 - 1
@@ -39,3 +40,35 @@ def is_end(v: Any) -> str | None:
 
 def is_shape(v: Any) -> str | None:
     return None if isinstance(v, (list, tuple)) else f"expected a shape, got {v!r}"
+
+
+def is_bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else f"expected a bool, got {v!r}"
+
+
+def is_dtype(v: Any) -> str | None:
+    return None if isinstance(v, torch.dtype) else f"expected a dtype, got {v!r}"
+
+
+def one_of(*values: Any) -> Callable[[Any], str | None]:
+    """A literal equal to one of ``values`` (numbers, or lists compared element-wise)."""
+
+    def check(v: Any) -> str | None:
+        return None if any(equals(x)(v) is None for x in values) else f"expected one of {values}, got {v!r}"
+
+    check.__name__ = f"one of {values}"
+    return check
+
+
+def is_value(expected: Any) -> Callable[[Any], str | None]:
+    """A literal ``== expected`` (dtypes, memory formats: constants :func:`equals` does not compare)."""
+
+    def check(v: Any) -> str | None:
+        return None if v == expected else f"expected {expected}, got {v!r}"
+
+    check.__name__ = f"is {expected}"
+    return check
+
+
+VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+"""The ops a ``reshape`` traces to."""

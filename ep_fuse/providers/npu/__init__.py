@@ -201,8 +201,5 @@ def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
 register_provider(canonical.gemm_swiglu, "npu", gemm_swiglu_kernel, devices=_devices, available=_available,
                   supports=gemm_swiglu_supports)
 
-from ep_fuse.providers.npu import (
-    moe,  # noqa: F401  (MoE stage providers; registration side effects)
-    router,  # noqa: E402,F401  (moe_gating via npu_moe_gating_top_k)
-)
-from ep_fuse.providers.npu import w8a8  # noqa: E402,F401  (W8A8 int8 expert stages, quant="w8a8_int8")
+# registration side effects: MoE stages, moe_gating (npu_moe_gating_top_k), W8A8 expert stages
+from ep_fuse.providers.npu import moe, router, w8a8  # noqa: E402,F401

@@ -17,6 +17,16 @@ from ep_fuse.providers.triton.rms_norm_kernel import INTERPRET, _for_store, _rou
 
 
 @triton.jit
+def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """``silu(gate) * up`` from fp32 GEMM accumulators, rounded where the unfused model rounds: each GEMM
+    output to the input dtype, silu (computed in fp32) and the product again."""
+    g = _round(acc_g, CODE, EMULATE_RTNE)
+    u = _round(acc_u, CODE, EMULATE_RTNE)
+    act = _round(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
+    return _round(act * u, CODE, EMULATE_RTNE)
+
+
+@triton.jit
 def _gemm_swiglu_kernel(
     X, WG, WU, Y, M, N, K,
     sxm, sxk, sgn, sgk, sun, suk, sym,
@@ -53,10 +63,7 @@ def _gemm_swiglu_kernel(
         xp += BK * sxk
         gp += BK * sgk
         up += BK * suk
-    g = _round(acc_g, CODE, EMULATE_RTNE)
-    u = _round(acc_u, CODE, EMULATE_RTNE)
-    act = _round(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
-    y = _round(act * u, CODE, EMULATE_RTNE)
+    y = swiglu_rounded(acc_g, acc_u, CODE, EMULATE_RTNE)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
 

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ep_fuse.providers.triton.gemm_swiglu_kernel import swiglu_rounded
 from ep_fuse.providers.triton.rms_norm_kernel import (
     DTYPE_CODES,
     INTERPRET,
@@ -118,9 +119,11 @@ def _grouped_gemm_kernel(
     X, W, SEG, Y, M, N, K, E,
     sxm, swe, swn, sym,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, CODE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, IEEE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
+    """``Y [M, N] = X @ W[e].T`` per segment; ``SWIGLU``: N is I, gate rows ``[n, n+BN)`` and up rows
+    ``[I+n, I+n+BN)`` of ``w13[e]`` share each ``X`` load and meet in the epilogue."""
     tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
     e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
     rm = m_start + tl.arange(0, BM)
@@ -128,64 +131,31 @@ def _grouped_gemm_kernel(
     rk = tl.arange(0, BK)
     xp, wp = _operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
                            sxm, swn, SWAP_AB)
+    up = wp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
     if SWAP_AB:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
     for k in range(num_k):
         a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST_DOT)
         b = _load(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
         acc = _mma(a, b, acc, SWAP_AB, IEEE)
+        if SWIGLU:
+            bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
+            acc_u = _mma(a, bu, acc_u, SWAP_AB, IEEE)
+            up += BK
         xp += BK
         wp += BK
     if SWAP_AB:
         acc = tl.trans(acc)
-    y = _round(acc, CODE, EMULATE_RTNE)
-    mask = (rm < m_end)[:, None] & (rn < N)[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
-
-
-@triton.jit
-def _grouped_gemm_swiglu_kernel(
-    X, W, SEG, Y, M, N, K, E,
-    sxm, swe, swn, sym,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    IEEE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
-):
-    """``N`` is the intermediate size I: gate rows ``[n, n+BN)`` and up rows ``[I+n, I+n+BN)`` of ``w13[e]``."""
-    tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
-    e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
-    rm = m_start + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    xp, gp = _operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
-                           sxm, swn, SWAP_AB)
-    up = gp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
-    if SWAP_AB:
-        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
-    for k in range(num_k):
-        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST_DOT)
-        bg = _load(gp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
-        bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
-        acc_g = _mma(a, bg, acc_g, SWAP_AB, IEEE)
-        acc_u = _mma(a, bu, acc_u, SWAP_AB, IEEE)
-        xp += BK
-        gp += BK
-        up += BK
-    if SWAP_AB:
-        acc_g = tl.trans(acc_g)
         acc_u = tl.trans(acc_u)
-    g = _round(acc_g, CODE, EMULATE_RTNE)
-    u = _round(acc_u, CODE, EMULATE_RTNE)
-    act = _round(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
-    y = _round(act * u, CODE, EMULATE_RTNE)
+    if SWIGLU:
+        y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+    else:
+        y = _round(acc, CODE, EMULATE_RTNE)
     mask = (rm < m_end)[:, None] & (rn < N)[None, :]
     tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
@@ -234,17 +204,17 @@ def block_e(e: int) -> int:
     return max(MIN_BLOCK_E, triton.next_power_of_2(e))
 
 
-def _launch(kernel: Any, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int,
+def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
             cfg: GemmConfig, wrap: Callable[[Any], Any] | None) -> None:
     m, k = x.shape
     e = w.shape[0]
-    fn = wrap(kernel) if wrap is not None else kernel
+    fn = wrap(_grouped_gemm_kernel) if wrap is not None else _grouped_gemm_kernel
     grid = ((triton.cdiv(m, cfg.bm) + e) * triton.cdiv(n, cfg.bn),)
     fn[grid](
         x, w, seg, y, m, n, k, e,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BLOCK_E=block_e(e), SWAP_AB=cfg.swap_ab,
-        EVEN_K=k % cfg.bk == 0, CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET,
+        EVEN_K=k % cfg.bk == 0, SWIGLU=swiglu, CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET,
         IEEE=x.dtype == torch.float32, EMULATE_RTNE=int(INTERPRET),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -256,7 +226,7 @@ def launch_grouped_gemm(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: 
     m, k = x.shape
     e, n = w.shape[0], w.shape[1]
     cfg = config or config_for(m, n, k, e)
-    _launch(_grouped_gemm_kernel, x, w, seg, y, n, cfg, wrap)
+    _launch(x, w, seg, y, n, False, cfg, wrap)
 
 
 def launch_grouped_gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
@@ -266,4 +236,4 @@ def launch_grouped_gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, seg: torch.Te
     m, k = x.shape
     e, n = w13.shape[0], w13.shape[1] // 2
     cfg = config or config_for(m, n, k, e, swiglu=True)
-    _launch(_grouped_gemm_swiglu_kernel, x, w13, seg, y, n, cfg, wrap)
+    _launch(x, w13, seg, y, n, True, cfg, wrap)

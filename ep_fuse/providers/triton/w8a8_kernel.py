@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ep_fuse.providers.triton.grouped_gemm_kernel import (
     GemmConfig,
+    _load,
     _operand_ptrs,
     _tile_rows,
     _work_item,
@@ -77,19 +78,6 @@ def _quant_rows_kernel(X, Q, S, K, sxm, sqm, BLOCK_K: tl.constexpr, ONE_PASS: tl
 
 
 @triton.jit
-def _load_i8(p, rk, k_left, K_ALONG_ROWS: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr):
-    if EVEN_K:
-        v = tl.load(p)
-    elif K_ALONG_ROWS:
-        v = tl.load(p, mask=(rk < k_left)[:, None], other=0)
-    else:
-        v = tl.load(p, mask=(rk < k_left)[None, :], other=0)
-    if EMULATE:
-        v = v.to(tl.float32)
-    return v
-
-
-@triton.jit
 def _imma(a, b, acc, SWAP_AB: tl.constexpr, EMULATE: tl.constexpr):
     if SWAP_AB:
         a, b = b, a
@@ -124,11 +112,11 @@ def _w8a8_gemm_kernel(
         acc_u = tl.zeros([BM, BN], dtype=tl.int32)
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
     for k in range(num_k):
-        a = _load_i8(xp, rk, K - k * BK, SWAP_AB, EVEN_K, EMULATE)
-        b = _load_i8(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, EMULATE)
+        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, EMULATE)
+        b = _load(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, EMULATE)
         acc = _imma(a, b, acc, SWAP_AB, EMULATE)
         if SWIGLU:
-            bu = _load_i8(up, rk, K - k * BK, not SWAP_AB, EVEN_K, EMULATE)
+            bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, EMULATE)
             acc_u = _imma(a, bu, acc_u, SWAP_AB, EMULATE)
             up += BK
         xp += BK

@@ -16,14 +16,25 @@ from ep_fuse.providers.common import KERNEL_DTYPES
 INT32_MAX = 2**31 - 1
 
 
-def _unit_k(t: torch.Tensor) -> bool:
+def unit_last(t: torch.Tensor) -> bool:
+    """Unit stride along the last (K) dim."""
     return int(t.shape[-1]) <= 1 or int(t.stride(-1)) == 1
+
+
+def expert_weight_limits(w: torch.Tensor) -> str | None:
+    """What the grouped-GEMM kernels (bf16 and int8) address: ``MAX_EXPERTS`` experts, int32 offsets
+    inside one expert's [N, K] weight (raises on symbolic sizes)."""
+    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
+
+    if int(w.shape[0]) > MAX_EXPERTS:
+        return f"more than {MAX_EXPERTS} experts"
+    if int(w.shape[1]) * int(w.stride(1)) > INT32_MAX:
+        return "one expert's weight spans more than 2**31 elements"
+    return None
 
 
 def check_grouped_gemm_call(args: tuple[Any, ...]) -> str | None:
     """``None`` when the kernel runs ``(x [M, K], w [E, N, K], seg_indptr [E+1])``, else why not."""
-    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
-
     x, w, seg = args
     if x.dtype not in KERNEL_DTYPES or w.dtype != x.dtype:
         return f"dtypes {x.dtype}/{w.dtype} (the kernel takes one of fp16/bf16/fp32 for both)"
@@ -34,15 +45,11 @@ def check_grouped_gemm_call(args: tuple[Any, ...]) -> str | None:
     if seg.device != x.device or w.device != x.device:
         return "operands on different devices"
     try:
-        if not (_unit_k(x) and _unit_k(w)):
+        if not (unit_last(x) and unit_last(w)):
             return "x or w is not unit-stride along K"
-        if int(w.shape[0]) > MAX_EXPERTS:
-            return f"more than {MAX_EXPERTS} experts"
-        if int(w.shape[1]) * int(w.stride(1)) > INT32_MAX:
-            return "one expert's weight spans more than 2**31 elements"
+        return expert_weight_limits(w)
     except Exception:  # symbolic sizes or strides that cannot be decided
         return "symbolic strides"
-    return None
 
 
 def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:

@@ -13,12 +13,7 @@ from typing import Any
 import torch
 
 from ep_fuse.providers.common import KERNEL_DTYPES
-
-INT32_MAX = 2**31 - 1
-
-
-def _unit_last(t: torch.Tensor) -> bool:
-    return int(t.shape[-1]) <= 1 or int(t.stride(-1)) == 1
+from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, unit_last
 
 
 def check_quant_call(args: tuple[Any, ...]) -> str | None:
@@ -29,7 +24,7 @@ def check_quant_call(args: tuple[Any, ...]) -> str | None:
     if x.dim() != 2:
         return f"x is {x.dim()}-D, not [M, K]"
     try:
-        if not _unit_last(x):
+        if not unit_last(x):
             return "x is not unit-stride along K"
     except Exception:
         return "symbolic strides"
@@ -38,8 +33,6 @@ def check_quant_call(args: tuple[Any, ...]) -> str | None:
 
 def check_w8a8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | None:
     """``None`` when the int8 grouped GEMM kernel runs ``(xq, x_scale, w_q, w_scale, seg_indptr, ...)``."""
-    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
-
     xq, xs, wq, ws, seg = args[:5]
     if xq.dtype != torch.int8 or wq.dtype != torch.int8:
         return f"codes {xq.dtype}/{wq.dtype} are not int8"
@@ -58,15 +51,11 @@ def check_w8a8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | N
     if not swiglu and args[5] not in KERNEL_DTYPES:
         return f"out_dtype {args[5]} (the kernel writes fp16/bf16/fp32)"
     try:
-        if not (_unit_last(xq) and _unit_last(wq) and _unit_last(xs) and _unit_last(ws)):
+        if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
             return "operands are not unit-stride along their last dim"
-        if int(wq.shape[0]) > MAX_EXPERTS:
-            return f"more than {MAX_EXPERTS} experts"
-        if int(wq.shape[1]) * int(wq.stride(1)) > INT32_MAX:
-            return "one expert's weight spans more than 2**31 elements"
+        return expert_weight_limits(wq)
     except Exception:  # symbolic sizes or strides that cannot be decided
         return "symbolic strides"
-    return None
 
 
 def check_w8a8_swiglu_call(args: tuple[Any, ...]) -> str | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_exchange import exchange
 
 CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 topk_idx_t = torch.int64
@@ -47,22 +48,6 @@ class EventOverlap:
 def _check_deterministic() -> None:
     if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
         raise RuntimeError("DeepEP (double): deterministic algorithms with fill_uninitialized_memory")
-
-
-def _exchange(group: Any, per_dest: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """per_dest[r] = payload tensors (same row count) for rank r -> per_source[s] = payloads from rank s."""
-    world = group.size()
-    counts = torch.tensor([p[0].shape[0] for p in per_dest], dtype=torch.int64)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    out: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for j in range(len(per_dest[0])):
-        send = torch.cat([p[j] for p in per_dest])
-        recv = send.new_empty((int(recv_counts.sum()), *send.shape[1:]))
-        dist.all_to_all_single(recv, send, recv_counts.tolist(), counts.tolist(), group=group)
-        for s, chunk in enumerate(recv.split(recv_counts.tolist())):
-            out[s].append(chunk)
-    return out
 
 
 class Buffer:
@@ -160,7 +145,7 @@ class Buffer:
         for r in range(w):
             tok = is_token_in_rank[:, r].nonzero().flatten()
             per_dest.append([x[tok], topk_idx[tok], topk_weights[tok], tok])
-        got = _exchange(self.group, per_dest)
+        got = exchange(self.group, per_dest)
         recv_x = torch.cat([g[0] for g in got])
         idx = torch.cat([g[1] for g in got])
         weights = torch.cat([g[2] for g in got])
@@ -198,7 +183,7 @@ class Buffer:
         w = self.num_ranks
         bounds = [0] + rank_prefix_matrix[:, self.rank].tolist()
         per_dest = [[x[bounds[s]:bounds[s + 1]]] for s in range(w)]
-        got = _exchange(self.group, per_dest)
+        got = exchange(self.group, per_dest)
         t = is_token_in_rank.shape[0]
         acc = torch.zeros(t, x.shape[1], dtype=torch.float32)
         for r in range(w):
@@ -234,7 +219,7 @@ class Buffer:
             tok = torch.tensor([p[0] for p in mine], dtype=torch.int64)
             exp = torch.tensor([p[1] for p in mine], dtype=torch.int64)
             per_dest.append([x[tok] if mine else x.new_empty(0, x.shape[1]), tok, exp])
-        got = _exchange(self.group, per_dest)
+        got = exchange(self.group, per_dest)
         h = x.shape[1]
         recv_x = torch.full((per_rank, w * m, h), float("nan"), dtype=x.dtype)
         src_info = torch.full((per_rank, w * m), -1, dtype=torch.int32)
@@ -272,7 +257,7 @@ class Buffer:
                 tok.append(src_info[e, begin:begin + cnt].long())
                 exp.append(torch.full((cnt,), me * per_rank + e, dtype=torch.int64))
             per_dest.append([torch.cat(rows), torch.cat(tok), torch.cat(exp)])
-        got = _exchange(self.group, per_dest)
+        got = exchange(self.group, per_dest)
         t = topk_idx.shape[0]
         acc = torch.zeros(t, h, dtype=torch.float32)
         for rows, tok, exp in got:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from dist_exchange import exchange
 
 DEVICE_NAME = "Ascend910B3"
 calls: list[str] = []
@@ -26,21 +27,6 @@ calls: list[str] = []
 
 def _group(name: str) -> Any:
     return dist.distributed_c10d._resolve_process_group(name)
-
-
-def _exchange(group: Any, per_dest: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    world = group.size()
-    counts = torch.tensor([p[0].shape[0] for p in per_dest], dtype=torch.int64)
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    out: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for j in range(len(per_dest[0])):
-        send = torch.cat([p[j] for p in per_dest])
-        recv = send.new_empty((int(recv_counts.sum()), *send.shape[1:]))
-        dist.all_to_all_single(recv, send, recv_counts.tolist(), counts.tolist(), group=group)
-        for s, chunk in enumerate(recv.split(recv_counts.tolist())):
-            out[s].append(chunk)
-    return out
 
 
 def _check_ids(expert_ids: torch.Tensor, moe_expert_num: int) -> None:
@@ -79,7 +65,7 @@ def npu_moe_distribute_dispatch(x, expert_ids, group_ep, ep_world_size, ep_rank_
         sel = (flat // per_rank == r).nonzero().flatten()
         sel = sel[torch.argsort(flat[sel] * bs + tok[sel], stable=True)]  # (local expert, token) order
         per_dest.append([x[tok[sel]], flat[sel], tok[sel]])
-    got = _exchange(group, per_dest)
+    got = exchange(group, per_dest)
     a = max_bs * w * min(per_rank, k)
     expand_x = torch.full((a, x.shape[1]), float("nan"), dtype=x.dtype)
     token_nums = torch.zeros(per_rank, dtype=torch.int64)
@@ -125,7 +111,7 @@ def npu_moe_distribute_combine(expand_x, expert_ids, expand_idx, ep_send_counts,
         parts = [expand_x[int(starts[e * w + s]):int(starts[e * w + s]) + int(ep_send_counts[e * w + s])]
                  for e in range(per_rank)]
         per_dest.append([torch.cat(parts) if parts else expand_x.new_empty(0, h)])
-    got = _exchange(group, per_dest)
+    got = exchange(group, per_dest)
     rows = torch.cat([g[0] for g in got])  # in the sender's send order
     slots = expand_idx.long()
     acc = torch.zeros(bs * k, h, dtype=torch.float32)

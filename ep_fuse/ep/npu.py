@@ -20,13 +20,12 @@ against ``tests/npu_ep_double.py``, a double of the documented contract.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 import logging
 from typing import Any
 
 import torch
 
+from ep_fuse import npu_runtime
 from ep_fuse.ep import groups, handles
 from ep_fuse.ep.layout import CODES, capacity_rows, handle_len, valid_slots
 
@@ -52,17 +51,8 @@ LIMITS = {
 """Documented limits of ``npu_moe_distribute_dispatch/combine`` per SoC (§8.11)."""
 
 
-@functools.lru_cache(maxsize=1)
-def available() -> str | None:
-    try:
-        importlib.import_module("torch_npu")
-    except Exception as exc:  # ImportError, or a CANN library missing
-        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc}); install torch_npu with CANN"
-    return None
-
-
-def _torch_npu() -> Any:
-    return importlib.import_module("torch_npu")
+available = npu_runtime.available
+_torch_npu = npu_runtime.torch_npu
 
 
 def soc() -> str | None:

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib
 from typing import Any
 
 import torch
 
+from ep_fuse import npu_runtime
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.providers.common import (
@@ -32,18 +32,8 @@ from ep_fuse.providers.common import (
     unpack_norm_args,
 )
 
-
-@functools.lru_cache(maxsize=1)
-def _available() -> str | None:
-    try:
-        importlib.import_module("torch_npu")
-    except Exception as exc:  # ImportError, or a CANN library missing
-        return f"torch_npu cannot be imported ({type(exc).__name__}: {exc}); install torch_npu with CANN"
-    return None
-
-
-def _npu() -> Any:
-    return importlib.import_module("torch_npu")
+_available = npu_runtime.available
+_npu = npu_runtime.torch_npu
 
 
 def _devices() -> frozenset[str]:

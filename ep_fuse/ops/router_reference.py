@@ -142,7 +142,13 @@ def _gating(
         else:
             sel = sel.masked_fill(~keep, float("-inf"))
     ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
-    weights = src.gather(1, ids)
+    return finish_weights(src.gather(1, ids), renormalize, renorm_eps, scale, weight_dtype), ids
+
+
+def finish_weights(
+    weights: torch.Tensor, renormalize: bool, renorm_eps: float, scale: float, weight_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """The routers' tail in their op order: ``w / (sum(w) [+ eps])``, ``* scale``, one cast."""
     if renormalize:
         denom = weights.sum(dim=-1, keepdim=True)
         if renorm_eps != 0.0:
@@ -152,7 +158,7 @@ def _gating(
         weights = weights * scale
     if weight_dtype is not None and weight_dtype != weights.dtype:
         weights = weights.to(weight_dtype)
-    return weights, ids
+    return weights
 
 
 def moe_gating_ref(

@@ -27,7 +27,7 @@ import torch
 
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.ops.router_reference import check_gating_args
+from ep_fuse.ops.router_reference import check_gating_args, finish_weights
 from ep_fuse.providers.npu import _available, _devices, _npu
 
 MAX_EXPERTS = 2048
@@ -67,16 +67,8 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
         k_group=int(topk_group), group_count=int(n_group), group_select_mode=GROUP_SELECT_MODES[group_score],
         renorm=0, norm_type=NORM_TYPES[score], out_flag=False,
         routed_scaling_factor=1.0 if divide_after else float(scale), eps=float(renorm_eps))
-    y = y.to(torch.float32)
-    if divide_after:
-        denom = y.sum(dim=-1, keepdim=True)
-        if renorm_eps != 0.0:
-            denom = denom + renorm_eps
-        y = y / denom
-        if scale != 1.0:
-            y = y * scale
-    if weight_dtype is not None:
-        y = y.to(weight_dtype)
+    # softmax + renormalise: the op cannot renormalise softmax (renorm=0 only), so the tail runs here
+    y = finish_weights(y.to(torch.float32), divide_after, renorm_eps, scale if divide_after else 1.0, weight_dtype)
     return y, ids.to(torch.int64)
 
 

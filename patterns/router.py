@@ -19,11 +19,10 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
   mask chain with ``masked_fill(sel, ·, -inf)`` (optional: no groups), ``ids = topk(·, K, sorted=False)[1]``,
   weights ``gather(s, 1, ids)`` -- the bias selects, it never weighs -- then the tail.
 
-The ids are not on the weights' path in most forms (they are the other output of the same ``topk``),
-and in the sigmoid form they are also read by the experts. The engine's trees have one root and no
-shared ``Item``, so each pattern here matches the weights' tree and then attaches the ids' tree
-with the guard :func:`_attach_ids` (same bindings, so the DAG is checked), which also re-checks that
-no interior node is used outside the two outputs.
+The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
+in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
+tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no
+interior node of either may be used outside the two outputs.
 
 Not matched: GPT-OSS (``topk`` on the logits, then a bf16 softmax of the K values) and Llama4
 (``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): different functions.
@@ -32,7 +31,6 @@ Not matched: GPT-OSS (``topk`` on the logits, then a bf16 softmax of the K value
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
@@ -45,7 +43,6 @@ from ep_fuse.matching import (
     Item,
     Lit,
     Match,
-    Mismatch,
     Opt,
     Pattern,
     Replacement,
@@ -62,7 +59,6 @@ from ep_fuse.matching.checks import (
     is_value,
     one_of,
 )
-from ep_fuse.matching.matcher import State, match_tree
 from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import canonical
 
@@ -106,18 +102,18 @@ LAST_3D = one_of(-1, 2)
 
 
 # --------------------------------------------------------------------------- trees
-def _probs(kind: str, shared: bool = False) -> Any:
+def _probs(kind: str) -> Any:
     logits = Var("logits", _f32_2d)
     if kind == "softmax":
         return op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
-                  bind="probs", shared=shared)
-    return op(aten.sigmoid.default, self=logits, bind="probs", shared=shared)
+                  bind="probs")
+    return op(aten.sigmoid.default, self=logits, bind="probs")
 
 
-def _topk(x: Any, bind: str | None = None, shared: bool = False) -> Any:
+def _topk(x: Any, bind: str | None = None) -> Any:
     """``topk(x, K, -1, largest=True, sorted=any)`` over the experts."""
     return op(aten.topk.default, self=x, k=Lit(is_int, bind="top_k"), dim=Lit(LAST_2D), largest=Lit(equals(True)),
-              sorted=Lit(is_bool), bind=bind, shared=shared)
+              sorted=Lit(is_bool), bind=bind)
 
 
 def _not_in_kept_groups(sel: Any, group_score: str) -> Any:
@@ -150,7 +146,7 @@ def _tail(w: Any) -> Any:
 
 
 def _softmax_topk() -> tuple[Any, Any]:
-    topk = _topk(_probs("softmax"), bind="topk", shared=True)
+    topk = _topk(_probs("softmax"), bind="topk")
     return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
 
 
@@ -158,12 +154,12 @@ def _softmax_group_max() -> tuple[Any, Any]:
     probs = _probs("softmax")
     masked = op(aten.masked_fill.Scalar, self=probs, mask=_not_in_kept_groups(probs, "max"),
                 value=Lit(is_value(0.0)))
-    topk = _topk(masked, bind="topk", shared=True)
+    topk = _topk(masked, bind="topk")
     return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
 
 
 def _sigmoid_group_sum_top2() -> tuple[Any, Any]:
-    probs = _probs("sigmoid", shared=True)  # also read by the selection (the ids' tree)
+    probs = _probs("sigmoid")  # also read by the selection: the ids' tree, matched as a second output
     gathered = op(aten.gather.default, self=probs, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor),
                   bind="weights_raw")
     sel = alt(op(aten.add.Tensor, self=probs, other=Var("bias", _bias_vector), commutative=("self", "other")),
@@ -174,36 +170,6 @@ def _sigmoid_group_sum_top2() -> tuple[Any, Any]:
 
 
 # --------------------------------------------------------------------------- guards
-def _attach_ids(ids_tree: Any) -> Any:
-    """Match the ids' tree at the ids node (bound, or the ``[1]`` output of the bound ``topk``)."""
-
-    def attach_ids(m: Match) -> str | tuple[Any, str] | None:
-        """The ids output matches its tree on the same bindings and is the only other way out of the router."""
-        ids = m.get("ids")
-        if ids is None:
-            topk = m["topk"]
-            items = [u for u in topk.users if u.target is operator.getitem and u.args[1] == 1]
-            if len(items) != 1:
-                return topk, "the top-k ids are not read through exactly one getitem"
-            ids = items[0]
-        res = match_tree(ids_tree, ids, State(dict(m.bindings), [], set()))
-        if isinstance(res, Mismatch):
-            return res.node, f"ids: {res.reason}"
-        m.bindings.update(res.bindings)
-        m.bindings["ids"] = ids
-        m.nodes.extend(n for n in res.nodes if n not in m.nodes)
-        inside = set(m.nodes)
-        for node in m.nodes:
-            if node is m.root or node is ids:
-                continue
-            outside = [u.name for u in node.users if u not in inside]
-            if outside:
-                return node, f"is also used outside the router (by {', '.join(outside[:3])})"
-        return None
-
-    return attach_ids
-
-
 def router_shapes(m: Match) -> str | tuple[Any, str] | None:
     """[T, E] logits, K <= E, a [E] bias, groups that tile the experts, [T, K] outputs."""
     logits = tensor_val(m["logits"])
@@ -282,7 +248,7 @@ def _pattern(variant: str) -> Pattern:
     make, description = _FORMS[variant]
     weights, ids = make()
     return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
-                   guards=(_attach_ids(ids), router_shapes, whole_tail), anchors=ANCHORS,
+                   guards=(router_shapes, whole_tail), anchors=ANCHORS, outputs=(("ids", ids),),
                    description=description, produces="ep_fuse::moe_gating")
 
 

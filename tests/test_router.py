@@ -213,6 +213,8 @@ class SoftmaxRouter(nn.Module):
         p = torch.softmax(logits, dim=0 if self.variant == "softmax_dim0" else -1)
         w, ids = torch.topk(p, 2, dim=-1)
         w = w / w.sum(dim=0 if self.variant == "sum_dim0" else -1, keepdim=True)
+        if self.variant == "probs_also_returned":  # e.g. for an auxiliary load-balancing loss
+            return w.to(BF16), ids, p
         return w.to(BF16), ids
 
 
@@ -232,8 +234,10 @@ def test_router_modules_match():
 
 
 @pytest.mark.parametrize("mod", [Router(variant="bias_in_weights"), Router(variant="eps_in_numerator"),
-                                 SoftmaxRouter("softmax_dim0"), SoftmaxRouter("sum_dim0")],
-                         ids=["bias_in_weights", "eps_in_numerator", "softmax_dim0", "sum_dim0"])
+                                 SoftmaxRouter("softmax_dim0"), SoftmaxRouter("sum_dim0"),
+                                 SoftmaxRouter("probs_also_returned")],
+                         ids=["bias_in_weights", "eps_in_numerator", "softmax_dim0", "sum_dim0",
+                              "probs_also_returned"])
 def test_look_alikes_do_not_match(mod):
     variants, rep = _matches(mod, _logits(12, 8, ties=False, seed=2))
     assert variants == [], rep

@@ -233,11 +233,11 @@ def _match_cast(pat: Cast, value: Any, state: State) -> State | Mismatch:
     return match_tree(pat.inner, src, state)
 
 
-def external_users(state: State, root: fx.Node) -> Mismatch | None:
-    """Interior nodes must not be used outside the match unless marked ``shared``."""
+def external_users(state: State, roots: list[fx.Node]) -> Mismatch | None:
+    """Interior nodes must not be used outside the match unless marked ``shared`` (or an output root)."""
     inside = set(state.nodes)
     for node in state.nodes:
-        if node is root or node in state.shared:
+        if node in roots or node in state.shared:
             continue
         outside = [u for u in node.users if u not in inside]
         if outside:

@@ -73,6 +73,11 @@ class Pattern:
     description: str = ""
     produces: str = ""
     """Name of the canonical op the pattern becomes (for the catalog listing)."""
+    outputs: tuple[tuple[str, Pat], ...] = ()
+    """More outputs of the fused computation, each ``(binding, tree)``: the tree is matched after the
+    main one, on the same bindings, at the node bound to ``binding`` or, for an ``Item(inner, i)`` whose
+    ``inner`` is bound, at that node's single ``getitem(·, i)`` user; the node is then bound to
+    ``binding`` and, like the root, may be used outside the match (a router's top-k ids)."""
 
     @property
     def key(self) -> str:
@@ -142,7 +147,17 @@ def try_match(pattern: Pattern, node: fx.Node) -> Match | Mismatch:
     res = match_tree(pattern.tree, node, State())
     if isinstance(res, Mismatch):
         return res
-    ext = external_users(res, node)
+    roots = [node]
+    for name, tree in pattern.outputs:
+        at = _output_node(name, tree, res)
+        if isinstance(at, Mismatch):
+            return at
+        res = match_tree(tree, at, res.fork())
+        if isinstance(res, Mismatch):
+            return res
+        res.bindings[name] = at
+        roots.append(at)
+    ext = external_users(res, roots)
     if ext is not None:
         return ext
     m = Match(pattern, node, res.bindings, res.nodes)
@@ -152,6 +167,22 @@ def try_match(pattern: Pattern, node: fx.Node) -> Match | Mismatch:
             where, reason = verdict if isinstance(verdict, tuple) else (node, verdict)
             return Mismatch(where, f"guard {guard.__name__}: {reason}", tuple(res.nodes))
     return m
+
+
+def _output_node(name: str, tree: Pat, state: State) -> fx.Node | Mismatch:
+    """Where a further output's tree is rooted (see :attr:`Pattern.outputs`)."""
+    bound = state.bindings.get(name)
+    if isinstance(bound, fx.Node):
+        return bound
+    inner = tree.inner if isinstance(tree, Item) else None
+    src = state.bindings.get(inner.bind) if inner is not None and inner.bind else None
+    if not isinstance(src, fx.Node):
+        raise ValueError(f"pattern output {name!r}: bind it in the main tree, or root it at an Item of a bound op")
+    items = [u for u in src.users if u.target is operator.getitem and u.args[1] == tree.index]
+    if len(items) != 1:
+        return Mismatch(src, f"output {name}: {len(items)} readers of output {tree.index}, expected one",
+                        tuple(state.nodes))
+    return items[0]
 
 
 def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode: Any) -> list[fx.Node]:

@@ -99,9 +99,15 @@ def norm_bitwise() -> dict[str, int]:
             "elements": out[0].numel()}
 
 
-def check_kernels() -> int:
+def check_kernels(rounding: int | None = None) -> int:
+    """Kernel vs reference for every form/dtype/layout: bf16 and fp16 bitwise (fp32 and complex to 2e-6)."""
+    from ep_fuse.providers.triton import rope as rope_host
+
+    rope_host.TUNING.clear()
+    if rounding is not None:
+        rope_host.TUNING["rounding"] = rounding
     n = 0
-    for form in ("half", "chunk", "deinterleave", "complex"):
+    for form in ("half", "chunk", "deinterleave", "interleave", "complex"):
         for dtype in (BF16, torch.float16, torch.float32):
             for t, hq, hk, d, rot in ((7, 4, 2, 64, 64), (33, 8, 1, 128, 128), (5, 2, 2, 128, 64)):
                 g = torch.Generator(device="cuda").manual_seed(n)
@@ -117,14 +123,155 @@ def check_kernels() -> int:
                 args = (q, k, cos, sin, form, rot, out_dtype)
                 out, ref = torch.ops.ep_fuse_triton.rope_qk(*args), rope_qk_ref(*args)
                 for o, e in zip(out, ref):
-                    if form == "complex" or dtype != BF16:  # fp32/fp16: the GPU may contract a*b+c to an FMA
+                    exact = dtype == BF16 or (dtype == torch.float16 and rounding in (None, 3))
+                    if form == "complex" or not exact:  # fp32: the GPU may contract a*b+c to an FMA
                         tol = 2e-6 if dtype == torch.float32 else 1e-2
                         torch.testing.assert_close(o.float(), e.float(), rtol=tol, atol=tol)
                     elif not torch.equal(o, e):
                         raise AssertionError(f"rope {form} {dtype} {t}x{hq}x{d} rot {rot}: "
                                              f"max diff {(o.float() - e.float()).abs().max().item()}")
                 n += 1
+    rope_host.TUNING.clear()
     return n
+
+
+def check_cache_kernels() -> int:
+    """``rope_qk_cache`` (positions gathered in the kernel) vs the reference: bf16/fp16 bitwise, fp32 to 2e-6."""
+    from ep_fuse.ops.reference import rope_qk_cache_ref
+
+    n = 0
+    for form in ("chunk", "interleave"):
+        for dtype in (BF16, torch.float16, torch.float32):
+            for t, hq, hk, d, rot in ((7, 4, 2, 64, 64), (33, 8, 1, 128, 128), (5, 2, 2, 128, 64)):
+                g = torch.Generator(device="cuda").manual_seed(n)
+                q = torch.randn(t, hq, d, device="cuda", generator=g).to(dtype)
+                k = torch.randn(t, hk, d, device="cuda", generator=g).to(dtype)
+                cache = torch.randn(50, rot, device="cuda", generator=g).to(dtype)
+                pos = torch.randint(0, 50, (t,), device="cuda", generator=g)
+                args = (q, k, cache, pos, form, rot)
+                for o, e in zip(torch.ops.ep_fuse_triton.rope_qk_cache(*args), rope_qk_cache_ref(*args)):
+                    if dtype == torch.float32:
+                        torch.testing.assert_close(o, e, rtol=2e-6, atol=2e-6)
+                    elif not torch.equal(o, e):
+                        raise AssertionError(f"rope_cache {form} {dtype} {t}x{hq}x{d} rot {rot}")
+                n += 1
+    return n
+
+
+def form_fn(form: str):
+    """q, k [B, H, S, D] views, cos/sin [B, S, D/2]: chunk / de-interleaved (DeepSeek-V3) / GPT-J forms."""
+    def one(t, c, s):
+        if form == "chunk":
+            t1, t2 = torch.chunk(t, 2, dim=-1)
+        else:
+            t1, t2 = t[..., 0::2], t[..., 1::2]
+        pair = (t1 * c - t2 * s, t2 * c + t1 * s)
+        return torch.stack(pair, -1).flatten(-2) if form == "interleave" else torch.cat(pair, -1)
+
+    def fn(q, k, cos, sin):
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return one(q, c, s), one(k, c, s)
+
+    return fn
+
+
+def time_forms(copy_gbs: float) -> list[dict[str, Any]]:
+    """The other tensor forms at 16384 tokens (q32+k8 x 128; DeepSeek-V3-like q128+k1 x 64), default options."""
+    rows = []
+    for form, (t, hq, hk, d) in (("chunk", (16384, 32, 8, 128)), ("interleave", (16384, 32, 8, 128)),
+                                 ("deinterleave", (16384, 32, 8, 128)), ("deinterleave", (16384, 128, 1, 64))):
+        q, k, cos, sin = inputs(t, hq, hk, d, seed=t)
+        cos, sin = cos[..., : d // 2].contiguous(), sin[..., : d // 2].contiguous()
+        fn = form_fn(form)
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + 2 * cos.numel() * 2
+        row: dict[str, Any] = {"form": form, "tokens": t, "hq": hq, "hk": hk, "d": d}
+        with torch.no_grad():
+            torch._dynamo.reset()
+            impls = {"eager": fn, "inductor": torch.compile(fn, dynamic=False)}
+            torch._dynamo.reset()
+            f = torch.compile(fn, backend="ep_fuse", dynamic=False)
+            out, ref = f(q, k, cos, sin), fn(q, k, cos, sin)
+            row["bitwise_vs_eager"] = all(torch.equal(a, b) for a, b in zip(out, ref))
+            row["providers"] = [m.provider for m in ep_fuse.last_report().matches]
+            impls["ep_fuse"] = f
+            for label, g in impls.items():
+                g(q, k, cos, sin)
+                row[label] = bench_graph_us(lambda: g(q, k, cos, sin))
+        row["ep_fuse_pct_copy"] = 100 * nbytes / (row["ep_fuse"] * 1e-6) / 1e9 / copy_gbs
+        log(f"rope {form} T{t} q{hq} k{hk} D{d}: eager {row['eager']:.1f} inductor {row['inductor']:.1f} "
+            f"ep_fuse {row['ep_fuse']:.1f} us ({row['ep_fuse_pct_copy']:.1f}% copy, {row['providers']}) "
+            f"bitwise {row['bitwise_vs_eager']}")
+        rows.append(row)
+    return rows
+
+
+def time_cache(copy_gbs: float) -> list[dict[str, Any]]:
+    """vLLM-style native RoPE with a cos/sin cache (q [T, 32*128], k [T, 8*128]): eager / Inductor / ep_fuse."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from rope_cache_modules import CacheRope
+
+    rows = []
+    for t, neox in ((64, True), (16384, True), (16384, False)):
+        mod = CacheRope(head=128, max_pos=32768, neox=neox).cuda()
+        g = torch.Generator(device="cuda").manual_seed(t)
+        pos = torch.randint(0, 32768, (t,), device="cuda", generator=g)
+        q = torch.randn(t, 32 * 128, device="cuda", dtype=BF16, generator=g)
+        k = torch.randn(t, 8 * 128, device="cuda", dtype=BF16, generator=g)
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + t * 128 * 2
+        row: dict[str, Any] = {"tokens": t, "neox": neox, "bytes": nbytes}
+        with torch.no_grad():
+            torch._dynamo.reset()
+            impls = {"eager": mod, "inductor": torch.compile(mod, dynamic=False)}
+            torch._dynamo.reset()
+            f = torch.compile(mod, backend="ep_fuse", dynamic=False, options={"perf_guard": False})
+            out, ref = f(pos, q, k), mod(pos, q, k)
+            row["bitwise_vs_eager"] = all(torch.equal(a, b) for a, b in zip(out, ref))
+            row["ops"] = {k_: v for k_, v in ep_fuse.last_report().ops_after.items() if "ep_fuse" in k_}
+            impls["ep_fuse"] = f
+            for label, fn in impls.items():
+                fn(pos, q, k)
+                row[label] = bench_graph_us(lambda: fn(pos, q, k))
+        row["ep_fuse_pct_copy"] = 100 * nbytes / (row["ep_fuse"] * 1e-6) / 1e9 / copy_gbs
+        log(f"rope cache T{t} neox={neox}: eager {row['eager']:.1f} inductor {row['inductor']:.1f} "
+            f"ep_fuse {row['ep_fuse']:.1f} us ({row['ep_fuse_pct_copy']:.1f}% copy) bitwise {row['bitwise_vs_eager']} "
+            f"{row['ops']}")
+        rows.append(row)
+    return rows
+
+
+def sweep(copy_gbs: float) -> list[dict[str, Any]]:
+    """Direct ``rope_qk`` launches: rounding mode (2 cvt.rn, 3 packed fma.rn) x rows per program x warps."""
+    from ep_fuse.providers.triton import rope as rope_host
+
+    out = []
+    for t, hq, hk, d in GRID:
+        q, k, cos, sin = inputs(t, hq, hk, d, seed=t)
+        c4, s4 = cos.unsqueeze(1), sin.unsqueeze(1)
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + 2 * cos.numel() * 2
+        ref = rope_qk_ref(q, k, c4, s4, "half", d, None)
+        best = None
+        for rounding in (2, 3):
+            for rows in (8, 16, 32, 64):
+                for warps in (1, 2, 4):
+                    if rows * d // 2 < 32 * warps:
+                        continue
+                    rope_host.TUNING.update(rounding=rounding, rows=rows, num_warps=warps)
+                    fn = lambda: torch.ops.ep_fuse_triton.rope_qk(q, k, c4, s4, "half", d, None)  # noqa: E731
+                    o = fn()
+                    exact = all(torch.equal(a, b) for a, b in zip(o, ref))
+                    us = bench_graph_us(fn)
+                    rec = {"tokens": t, "hq": hq, "hk": hk, "d": d, "rounding": rounding, "rows": rows,
+                           "warps": warps, "us": us, "pct_copy": 100 * nbytes / (us * 1e-6) / 1e9 / copy_gbs,
+                           "bitwise": exact}
+                    out.append(rec)
+                    if exact and (best is None or us < best["us"]):
+                        best = rec
+        rope_host.TUNING.clear()
+        log(f"sweep T{t} q{hq} k{hk} D{d}: best {best}")
+        for rounding in (2, 3):
+            log("  mode", rounding, sorted((r["us"], r["rows"], r["warps"]) for r in out
+                                          if r["rounding"] == rounding and r["tokens"] == t and r["d"] == d)[:4])
+    return out
 
 
 def liger_fn():
@@ -177,20 +324,27 @@ def main() -> None:
     log(res["env"], f"copy {res['copy_gbs']:.0f} GB/s")
     res["diagnostics"] = {**rounding_diagnostics(), **norm_bitwise()}
     log("diagnostics:", res["diagnostics"])
-    res["checks"] = {"kernels": check_kernels()}
+    res["checks"] = {"kernels": check_kernels(), "kernels_cvt_rn": check_kernels(2), "cache": check_cache_kernels()}
     log(f"rope kernel checks ok: {res['checks']['kernels']} ({time.time() - t0:.0f}s)")
     try:
         if "--quick" in sys.argv:
             raise RuntimeError("skipped (--quick)")
         from ep_fuse import tiny_models
 
-        res["checks"]["hf"] = check_hf_models([(m, False) for m in tiny_models.TINY_MODELS], {"perf_guard": False})
+        res["checks"]["hf"] = check_hf_models([(m, False) for m in tiny_models.TINY_MODELS], {})
         log("hf checks ok:", *res["checks"]["hf"], sep="\n  ")
     except Exception:
         res["checks"]["hf_error"] = traceback.format_exc()
         log(res["checks"]["hf_error"])
     write_json("rope.json", res)
+    if "--sweep" in sys.argv:
+        res["sweep"] = sweep(res["copy_gbs"])
+        write_json("rope.json", res)
     res["grid"] = time_grid(res["copy_gbs"])
+    write_json("rope.json", res)
+    res["cache"] = time_cache(res["copy_gbs"])
+    write_json("rope.json", res)
+    res["forms"] = time_forms(res["copy_gbs"])
     write_json("rope.json", res)
     head = ["T", "q heads", "k heads", "D", "eager µs", "Inductor µs", "ep_fuse µs", "ep_fuse GB/s", "% copy",
             "vs Inductor", "Liger µs", "vs Liger"]

@@ -8,18 +8,24 @@
 * ``chunk`` (GPT-OSS): ``x1, x2 = split(x, D/2, -1)``; ``cat([x1·c − x2·s, x2·c + x1·s], -1)``
 * ``deinterleave`` (DeepSeek-V3 MLA, ``rope_interleave=True``): the same on ``x[..., 0::2]``,
   ``x[..., 1::2]`` (output de-interleaved)
+* ``interleave`` (GPT-J, vLLM ``is_neox=False``): the same pairs, ``stack(..., -1).flatten(-2)`` (interleaved)
+* ``partial_chunk`` / ``partial_interleave``: those forms on ``x[..., :R]``, concatenated with ``x[..., R:]``
 * ``complex`` (DeepSeek-V2, Llama4): ``_to_copy(view(view_as_real(mul(view_as_complex(view(_to_copy(x, f32),
   [..., D/2, 2])), freqs_cis)), x.shape), D)``
 
 Each instance becomes ``ep_fuse::rope``; q and k instances that share cos/sin are then paired into
-one ``ep_fuse::rope_qk`` (:data:`PAIRS`).
+one ``ep_fuse::rope_qk`` (:data:`PAIRS`). A chunk/interleave instance whose cos and sin are the two
+halves of one ``cache[positions]`` row gather (vLLM's cos/sin-cache form, :func:`cache_gather`)
+becomes ``ep_fuse::rope_cache`` instead, absorbing the gather; pairs become ``rope_qk_cache``.
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
+from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
@@ -45,11 +51,13 @@ from ep_fuse.matching.checks import (
     tensor_of,
 )
 from ep_fuse.ops import canonical
+from ep_fuse.ops.reference import CACHE_FORMS
 
 aten = torch.ops.aten
 F32 = torch.float32
 
-DESCRIPTION = "rotary embedding (rotate-half, partial, chunk, de-interleaved, complex) -> ep_fuse::rope / rope_qk"
+DESCRIPTION = ("rotary embedding (rotate-half, partial, chunk, de-interleaved, GPT-J, complex; cos/sin cache) "
+               "-> ep_fuse::rope / rope_qk / rope_cache / rope_qk_cache")
 
 
 # --------------------------------------------------------------------------- value checks
@@ -78,12 +86,37 @@ def _half(xr: Any) -> Any:
               commutative=("self", "other"))
 
 
-def _pairwise(x1: Any, x2: Any) -> Any:
-    """cat([x1·c − x2·s, x2·c + x1·s], -1): chunk and de-interleaved forms."""
+def _products(x1: Any, x2: Any) -> tuple[Any, Any]:
+    """``x1·c − x2·s`` and ``x2·c + x1·s``: the two rotated halves of the chunk/(de)interleave forms."""
     c, s = Var("cos", _float_tensor), Var("sin", _float_tensor)
     first = op(aten.sub.Tensor, self=_mul(x1, c), other=_mul(x2, s))
     second = op(aten.add.Tensor, self=_mul(x2, c), other=_mul(x1, s), commutative=("self", "other"))
-    return op(aten.cat.default, tensors=[first, second], dim=Lit(is_int, bind="cat_dim"))
+    return first, second
+
+
+def _pairwise(x1: Any, x2: Any) -> Any:
+    """cat([x1·c − x2·s, x2·c + x1·s], -1): chunk and de-interleaved forms."""
+    return op(aten.cat.default, tensors=list(_products(x1, x2)), dim=Lit(is_int, bind="cat_dim"))
+
+
+def _interleaved(x1: Any, x2: Any) -> Any:
+    """stack([x1·c − x2·s, x2·c + x1·s], -1).flatten(-2): GPT-J pairs, interleaved output."""
+    stacked = op(aten.stack.default, tensors=list(_products(x1, x2)), dim=Lit(is_int, bind="stack_dim"))
+    return op(VIEWS, self=stacked, size=Lit(is_shape), bind="flat")
+
+
+def _inner(x: Any) -> dict[str, Any]:
+    """The rotation forms on ``x`` (the whole head or its rotated slice)."""
+    split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
+               bind="split")
+    even = _slice(x, Lit(equals(0)), Lit(is_end), 2, bind="xe")
+    odd = _slice(x, Lit(equals(1)), Lit(is_end), 2, bind="xo")
+    return {"half": _half(x), "chunk": _pairwise(Item(split, 0), Item(split, 1)),
+            "deinterleave": _pairwise(even, odd), "interleave": _interleaved(even, odd)}
+
+
+PARTIAL_FORMS = {"partial": "half", "partial_chunk": "chunk", "partial_interleave": "interleave"}
+"""Partial-rotary variants (``cat([form(x[..., :R]), x[..., R:]], -1)``) and the form each rotates with."""
 
 
 def _trees() -> dict[str, Any]:
@@ -92,20 +125,14 @@ def _trees() -> dict[str, Any]:
             end=Lit(is_int, bind="rot"), bind="xr")
     passthrough = op(aten.slice.Tensor, self=x, dim=Lit(is_int, bind="dim_pass"), start=Lit(is_int, bind="rot"),
                      end=Lit(is_end))
-    split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
-               bind="split")
     xc = op(aten.view_as_complex.default,
             self=op(VIEWS, self=Opt(Cast(x, F32, bind="upcast")), size=Lit(is_shape), bind="pairs"))
     rotated = op(aten.mul.Tensor, self=xc, other=Var("cos", _complex_tensor), commutative=("self", "other"))
     complex_out = op(VIEWS, self=op(aten.view_as_real.default, self=rotated), size=Lit(is_shape), bind="unpairs")
-    return {
-        "partial": op(aten.cat.default, tensors=[_half(xr), passthrough], dim=Lit(is_int, bind="cat_outer")),
-        "half": _half(x),
-        "chunk": _pairwise(Item(split, 0), Item(split, 1)),
-        "deinterleave": _pairwise(_slice(x, Lit(equals(0)), Lit(is_end), 2, bind="xe"),
-                                  _slice(x, Lit(equals(1)), Lit(is_end), 2, bind="xo")),
-        "complex": Opt(Cast(complex_out, "out_dtype")),
-    }
+    on_slice = _inner(xr)
+    trees = {variant: op(aten.cat.default, tensors=[on_slice[form], passthrough], dim=Lit(is_int, bind="cat_outer"))
+             for variant, form in PARTIAL_FORMS.items()}
+    return {**trees, **_inner(x), "complex": Opt(Cast(complex_out, "out_dtype"))}
 
 
 # --------------------------------------------------------------------------- guards
@@ -116,7 +143,8 @@ def _last(m: Match, dim: int) -> bool:
 
 def rotates_last_dim(m: Match) -> str | None:
     """Every slice/split/cat of the pattern works on the head dim (the last one)."""
-    for key in ("dim_x1", "dim_x2", "cat_dim", "dim_rot", "dim_pass", "cat_outer", "dim_split", "dim_xe", "dim_xo"):
+    for key in ("dim_x1", "dim_x2", "cat_dim", "dim_rot", "dim_pass", "cat_outer", "dim_split", "dim_xe", "dim_xo",
+                "stack_dim"):
         if key in m.bindings and not _last(m, m[key]):
             return f"{key.removeprefix('dim_')} works on dim {m[key]}, not the head dim"
     return None
@@ -136,6 +164,18 @@ def halves_the_rotated_dim(m: Match) -> str | None:
         return f"halves of {m['half']} do not split {rot} channels in two"
     if m.pattern.variant == "partial" and rot >= int(tensor_val(m["x"]).shape[-1]):
         return "partial rotary with nothing passed through"
+    return None
+
+
+def interleaves_back(m: Match) -> str | None:
+    """The GPT-J form flattens its [..., R/2, 2] stack back to the rotated channels' shape."""
+    if "flat" not in m.bindings:
+        return None
+    if m.bindings["stack_dim"] not in (-1, tensor_val(m["xe"]).dim()):
+        return f"stack on dim {m['stack_dim']}, not a new last dim"
+    rotated = m["xr"] if "xr" in m.bindings else m["x"]
+    if list(tensor_val(m["flat"]).shape) != list(tensor_val(rotated).shape):
+        return f"flattened to {list(tensor_val(m['flat']).shape)}, not the rotated shape {list(tensor_val(rotated).shape)}"
     return None
 
 
@@ -170,13 +210,81 @@ def complex_views_pair_channels(m: Match) -> str | None:
     return None
 
 
-GUARDS = (rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels)
+GUARDS = (rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels, interleaves_back)
+
+
+# --------------------------------------------------------------------------- cos/sin-cache form
+_GATHERS = (aten.index_select.default, aten.index.Tensor)
+
+
+def _strip_to_dtype(n: Any, dtype: torch.dtype) -> Any:
+    """``n`` without a trailing cast to ``dtype`` (vLLM's ``.to(x.dtype)``; absent when already that dtype)."""
+    if isinstance(n, fx.Node) and n.target in (aten._to_copy.default, torch.ops.prims.convert_element_type.default):
+        if tensor_val(n).dtype == dtype and set(n.kwargs) <= {"dtype"}:
+            return n.args[0]
+    return n
+
+
+def _gathered_half(n: Any, x_dtype: torch.dtype) -> tuple[fx.Node, int] | None:
+    """``(split node, index)`` when ``n`` is ``[cast] unsqueeze(-2) [cast] getitem(split(gather), index)``."""
+    n = _strip_to_dtype(n, x_dtype)
+    if not (isinstance(n, fx.Node) and n.target == aten.unsqueeze.default):
+        return None
+    inner = _strip_to_dtype(n.args[0], x_dtype)
+    if inner is not n.args[0] and tensor_val(n.args[0]).dtype != x_dtype:
+        return None
+    if not (isinstance(inner, fx.Node) and inner.target is operator.getitem):
+        return None
+    split, index = inner.args
+    if not (isinstance(split, fx.Node) and split.target == aten.split.Tensor):
+        return None
+    if n.args[1] not in (-2, tensor_val(n).dim() - 2):
+        return None
+    return split, int(index)
+
+
+def cache_gather(m: Match, rot: int) -> tuple[fx.Node, fx.Node] | None:
+    """``(cos_sin_cache, positions)`` when cos and sin are the two halves of one cache-row gather
+    (``cache[positions].chunk(2, -1)``, unsqueezed before the channels), else ``None`` (tensor form).
+
+    Checked: one split of one gather into two ``rot/2`` halves on the last dim, cos = half 0 and sin =
+    half 1, a 2-D ``[max_pos, rot]`` cache gathered on dim 0 by integer positions, and cos/sin in the
+    heads' dtype (a cast of the gathered halves to it is absorbed)."""
+    x_dtype = tensor_val(m["x"]).dtype
+    cos, sin = (_gathered_half(m.get(name), x_dtype) if m.get(name) is not None else None for name in ("cos", "sin"))
+    if cos is None or sin is None or cos[0] is not sin[0] or (cos[1], sin[1]) != (0, 1):
+        return None
+    split = cos[0]
+    gather, size = split.args[0], split.args[1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if not isinstance(gather, fx.Node) or gather.target not in _GATHERS or size * 2 != rot:
+        return None
+    if dim not in (-1, tensor_val(gather).dim() - 1) or len(list(split.users)) > 2:
+        return None
+    if gather.target == aten.index_select.default:
+        cache, gdim, positions = gather.args
+        if gdim != 0:
+            return None
+    else:
+        cache, indices = gather.args
+        if len(indices) != 1 or indices[0] is None:
+            return None
+        positions = indices[0]
+    c, p = tensor_val(cache), tensor_val(positions)
+    if c.dim() != 2 or not statically_known_true(c.shape[-1] == rot) or p.dtype not in (torch.int32, torch.int64):
+        return None
+    if list(tensor_val(m["cos"]).shape) != [*p.shape, 1, rot // 2]:
+        return None
+    return cache, positions
 
 
 def _build(form: str):
     def build(m: Match) -> Replacement:
-        return Replacement(canonical.rope.op,
-                           (m["x"], m["cos"], m.get("sin"), form, _rot_dim(m), m.get("out_dtype")))
+        rot = _rot_dim(m)
+        cache = cache_gather(m, rot) if form in CACHE_FORMS else None
+        if cache is not None:
+            return Replacement(canonical.rope_cache.op, (m["x"], *cache, form, rot))
+        return Replacement(canonical.rope.op, (m["x"], m["cos"], m.get("sin"), form, rot, m.get("out_dtype")))
 
     return build
 
@@ -184,15 +292,17 @@ def _build(form: str):
 def _patterns() -> list[Pattern]:
     out = []
     for variant, tree in _trees().items():
-        form = "half" if variant == "partial" else variant
+        form = PARTIAL_FORMS.get(variant, variant)
         out.append(Pattern(name="rope", variant=variant, tree=tree, build=_build(form), guards=GUARDS,
                            anchors=(aten.neg.default, aten.view_as_complex.default),
-                           description=f"rotary embedding, {variant} form", produces="ep_fuse::rope"))
+                           description=f"rotary embedding, {variant} form",
+                           produces="ep_fuse::rope" + (" / rope_cache" if form in CACHE_FORMS else "")))
     return out
 
 
 PATTERNS = _patterns()
 
 
-PAIRS = [PairRule("rope_qk", canonical.rope.op, canonical.rope_qk.op)]
-"""q and k rotated with the same cos/sin, form and width run as one ``rope_qk`` (one launch)."""
+PAIRS = [PairRule("rope_qk", canonical.rope.op, canonical.rope_qk.op),
+         PairRule("rope_qk_cache", canonical.rope_cache.op, canonical.rope_qk_cache.op)]
+"""q and k rotated with the same cos/sin (or cache and positions), form and width run as one call (one launch)."""

@@ -1,6 +1,6 @@
 """A test double of ``torch_npu``: the documented semantics of the ops ep_fuse calls, on the CPU.
 
-Written from the op-plugin documentation summarised in ``op-contracts.md`` §1, §2, §9 -- not from
+Written from the op-plugin documentation summarised in ``op-contracts.md`` §1-§3, §9 -- not from
 running Ascend hardware. It checks the documented input constraints so a provider that passes an
 argument the real op rejects fails here too.
 """
@@ -83,6 +83,7 @@ def make_module() -> types.ModuleType:
     mod.npu_add_rms_norm = npu_add_rms_norm
     mod.npu_rotary_mul = npu_rotary_mul
     mod.npu_swiglu = npu_swiglu
+    mod.npu_mrope = npu_mrope
     mod.npu_moe_init_routing_v2 = npu_moe_init_routing_v2
     mod.npu_grouped_matmul = npu_grouped_matmul
     mod.npu_moe_finalize_routing = npu_moe_finalize_routing
@@ -109,6 +110,51 @@ def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_m
     else:
         raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r}")
     return (xf * r1.float() + rot * r2.float()).to(x.dtype)
+
+
+def npu_mrope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin_cache: torch.Tensor,
+              head_size: int, *, mrope_section=None, rotary_mode: str = "half", cache_mode: str = "default"):
+    """(q', k') [T, heads*head_size]: rows cos||sin of ``cos_sin_cache[max_pos, rot]`` picked by 1-D positions;
+    per head, the first ``rot`` channels become x*r1 + rotate(x)*r2 (c, s repeated to ``rot`` wide: halves for
+    "half", pairs for "interleave"), the rest pass through; fp32, rounded once. M-RoPE is not modelled."""
+    if mrope_section is not None and list(mrope_section) != [0, 0, 0]:
+        raise NotImplementedError("test double: M-RoPE sections not modelled")
+    if cache_mode != "default":
+        raise NotImplementedError(f"test double: cache_mode {cache_mode!r} not modelled")
+    if rotary_mode not in ("half", "interleave"):
+        raise RuntimeError(f"npu_mrope: rotary_mode {rotary_mode!r}")
+    if positions.dim() != 1 or positions.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError("npu_mrope: 1-D rope (mrope_section None/[0,0,0]) takes 1-D integer positions")
+    if query.dim() != 2 or key.dim() != 2 or query.shape[0] != positions.shape[0] or key.shape[0] != query.shape[0]:
+        raise RuntimeError("npu_mrope: query/key must be [T, heads*head_size] with T = len(positions)")
+    if query.shape[1] > 4096:
+        raise RuntimeError("npu_mrope: query.shape[1] must be <= 4096")
+    if cos_sin_cache.dtype != query.dtype or key.dtype != query.dtype:
+        raise RuntimeError("npu_mrope: cos_sin_cache, query and key must share a dtype")
+    rot = cos_sin_cache.shape[-1]
+    if cos_sin_cache.dim() != 2 or rot % 2 or rot > head_size:
+        raise RuntimeError("npu_mrope: cos_sin_cache must be [max_pos, rotary_dim], rotary_dim even <= head_size")
+    if query.shape[1] % head_size or key.shape[1] % head_size:
+        raise RuntimeError("npu_mrope: query/key widths must be multiples of head_size")
+    row = cos_sin_cache.float()[positions.long()]  # [T, rot]
+    c, s = row[:, : rot // 2], row[:, rot // 2:]
+    if rotary_mode == "half":
+        r1, r2 = torch.cat((c, c), -1), torch.cat((s, s), -1)
+    else:
+        r1, r2 = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
+    r1, r2 = r1[:, None], r2[:, None]  # broadcast over heads
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().reshape(x.shape[0], -1, head_size)
+        xr = xf[..., :rot]
+        if rotary_mode == "half":
+            rotated = torch.cat((-xr[..., rot // 2:], xr[..., : rot // 2]), -1)
+        else:
+            rotated = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+        out = torch.cat((xr * r1 + rotated * r2, xf[..., rot:]), -1)
+        return out.reshape(x.shape).to(x.dtype)
+
+    return apply(query), apply(key)
 
 
 def npu_swiglu(x: torch.Tensor, dim: int = -1):

@@ -6,6 +6,7 @@ import torch
 from _norm_cases import ulp_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rope_cache_modules import CacheRope, cache_inputs
 from torch import nn
 
 import ep_fuse
@@ -56,6 +57,9 @@ class Attn(nn.Module):
         if self.form == "deinterleave":
             te, to = t[..., 0::2], t[..., 1::2]
             return torch.cat((te * cos - to * sin, to * cos + te * sin), dim=-1)
+        if self.form == "interleave":  # GPT-J
+            te, to = t[..., 0::2], t[..., 1::2]
+            return torch.stack((te * cos - to * sin, to * cos + te * sin), dim=-1).flatten(-2)
         if self.form == "complex":
             return self._complex(t, cos)
         raise ValueError(self.form)
@@ -75,7 +79,8 @@ def _trig(form, s=7, d=16, rot=None, dtype=BF16):
 
 
 FORMS = [("half", "half", None), ("partial", "partial", 8), ("chunk", "chunk", None),
-         ("deinterleave", "deinterleave", None), ("complex", "complex", None), ("complex_bshd", "complex", None)]
+         ("deinterleave", "deinterleave", None), ("interleave", "interleave", None), ("complex", "complex", None),
+         ("complex_bshd", "complex", None)]
 
 
 def _setup(form, rot):
@@ -217,7 +222,7 @@ def _args(form, b, h, s, d, rot, dtype, layout, cos_batch, seed):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    form=st.sampled_from(["half", "chunk", "deinterleave", "complex"]),
+    form=st.sampled_from(["half", "chunk", "deinterleave", "interleave", "complex"]),
     b=st.integers(1, 3), h=st.integers(1, 5), s=st.integers(1, 9),
     d=st.sampled_from([8, 16, 32, 64, 128]),
     partial=st.booleans(),
@@ -263,8 +268,122 @@ def test_reference_rejects_bad_arguments():
         rope_ref(x, x, x, "gptj", 16, None)
 
 
+# --------------------------------------------------------------------------- cos/sin cache + positions (vLLM form)
+CACHE_CASES = [(True, 16, "index_select", "chunk"), (True, 8, "index", "partial_chunk"),
+               (False, 16, "index", "interleave"), (False, 8, "index_select", "partial_interleave")]
+
+
+@pytest.mark.parametrize("neox, rot, gather, variant", CACHE_CASES, ids=[c[3] + "-" + c[2] for c in CACHE_CASES])
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_cache_form_absorbs_the_gather_and_pairs(neox, rot, gather, variant, provider):
+    mod = CacheRope(neox=neox, rot=rot, gather=gather)
+    args = cache_inputs()
+    with torch.no_grad():
+        ref = mod(*args)
+    providers = {"providers": {"cpu": ["reference"]}} if provider == "reference" else {}
+    out = compile_and_run(mod, *args, executor="eager", **providers)
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant, m.provider) for m in rep.matches] == [("rope", variant, provider)] * 2, rep
+    op_name = "ep_fuse.rope_qk_cache.default" if provider == "reference" else "ep_fuse_triton.rope_qk_cache.default"
+    assert rep.ops_after.get(op_name) == 1, "q and k with one cache gather run as one call"
+    for gone in ("aten.index_select.default", "aten.index.Tensor", "aten.split.Tensor", "aten.mul.Tensor"):
+        assert rep.ops_after.get(gone, 0) == 0, (gone, rep.ops_after)
+    for o, e in zip(out, ref):
+        assert torch.equal(o, e)
+
+
+def test_cache_form_under_dynamic_token_count():
+    mod = CacheRope(neox=True, rot=8)
+    f = torch.compile(mod, backend="ep_fuse", dynamic=True, options={"executor": "eager"})
+    with torch.no_grad():
+        for t in (5, 11):
+            args = cache_inputs(t=t, seed=t)
+            assert all(torch.equal(o, e) for o, e in zip(f(*args), mod(*args)))
+    assert ep_fuse.last_report().ops_after.get("ep_fuse_triton.rope_qk_cache.default") == 1
+
+
+class TwoCaches(CacheRope):
+    """cos from one cache, sin from another: not one cache gather (stays the tensor form)."""
+
+    def forward(self, positions, q, k):
+        cos = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)[0]
+        sin = (self.cos_sin_cache * 1).index_select(0, positions).chunk(2, dim=-1)[1]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class SwappedHalves(CacheRope):
+    """sin taken from the first half of the cache row: not vLLM's layout."""
+
+    def forward(self, positions, q, k):
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        return self._rotate(q, sin, cos), self._rotate(k, sin, cos)
+
+
+@pytest.mark.parametrize("mod", [TwoCaches(), SwappedHalves()], ids=lambda m: type(m).__name__)
+def test_cache_look_alikes_keep_the_tensor_form(mod):
+    args = cache_inputs()
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert rep.count("rope") == 2
+    assert not [k for k in rep.ops_after if "cache" in k], rep.ops_after
+    assert rep.ops_after.get("ep_fuse.rope.default", 0) + 2 * rep.ops_after.get("ep_fuse.rope_qk.default", 0) == 2
+    assert all(torch.equal(o, e) for o, e in zip(out, ref))
+
+
+@settings(max_examples=30, deadline=None)
+@given(form=st.sampled_from(["chunk", "interleave"]), t=st.integers(1, 12), hq=st.integers(1, 4),
+       hk=st.integers(1, 2), d=st.sampled_from([8, 16, 64]), partial=st.booleans(),
+       dtype=st.sampled_from([BF16, torch.float16, torch.float32]),
+       pos_dtype=st.sampled_from([torch.int32, torch.int64]), batched=st.booleans(), seed=st.integers(0, 2**16))
+def test_triton_rope_cache_matches_reference(form, t, hq, hk, d, partial, dtype, pos_dtype, batched, seed):
+    g = torch.Generator().manual_seed(seed)
+    rot = d // 2 if partial else d
+    lead = (2, t) if batched else (t,)
+    q = torch.randn(*lead, hq, d, generator=g).to(dtype)
+    k = torch.randn(*lead, d, hk, generator=g).to(dtype).transpose(-1, -2)  # strided heads
+    cache = torch.randn(17, rot, generator=g).to(dtype)
+    positions = torch.randint(0, 17, lead, generator=g).to(pos_dtype)  # repeats, any order
+    out = torch.ops.ep_fuse_triton.rope_qk_cache(q, k, cache, positions, form, rot)
+    ref = torch.ops.ep_fuse.rope_qk_cache(q, k, cache, positions, form, rot)
+    for o, e in zip(out, ref):
+        assert o.shape == e.shape and o.dtype == e.dtype
+        assert torch.equal(o, e)
+
+
+def test_triton_rope_cache_declines_a_cast_per_call():
+    from ep_fuse.providers.triton.rope import check_rope_cache_call
+
+    q, cache, pos = torch.randn(3, 2, 8).to(BF16), torch.randn(9, 8), torch.tensor([0, 4, 8])
+    assert "differs from the heads'" in check_rope_cache_call((q, q, cache, pos, "chunk", 8))
+    assert "do not broadcast" in check_rope_cache_call((q, q, cache.to(BF16), torch.zeros(2, 3, dtype=torch.long),
+                                                        "chunk", 8))
+    assert check_rope_cache_call((q, q, cache.to(BF16), pos, "chunk", 8)) is None
+
+
+def test_perf_rule_uses_the_kernel_only_where_measured_faster():
+    from ep_fuse.providers.triton.perf import rope_prefers
+
+    x, c = torch.randn(2, 3, 4, 16).to(BF16), torch.randn(1, 1, 4, 16).to(BF16)
+    assert rope_prefers((x, x, c, c, "half", 16, None), "inductor") is None
+    assert rope_prefers((x, torch.randn(9, 16).to(BF16), torch.zeros(2, 3, dtype=torch.long), "interleave", 16),
+                        "inductor") is None
+    assert "float32 heads" in rope_prefers((x.float(), c.float(), c.float(), "half", 16, None), "inductor")
+    assert "complex form" in rope_prefers((x, x, c, None, "complex", 16, BF16), "inductor")
+    assert rope_prefers((x.float(), c.float(), c.float(), "half", 16, None), "eager") is None
+
+
+def test_cache_opcheck():
+    q, k, cache, pos = torch.randn(3, 2, 8).to(BF16), torch.randn(3, 1, 8).to(BF16), torch.randn(9, 8).to(BF16), \
+        torch.tensor([0, 4, 8])
+    for ns in (torch.ops.ep_fuse, torch.ops.ep_fuse_triton):
+        torch.library.opcheck(ns.rope_qk_cache.default, (q, k, cache, pos, "interleave", 8))
+        torch.library.opcheck(ns.rope_cache.default, (q, cache, pos, "chunk", 8))
+
+
 # --------------------------------------------------------------------------- Ascend provider (test double)
-@pytest.mark.parametrize("form", ["half", "chunk", "complex"])
+@pytest.mark.parametrize("form", ["half", "chunk", "interleave", "complex"])
 def test_npu_rope_matches_reference(torch_npu_double, form):
     x, cos, sin = _args(form, 2, 3, 5, 16, 16, BF16, "bhsd_view", 1, 1)
     out_dtype = BF16 if form == "complex" else None

@@ -115,15 +115,28 @@ def test_look_alikes_are_not_swiglu(mod, args):
 
 
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
-def test_declines_until_measured_faster(executor):
+@pytest.mark.parametrize("rows, provider", [(1, "triton"), (32, "triton"), (33, "reference")])
+def test_kernel_only_at_measured_decode_sizes(executor, rows, provider):
     mod = Mlp().to(BF16)
-    x = _x()
+    x = _x((rows, 32))
     with torch.no_grad():
         ref = mod(x)
         out = torch.compile(mod, backend="ep_fuse", options={"executor": executor})(x)
     m = ep_fuse.last_report().matches[0]
-    assert m.provider == "reference" and "not measured faster" in m.declined[0][1]
+    assert m.provider == provider, m.declined
+    if provider == "reference":
+        assert "measured faster above 32 rows" in m.declined[0][1]
     ulp_close(out, ref, BF16)
+
+
+def test_symbolic_row_count_declines():
+    mod = Mlp().to(BF16)
+    with torch.no_grad():
+        f = torch.compile(mod, backend="ep_fuse", dynamic=True)
+        out = f(_x((5, 32)))
+    m = ep_fuse.last_report().matches[0]
+    assert m.provider == "reference" and "symbolic row count" in m.declined[0][1]
+    ulp_close(out, mod(_x((5, 32))), BF16)
 
 
 @settings(max_examples=25, deadline=None)
@@ -137,6 +150,19 @@ def test_triton_kernel_matches_reference(t, h, i, dtype, seed):
     out, ref = torch.ops.ep_fuse_triton.gemm_swiglu(x, wg, wu), gemm_swiglu_ref(x, wg, wu)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     ulp_close(out, ref, dtype)  # fp32 accumulation order differs from the CPU GEMM
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "plain"])
+@pytest.mark.parametrize("t", [1, 17, 40])
+def test_both_tile_orientations_match_reference(swap, t):
+    from ep_fuse.providers.triton.gemm_swiglu_kernel import GemmConfig, launch
+
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 96, generator=g).to(BF16)
+    wg, wu = ((torch.randn(40, 96, generator=g) / 10).to(BF16) for _ in range(2))
+    y = torch.empty(t, 40, dtype=BF16)
+    launch(x, wg, wu, y, config=GemmConfig(16, 16, 32, 4, 1, 1, swap_ab=swap))
+    ulp_close(y, gemm_swiglu_ref(x, wg, wu), BF16)
 
 
 def test_opcheck():

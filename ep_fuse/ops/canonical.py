@@ -6,6 +6,8 @@ from ep_fuse.ops.reference import (
     add_rms_norm_ref,
     gemm_swiglu_ref,
     rms_norm_ref,
+    rope_cache_ref,
+    rope_qk_cache_ref,
     rope_qk_ref,
     rope_ref,
 )
@@ -35,6 +37,17 @@ rope = define_canonical("rope", ROPE_SCHEMA, rope_ref)
 
 rope_qk = define_canonical("rope_qk", ROPE_QK_SCHEMA, rope_qk_ref)
 """``rope_qk(q, k, ...) -> (q', k')``: q and k rotated with one cos/sin."""
+
+rope_cache = define_canonical(
+    "rope_cache", "(Tensor x, Tensor cos_sin_cache, Tensor positions, str form, int rot_dim) -> Tensor", rope_cache_ref)
+"""``rope_cache(x [*T, H, D], cos_sin_cache [max_pos, rot_dim], positions [*T], form, rot_dim)``: RoPE with
+cos/sin gathered by position (vLLM's cache form): see :func:`ep_fuse.ops.reference.rope_cache_ref`."""
+
+rope_qk_cache = define_canonical(
+    "rope_qk_cache",
+    "(Tensor q, Tensor k, Tensor cos_sin_cache, Tensor positions, str form, int rot_dim) -> (Tensor, Tensor)",
+    rope_qk_cache_ref)
+"""``rope_qk_cache(q, k, ...) -> (q', k')``: q and k rotated with one cache gather."""
 
 GEMM_SWIGLU_SCHEMA = "(Tensor x, Tensor w_gate, Tensor w_up) -> Tensor"
 

@@ -73,12 +73,14 @@ def add_rms_norm_ref(
     return rms_norm_ref(s, weight, eps, eps_t, mode, upcast, out_dtype), s
 
 
-ROPE_FORMS = ("half", "chunk", "deinterleave", "complex")
+ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex")
 """How the first ``rot_dim`` channels of a head rotate (``op-contracts.md`` §3):
 
 * ``half`` (rotate-half / NeoX): ``x·cos + cat(-x2, x1)·sin``; cos/sin span ``rot_dim``;
 * ``chunk`` (GPT-OSS): ``cat(x1·c − x2·s, x2·c + x1·s)``; c/s span ``rot_dim / 2``;
 * ``deinterleave`` (DeepSeek-V3 ``rope_interleave``): the same on ``x[0::2], x[1::2]``, output de-interleaved;
+* ``interleave`` (GPT-J, vLLM ``is_neox=False``): the same pairs, output interleaved
+  (``stack((x1·c − x2·s, x2·c + x1·s), -1).flatten(-2)``);
 * ``complex`` (DeepSeek-V2, Llama4): pairs ``(x[2j], x[2j+1])`` times ``freqs_cis[j]`` in fp32, interleaved
   output; ``cos`` is the complex ``freqs_cis`` and ``sin`` is ``None``.
 
@@ -117,7 +119,8 @@ def rope_ref(
             x1, x2 = torch.split(xr, h, -1)
         else:
             x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+        pair = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        out = torch.stack(pair, -1).flatten(-2) if form == "interleave" else torch.cat(pair, -1)
     if rot_dim < d:
         out = torch.cat((out, x[..., rot_dim:]), -1)
     return out
@@ -134,6 +137,39 @@ def rope_qk_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rope_ref` of q and of k with the same cos/sin (one launch for both in fused providers)."""
     return rope_ref(q, cos, sin, form, rot_dim, out_dtype), rope_ref(k, cos, sin, form, rot_dim, out_dtype)
+
+
+CACHE_FORMS = ("chunk", "interleave")
+"""RoPE forms of the cos/sin-cache ops: vLLM's ``is_neox=True`` (halves) and ``is_neox=False`` (GPT-J pairs)."""
+
+
+def cache_cos_sin(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``positions`` from a ``[max_pos, rot_dim]`` cache (cos half, then sin half), in
+    ``x``'s dtype, with a size-1 head dim before the channels (``[*positions.shape, 1, rot_dim/2]``)."""
+    half = cos_sin_cache.shape[-1] // 2
+    rows = cos_sin_cache.index_select(0, positions.reshape(-1)).view(*positions.shape, 1, 2 * half)
+    return rows[..., :half].to(x.dtype), rows[..., half:].to(x.dtype)
+
+
+def rope_cache_ref(x: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor, form: str,
+                   rot_dim: int) -> torch.Tensor:
+    """:func:`rope_ref` of ``x [*T, H, D]`` with cos/sin gathered from ``cos_sin_cache`` by ``positions``
+    (``[*T]``, or anything that broadcasts to it), as vLLM's native ``RotaryEmbedding`` computes it."""
+    if form not in CACHE_FORMS:
+        raise ValueError(f"ep_fuse rope_cache: form {form!r} is not one of {CACHE_FORMS}")
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] != rot_dim:
+        raise ValueError(f"ep_fuse rope_cache: cos_sin_cache must be [max_pos, {rot_dim}], got "
+                         f"{list(cos_sin_cache.shape)}")
+    cos, sin = cache_cos_sin(x, cos_sin_cache, positions)
+    return rope_ref(x, cos, sin, form, rot_dim, None)
+
+
+def rope_qk_cache_ref(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor, positions: torch.Tensor,
+                      form: str, rot_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rope_cache_ref` of q and of k (one launch in fused providers, like vLLM's ``rotary_embedding``)."""
+    return (rope_cache_ref(q, cos_sin_cache, positions, form, rot_dim),
+            rope_cache_ref(k, cos_sin_cache, positions, form, rot_dim))
 
 
 def gemm_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ep_fuse.ops.reference import RMS_NORM_MODES
 
@@ -29,10 +30,10 @@ def row_stride(t: torch.Tensor) -> int | None:
     Contiguous tensors and row slices (``split`` of a wider projection) qualify; their reference
     outputs are contiguous, which is what the kernels write.
     """
-    try:
-        shape, strides = [int(s) for s in t.shape], [int(s) for s in t.stride()]
-    except Exception:  # symbolic strides: only plain contiguity can be decided
-        return int(t.shape[-1]) if contiguous(t) else None
+    if not all(is_concrete_int(v) for v in (*t.shape, *t.stride())):
+        # symbolic sizes: only plain contiguity is decided (int() would specialize the shape)
+        return int(t.shape[-1]) if is_concrete_int(t.shape[-1]) and contiguous(t) else None
+    shape, strides = [int(s) for s in t.shape], [int(s) for s in t.stride()]
     if len(shape) == 0:
         return None
     if shape[-1] > 1 and strides[-1] != 1:

@@ -17,6 +17,8 @@ def check_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
         return "weights are not two [I, H] matrices of one shape"
     if row_stride(x) is None:
         return "input rows are not unit-stride rows with one row stride"
+    if any(w.shape[-1] > 1 and w.stride(-1) != 1 for w in (wg, wu)):
+        return "weight rows are not unit-stride (the kernel walks K contiguously)"
     return None
 
 

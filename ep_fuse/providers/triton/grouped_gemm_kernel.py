@@ -21,7 +21,6 @@ product rounded again. Under the interpreter the dot operands are upcast (bf16 d
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_swiglu_kernel import swiglu_rounded
+from ep_fuse.providers.triton.gemm_tiles import (  # noqa: F401 - GemmConfig, _load, _operand_ptrs re-exported
+    GemmConfig,
+    _load,
+    _mma,
+    _operand_ptrs,
+    swiglu_rounded,
+)
 from ep_fuse.providers.triton.rms_norm_kernel import (
     DTYPE_CODES,
     INTERPRET,
@@ -80,41 +85,6 @@ def _work_item(M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexp
 
 
 @triton.jit
-def _operand_ptrs(X, W, rm, rn, rk, sxm, swn, SWAP_AB: tl.constexpr):
-    """x and w tile pointers, oriented for ``dot(x, w.T)`` (or ``dot(w, x.T)`` when ``SWAP_AB``)."""
-    if SWAP_AB:
-        xp = X + rm[None, :].to(tl.int64) * sxm + rk[:, None]
-        wp = W + rn[:, None].to(tl.int64) * swn + rk[None, :]
-    else:
-        xp = X + rm[:, None].to(tl.int64) * sxm + rk[None, :]
-        wp = W + rn[None, :].to(tl.int64) * swn + rk[:, None]
-    return xp, wp
-
-
-@triton.jit
-def _load(p, rk, k_left, SWAP_OR_W: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    """A K-slice of one operand; ``SWAP_OR_W`` says whether K runs along the tile's rows."""
-    if EVEN_K:
-        v = tl.load(p)
-    elif SWAP_OR_W:
-        v = tl.load(p, mask=(rk < k_left)[:, None], other=0.0)
-    else:
-        v = tl.load(p, mask=(rk < k_left)[None, :], other=0.0)
-    if UPCAST:
-        v = v.to(tl.float32)
-    return v
-
-
-@triton.jit
-def _mma(a, b, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
-    if SWAP_AB:
-        a, b = b, a
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
 def _grouped_gemm_kernel(
     X, W, SEG, Y, M, N, K, E,
     sxm, swe, swn, sym,
@@ -158,23 +128,6 @@ def _grouped_gemm_kernel(
         y = _round(acc, CODE, EMULATE_RTNE)
     mask = (rm < m_end)[:, None] & (rn < N)[None, :]
     tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """Tile shape and schedule of one grouped-GEMM launch."""
-
-    bm: int
-    bn: int
-    bk: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8
-    swap_ab: bool = False
-
-    def __str__(self) -> str:
-        return (f"BM{self.bm} BN{self.bn} BK{self.bk} w{self.num_warps} s{self.num_stages} g{self.group_m}"
-                + (" swap" if self.swap_ab else ""))
 
 
 def is_decode(m: int, e: int) -> bool:

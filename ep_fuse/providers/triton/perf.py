@@ -12,11 +12,11 @@ H200 runs (GPU time from CUDA-graph replays, 2026-11-29):
 * ``rms_norm`` (no residual): Inductor's kernel was as fast or faster at every size measured
   (16384x7168: 114.6 vs 167.8 us; 16384x4096: 78.5 vs 79.7 us; 262144x128: 37.1 vs 39.2 us), so
   the provider always declines it under Inductor. It is still used by the eager executor.
-* ``rope`` / ``rope_qk``: after retuning 0.81-0.89x Inductor at large sizes (16384 tokens x 32+8
-  heads x 128: 109.3 vs 89.1 us; the first kernel took 146.6), 1.11x only at 64 tokens, so declined
-  under Inductor; 5-11x faster than eager ATen ops.
-* ``gemm_swiglu``: slower than cuBLAS + Inductor's SwiGLU (0.71-0.97x) and than eager cuBLAS at
-  every measured 7B-class shape, so declined under both executors (``GEMM_SWIGLU_WINS`` is empty).
+* ``rope`` / ``rope_qk`` / ``rope_cache`` / ``rope_qk_cache``: with bf16/fp16 heads (exact rounding by packed
+  ``fma.rn``) 1.06-1.19x Inductor on the baseline grid and 1.31-2.35x in the cos/sin-cache form, so used;
+  fp32 heads and the complex form decline under Inductor.
+* ``gemm_swiglu``: faster than cuBLAS + Inductor's SwiGLU only at decode sizes (<= 32 rows: 1.02-1.26x
+  on four shapes), so declined above that under both executors (:data:`GEMM_SWIGLU_MAX_ROWS`).
 
 Every rule takes ``(args, executor)``; the eager executor's baseline is the unfused ATen ops.
 """
@@ -24,6 +24,9 @@ Every rule takes ``(args, executor)``; the eager executor's baseline is the unfu
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ep_fuse.providers.common import unpack_norm_args
 
@@ -33,10 +36,11 @@ WIDE_ROW = 7168
 
 
 def _static_rows(x: Any) -> int | None:
-    try:
-        return int(x.numel()) // max(int(x.shape[-1]), 1)
-    except Exception:  # a symbolic row count
+    """Row count of ``x`` over its last dim, or ``None`` when it is symbolic (no guard is added)."""
+    n, width = x.numel(), x.shape[-1]
+    if not (is_concrete_int(n) and is_concrete_int(width)):
         return None
+    return int(n) // max(int(width), 1)
 
 
 def add_rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
@@ -58,28 +62,36 @@ def rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
 
 
 def rope_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+    """bf16/fp16 heads (packed ``fma.rn`` rounding) measured faster than Inductor's kernel: 1.06-1.19x on the
+    baseline grid (16384 tokens x 32+8 heads x 128: 89.4 vs 101.9 us, 90% of copy), cache form 1.31-2.35x.
+    fp32 heads (fp32 math, 0.81-0.89x before the packed path) and the complex form (unmeasured) decline."""
     if executor != "inductor":
         return None
-    return "RoPE: Inductor's fused kernel measured faster (0.81-0.89x at large sizes)"
+    cache_form = len(args) in (5, 6) and isinstance(args[-1], int) and args[-2] in ("chunk", "interleave")
+    form = args[-2] if cache_form else args[-3]
+    if form == "complex":
+        return "RoPE complex form (fp32 math): not measured against Inductor"
+    if args[0].dtype not in (torch.bfloat16, torch.float16):
+        return f"RoPE on {args[0].dtype} heads: Inductor's kernel measured faster (0.81-0.89x)"
+    return None
 
 
-GEMM_SWIGLU_WINS: set[tuple[int, int, str]] = set()
-"""(hidden, intermediate, token bucket) where the fused GEMM + SwiGLU measured faster than cuBLAS +
-Inductor's SwiGLU. Empty until measured: the provider declines everywhere under Inductor."""
-
-
-def token_bucket(rows: int | None) -> str:
-    if rows is None:
-        return "dynamic"
-    return "decode" if rows <= 256 else "mid" if rows <= 2048 else "prefill"
+GEMM_SWIGLU_MAX_ROWS = 32
+"""The fused GEMM + SwiGLU (swapped decode tiles) measured faster than cuBLAS + Inductor's SwiGLU at 1, 16
+and 32 rows on all four measured shapes (H4096/I11008, H7168/I18432, H7168/I2048, H2048/I5632:
+1.02-1.26x). At 64 rows it was slower on three of them (0.85-0.95x), and slower everywhere from 128 on
+(0.77-0.87x at 1024 and 8192). Eager cuBLAS was 1-8% slower than Inductor at these sizes."""
 
 
 def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     x, w_gate, _w_up = args
-    key = (int(x.shape[-1]), int(w_gate.shape[0]), token_bucket(_static_rows(x)))
-    if key in GEMM_SWIGLU_WINS:
-        return None
-    return f"H={key[0]} I={key[1]} ({key[2]}): not measured faster than cuBLAS + the unfused SwiGLU"
+    rows = _static_rows(x)
+    if rows is None:
+        return "a symbolic row count (unmeasured)"
+    if rows > GEMM_SWIGLU_MAX_ROWS:
+        return (f"{rows} rows (H={int(x.shape[-1])} I={int(w_gate.shape[0])}): cuBLAS + the unfused SwiGLU "
+                f"measured faster above {GEMM_SWIGLU_MAX_ROWS} rows")
+    return None
 
 
 # --------------------------------------------------------------------------- MoE (H200, 2026-11-29)
@@ -95,10 +107,9 @@ def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if executor != "inductor":  # eager torch._grouped_mm measured slower than the kernel at every size
         return None
     x, w = args[0], args[1]
-    try:
-        rows, experts = int(x.shape[0]), int(w.shape[0])
-    except Exception:  # symbolic rows: unmeasured
+    if not (is_concrete_int(x.shape[0]) and is_concrete_int(w.shape[0])):  # int() would specialize
         return "a symbolic row count (unmeasured)"
+    rows, experts = int(x.shape[0]), int(w.shape[0])
     per_expert = rows / max(experts, 1)
     if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT:
         return (f"{per_expert:.0f} rows per expert: torch._grouped_mm measured faster above "

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from ep_fuse.ops.reference import ROPE_FORMS, rope_ref
+from ep_fuse.ops.reference import CACHE_FORMS, ROPE_FORMS, rope_cache_ref, rope_ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -46,7 +46,7 @@ def check_rope_call(args: tuple[Any, ...]) -> str | None:
             return "head channels are not contiguous"
         if x.dtype != q.dtype:
             return "q and k differ in dtype"
-        width = rot_dim // 2 if form in ("chunk", "deinterleave", "complex") else rot_dim
+        width = rot_dim if form == "half" else rot_dim // 2
         if not _broadcasts(cos, x, width) or (sin is not None and not _broadcasts(sin, x, width)):
             return "cos/sin do not broadcast to the heads"
     if form == "complex":
@@ -63,16 +63,21 @@ def check_rope_call(args: tuple[Any, ...]) -> str | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout(form: str, rot: int, out_dtype: Any, x: tuple, c: tuple, s: tuple | None) -> tuple:
-    """Shape, strides and dtype of the reference's output for these input layouts (meta tensors)."""
+def _layout(kind: str, form: str, rot: int, out_dtype: Any, *descs: tuple | None) -> tuple:
+    """Shape, strides and dtype of the reference's output for these input layouts (meta tensors).
+
+    ``kind`` "rope": descs are x, cos, sin (or None); "cache": x, cos_sin_cache, positions."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    def meta(desc: tuple) -> torch.Tensor:
+    def meta(desc: tuple | None) -> torch.Tensor | None:
+        if desc is None:
+            return None
         shape, stride, dtype = desc
         return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
     with unset_fake_temporarily():
-        out = rope_ref(meta(x), meta(c), meta(s) if s is not None else None, form, rot, out_dtype)
+        ts = [meta(d) for d in descs]
+        out = rope_ref(*ts, form, rot, out_dtype) if kind == "rope" else rope_cache_ref(*ts, form, rot)
     return tuple(out.shape), tuple(out.stride()), out.dtype
 
 
@@ -81,8 +86,16 @@ def _desc(t: torch.Tensor) -> tuple:
 
 
 def _alloc(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int,
-           out_dtype: Any) -> torch.Tensor:
-    shape, stride, dtype = _layout(form, rot, out_dtype, _desc(x), _desc(cos), _desc(sin) if sin is not None else None)
+           out_dtype: Any, kind: str = "rope") -> torch.Tensor:
+    """The output, laid out as the reference lays it out (``kind`` "cache": ``cos`` is the cache and
+    ``sin`` the positions)."""
+    ts = (x, cos) if sin is None else (x, cos, sin)
+    if not all(is_concrete_int(v) for t in ts for v in (*t.shape, *t.stride())):
+        # symbolic sizes while tracing: the reference on the fake inputs gives the layout (no specialization)
+        out = rope_ref(x, cos, sin, form, rot, out_dtype) if kind == "rope" else rope_cache_ref(x, cos, sin, form, rot)
+        return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=x.device)
+    descs = (_desc(x), _desc(cos), _desc(sin) if sin is not None else None)
+    shape, stride, dtype = _layout(kind, form, rot, out_dtype, *descs)
     return torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
 
 
@@ -93,10 +106,16 @@ def _lead3(t: torch.Tensor) -> tuple[list[Any], list[Any]]:
     return [1] * pad + shape, [0] * pad + stride
 
 
-def _trig(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int
-          ) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
-    """cos and sin as tensors broadcast over ``x``'s leading dims (the complex form: real/imag views)."""
+def _trig(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int,
+          positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[Any], list[Any]]:
+    """cos and sin as tensors broadcast over ``x``'s leading dims (the complex form: real/imag views).
+
+    With ``positions``, ``cos`` is the ``[max_pos, rot]`` cache: the cos and sin halves are returned with
+    the strides of ``positions`` broadcast over ``x``'s token dims (one head dim added)."""
     lead = list(x.shape[:-1])
+    if positions is not None:
+        strides = _lead3(positions.unsqueeze(-1).expand(*lead).unsqueeze(-1))[1]  # (no channel dim)
+        return cos, cos[:, rot // 2:], strides, strides
     if form == "complex":
         f = torch.view_as_real(cos.expand(*lead, rot // 2))
         strides = _lead3_of(f)[1]
@@ -128,7 +147,8 @@ def _memory_order(lead: list[Any], xs: list[Any], *others: list[Any]) -> tuple[l
 
 def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.Tensor | None,
            cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int,
-           wrap: Callable[[Any], Any] | None = None) -> None:
+           wrap: Callable[[Any], Any] | None = None, positions: torch.Tensor | None = None) -> None:
+    """One launch for q (and k); with ``positions``, ``cos`` is the cos/sin cache and ``sin`` is unused."""
     import triton
 
     from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
@@ -140,10 +160,11 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
     )
 
     d = q.shape[-1]
-    rows = TUNING.get("rows") or rows_per_program(int(d))
+    native = rounding_mode(q, TUNING.get("rounding")) == 3
+    rows = TUNING.get("rows") or rows_per_program(int(d), native)
     qlead, qxs = _lead3(q)
     _, qys = _lead3(qy)
-    qc, qs, qcs, qss = _trig(q, cos, sin, form, rot)
+    qc, qs, qcs, qss = _trig(q, cos, sin, form, rot, positions)
     qlead, qxs, qys, qcs, qss = _memory_order(qlead, qxs, qys, qcs, qss)
     q_rows = qlead[0] * qlead[1] * qlead[2]
     q_progs = triton.cdiv(q_rows, rows)
@@ -151,7 +172,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         assert ky is not None
         klead, kxs = _lead3(k)
         _, kys = _lead3(ky)
-        _kc, _ks, kcs, kss = _trig(k, cos, sin, form, rot)
+        _kc, _ks, kcs, kss = _trig(k, cos, sin, form, rot, positions)
         klead, kxs, kys, kcs, kss = _memory_order(klead, kxs, kys, kcs, kss)
         k_rows = klead[0] * klead[1] * klead[2]
         k_progs = triton.cdiv(k_rows, rows)
@@ -163,19 +184,32 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
     kernel = wrap(_rope_kernel) if wrap is not None else _rope_kernel
     kernel[(q_progs + k_progs,)](
         q, qy, k if k is not None else q, ky if ky is not None else qy, qc, qs,
+        positions if positions is not None else qc,
         q_progs, q_rows, qlead[1], qlead[2], k_rows, klead[1], klead[2],
-        *qxs, *qys, *qcs, *qss, *kxs, *kys, *kcs, *kss,
+        *qxs, *qys, *qcs, *qss, *kxs, *kys, *kcs, *kss, cos.stride(0) if positions is not None else 0,
         HALF=half, ROT=rot, D=int(d), FORM=FORMS[form], CODE=DTYPE_CODES[q.dtype],
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
-        EMULATE_RTNE=1 if INTERPRET else TUNING.get("rounding", 2),  # exact bf16 rounding (bits / inline PTX)
+        EMULATE_RTNE=1 if INTERPRET else rounding_mode(q, TUNING.get("rounding")),
         IDX32=_fits_int32(q_rows + rows, k_rows + rows) and not TUNING.get("idx64", False),
-        num_warps=TUNING.get("num_warps") or warps_for(int(d)),
+        HAS_POS=positions is not None, num_warps=TUNING.get("num_warps") or warps_for(int(d), native),
     )
 
 
 TUNING: dict[str, Any] = {}
 """Benchmark-only overrides (``rounding``, ``idx64``, ``num_warps``); empty in normal use."""
+
+
+def rounding_mode(x: torch.Tensor, requested: int | None = None) -> int:
+    """3: packed bf16x2/f16x2 ``fma.rn`` (bf16 needs sm_80); 2: fp32 math with inline-PTX ``cvt.rn``
+    (fp32 heads, older GPUs, or a benchmark's ``requested`` 2)."""
+    native = x.dtype == torch.float16 or (x.dtype == torch.bfloat16 and _capability(x.device) >= (8, 0))
+    return 3 if native and requested in (None, 3) else 2
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
 def _fits_int32(*values: Any) -> bool:
@@ -200,4 +234,44 @@ def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype, wrap=None):  # noqa
     qy = _check_out(_alloc(q, cos, sin, form, rot_dim, out_dtype))
     ky = _check_out(_alloc(k, cos, sin, form, rot_dim, out_dtype))
     launch(q, qy, k, ky, cos, sin, form, rot_dim, wrap)
+    return qy, ky
+
+
+def check_rope_cache_call(args: tuple[Any, ...]) -> str | None:
+    """Limits of the Triton kernel for the cache form: the cache in the heads' dtype (no per-call cast),
+    integer positions that broadcast to the token dims, heads of <= 4 dims with unit-stride channels."""
+    *xs, cache, positions, form, rot_dim = args
+    if form not in CACHE_FORMS:
+        return f"unknown cache form {form!r}"
+    if positions.dtype not in (torch.int32, torch.int64):
+        return f"positions dtype {positions.dtype} is not int32/int64"
+    if cache.dim() != 2 or not _unit_last_stride(cache) or not statically_known_true(cache.shape[-1] == rot_dim):
+        return "cos_sin_cache is not a [max_pos, rot_dim] matrix with unit-stride rows"
+    for x in xs:
+        if x.dtype not in KERNEL_DTYPES:
+            return f"head dtype {x.dtype} is not fp16/bf16/fp32"
+        if cache.dtype != x.dtype:
+            return f"cos_sin_cache dtype {cache.dtype} differs from the heads' {x.dtype} (a cast per call)"
+        if not 2 <= x.dim() <= 4 or not _unit_last_stride(x):
+            return "heads are not [*tokens, heads, head_dim] (<= 4-D) with unit-stride channels"
+        lead = list(x.shape[:-2])
+        if positions.dim() > len(lead) or not all(
+                statically_known_true(p == 1) or statically_known_true(p == t)
+                for p, t in zip(reversed(positions.shape), reversed(lead))):
+            return f"positions of shape {list(positions.shape)} do not broadcast to the token dims {lead}"
+    return None
+
+
+def rope_cache_kernel(x, cos_sin_cache, positions, form, rot_dim, wrap=None):  # noqa: ANN001, ANN201
+    """``ep_fuse_triton::rope_cache``: cos/sin rows gathered inside the kernel."""
+    y = _check_out(_alloc(x, cos_sin_cache, positions, form, rot_dim, None, kind="cache"))
+    launch(x, y, None, None, cos_sin_cache, None, form, rot_dim, wrap, positions=positions)
+    return y
+
+
+def rope_qk_cache_kernel(q, k, cos_sin_cache, positions, form, rot_dim, wrap=None):  # noqa: ANN001, ANN201
+    """``ep_fuse_triton::rope_qk_cache``: q and k in one launch, cos/sin rows gathered inside the kernel."""
+    qy = _check_out(_alloc(q, cos_sin_cache, positions, form, rot_dim, None, kind="cache"))
+    ky = _check_out(_alloc(k, cos_sin_cache, positions, form, rot_dim, None, kind="cache"))
+    launch(q, qy, k, ky, cos_sin_cache, None, form, rot_dim, wrap, positions=positions)
     return qy, ky

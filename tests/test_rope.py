@@ -363,12 +363,13 @@ def test_triton_rope_cache_declines_a_cast_per_call():
 
 
 def test_perf_rule_uses_the_kernel_only_where_measured_faster():
-    from ep_fuse.providers.triton.perf import rope_prefers
+    from ep_fuse.providers.triton.perf import rope_cache_prefers, rope_prefers
 
     x, c = torch.randn(2, 3, 4, 16).to(BF16), torch.randn(1, 1, 4, 16).to(BF16)
     assert rope_prefers((x, x, c, c, "half", 16, None), "inductor") is None
-    assert rope_prefers((x, torch.randn(9, 16).to(BF16), torch.zeros(2, 3, dtype=torch.long), "interleave", 16),
-                        "inductor") is None
+    cache, pos = torch.randn(9, 16).to(BF16), torch.zeros(2, 3, dtype=torch.long)
+    assert rope_cache_prefers((x, cache, pos, "interleave", 16), "inductor") is None
+    assert "float32 heads" in rope_cache_prefers((x.float(), cache.float(), pos, "chunk", 16), "inductor")
     assert "float32 heads" in rope_prefers((x.float(), c.float(), c.float(), "half", 16, None), "inductor")
     assert "complex form" in rope_prefers((x, x, c, None, "complex", 16, BF16), "inductor")
     assert rope_prefers((x.float(), c.float(), c.float(), "half", 16, None), "eager") is None

@@ -106,8 +106,8 @@ _register(canonical.rms_norm, rms_norm_kernel, check_norm_call, perf.rms_norm_pr
 _register(canonical.add_rms_norm, add_rms_norm_kernel, check_norm_call, perf.add_rms_norm_prefers, _eps_is_literal)
 _register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _always)
 _register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always)
-_register(canonical.rope_cache, rope_cache_kernel, check_rope_cache_call, perf.rope_prefers, _always)
-_register(canonical.rope_qk_cache, rope_qk_cache_kernel, check_rope_cache_call, perf.rope_prefers, _always)
+_register(canonical.rope_cache, rope_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always)
+_register(canonical.rope_qk_cache, rope_qk_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always)
 _register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, perf.gemm_swiglu_prefers, _always)
 _register(canonical.grouped_gemm, grouped_gemm_kernel, check_grouped_gemm_call, perf.grouped_gemm_prefers, _always)
 _register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, check_grouped_gemm_swiglu_call,

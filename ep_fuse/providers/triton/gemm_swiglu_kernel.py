@@ -11,17 +11,17 @@ upcast (bf16 dots are wrong there).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ep_fuse.providers.triton.gemm_tiles import (
     GemmConfig,
-    _load,
-    _mma,
+    _accumulate,
     _operand_ptrs,
     swiglu_rounded,
 )
-from ep_fuse.providers.triton.rms_norm_kernel import INTERPRET, _for_store
+from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store
 
 
 @triton.jit
@@ -46,24 +46,8 @@ def _gemm_swiglu_kernel(
     # rows/columns past the edges are clamped into the operands; the store mask drops their results
     xp, gp = _operand_ptrs(X, WG, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk, sxm, sgn, SWAP_AB)
     _, up = _operand_ptrs(X, WU, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk, sxm, sun, SWAP_AB)
-    if SWAP_AB:
-        acc_g = tl.zeros([BN, BM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BK)):
-        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST_DOT)
-        bg = _load(gp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
-        bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
-        acc_g = _mma(a, bg, acc_g, SWAP_AB, IEEE)
-        acc_u = _mma(a, bu, acc_u, SWAP_AB, IEEE)
-        xp += BK
-        gp += BK
-        up += BK
-    if SWAP_AB:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+    acc_g, acc_u = _accumulate(xp, gp, up, rk, K, tl.cdiv(K, BK), BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE,
+                               True, False)
     y = swiglu_rounded(acc_g, acc_u, CODE, EMULATE_RTNE)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
@@ -87,9 +71,6 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
 
 def launch(x2, wg, wu, y2, config: GemmConfig | None = None, wrap=None) -> None:  # noqa: ANN001
     """``y2 [M, I] = swiglu(x2 [M, H] @ wg.T, x2 @ wu.T)``; every operand has unit-stride rows."""
-    import torch
-
-    from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES
 
     m, k = x2.shape
     n = wg.shape[0]

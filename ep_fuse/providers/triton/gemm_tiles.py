@@ -1,8 +1,9 @@
 """Tile building blocks shared by the Triton GEMM kernels (dense GEMM + SwiGLU, bf16 and int8 grouped GEMMs).
 
-A tile config (:class:`GemmConfig`), operand pointers and K-slice loads for ``dot(x, w.T)`` with
-unit-stride K (optionally swapped, ``dot(w, x.T)``, so weight rows fill the MMA's M dimension when
-there are few rows of x), and the SwiGLU epilogue rounded as the unfused model rounds.
+A tile config (:class:`GemmConfig`), operand pointers, K-slice loads and the K loop
+(:func:`_accumulate`) for ``dot(x, w.T)`` with unit-stride K (optionally swapped, ``dot(w, x.T)``, so
+weight rows fill the MMA's M dimension when there are few rows of x), bf16/fp16/fp32 or int8, and the
+SwiGLU epilogue rounded as the unfused model rounds.
 """
 
 from __future__ import annotations
@@ -75,3 +76,55 @@ def _mma(a, b, acc, SWAP_AB: tl.constexpr, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _imma(a, b, acc, SWAP_AB: tl.constexpr, EMULATE: tl.constexpr):
+    if SWAP_AB:
+        a, b = b, a
+    if EMULATE:  # exact per slice in fp32, accumulated in int32
+        return acc + tl.dot(a, b, input_precision="ieee").to(tl.int32)
+    return tl.dot(a, b, acc, out_dtype=tl.int32)
+
+
+@triton.jit
+def _accumulate(xp, wp, up, rk, K, num_k, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                SWIGLU: tl.constexpr, INT8: tl.constexpr):
+    """``x @ w.T`` (and ``x @ u.T`` when ``SWIGLU``) over ``num_k`` K-slices from the operand pointers of
+    :func:`_operand_ptrs`, returned as [BM, BN] accumulators: fp32, or int32 for int8 operands (``UPCAST``
+    then means exact fp32 slices, as the interpreter needs)."""
+    if SWAP_AB:
+        if INT8:
+            acc = tl.zeros([BN, BM], dtype=tl.int32)
+            acc_u = tl.zeros([BN, BM], dtype=tl.int32)
+        else:
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+            acc_u = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        if INT8:
+            acc = tl.zeros([BM, BN], dtype=tl.int32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.int32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k in range(num_k):
+        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST)
+        b = _load(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST)
+        if INT8:
+            acc = _imma(a, b, acc, SWAP_AB, UPCAST)
+        else:
+            acc = _mma(a, b, acc, SWAP_AB, IEEE)
+        if SWIGLU:
+            bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST)
+            if INT8:
+                acc_u = _imma(a, bu, acc_u, SWAP_AB, UPCAST)
+            else:
+                acc_u = _mma(a, bu, acc_u, SWAP_AB, IEEE)
+            up += BK
+        xp += BK
+        wp += BK
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_u = tl.trans(acc_u)
+    return acc, acc_u

@@ -28,10 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import (  # noqa: F401 - GemmConfig, _load, _operand_ptrs re-exported
+from ep_fuse.providers.triton.gemm_tiles import (
     GemmConfig,
-    _load,
-    _mma,
+    _accumulate,
     _operand_ptrs,
     swiglu_rounded,
 )
@@ -102,26 +101,8 @@ def _grouped_gemm_kernel(
     xp, wp = _operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
                            sxm, swn, SWAP_AB)
     up = wp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
-    if SWAP_AB:
-        acc = tl.zeros([BN, BM], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BM], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
-    for k in range(num_k):
-        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, UPCAST_DOT)
-        b = _load(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
-        acc = _mma(a, b, acc, SWAP_AB, IEEE)
-        if SWIGLU:
-            bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, UPCAST_DOT)
-            acc_u = _mma(a, bu, acc_u, SWAP_AB, IEEE)
-            up += BK
-        xp += BK
-        wp += BK
-    if SWAP_AB:
-        acc = tl.trans(acc)
-        acc_u = tl.trans(acc_u)
+    acc, acc_u = _accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE, SWIGLU, False)
     if SWIGLU:
         y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
     else:

@@ -61,19 +61,28 @@ def rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     return "plain RMSNorm: Inductor's fused kernel measured as fast or faster"
 
 
-def rope_prefers(args: tuple[Any, ...], executor: str) -> str | None:
-    """bf16/fp16 heads (packed ``fma.rn`` rounding) measured faster than Inductor's kernel: 1.06-1.19x on the
-    baseline grid (16384 tokens x 32+8 heads x 128: 89.4 vs 101.9 us, 90% of copy), cache form 1.31-2.35x.
-    fp32 heads (fp32 math, 0.81-0.89x before the packed path) and the complex form (unmeasured) decline."""
+def _rope_rule(x: Any, form: str, executor: str) -> str | None:
+    """bf16/fp16 heads (packed ``fma.rn`` rounding) measured faster than Inductor's kernel: 1.03-1.22x on the
+    baseline grid (parity, 0.99-1.14x over two runs, at 16384 tokens x 32+8 heads x 128), 1.15-2.2x on the
+    chunk / GPT-J / de-interleaved forms, 1.2-2.4x in the cache form. fp32 heads (fp32 math, 0.81-0.89x
+    before the packed path) and the complex form (unmeasured) decline."""
     if executor != "inductor":
         return None
-    cache_form = len(args) in (5, 6) and isinstance(args[-1], int) and args[-2] in ("chunk", "interleave")
-    form = args[-2] if cache_form else args[-3]
     if form == "complex":
         return "RoPE complex form (fp32 math): not measured against Inductor"
-    if args[0].dtype not in (torch.bfloat16, torch.float16):
-        return f"RoPE on {args[0].dtype} heads: Inductor's kernel measured faster (0.81-0.89x)"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return f"RoPE on {x.dtype} heads: Inductor's kernel measured faster (0.81-0.89x)"
     return None
+
+
+def rope_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+    """``rope(x, cos, sin, form, ...)`` / ``rope_qk(q, k, cos, sin, form, ...)``: see :func:`_rope_rule`."""
+    return _rope_rule(args[0], args[-3], executor)
+
+
+def rope_cache_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+    """``rope_cache(x, cache, positions, form, rot)`` / ``rope_qk_cache(q, k, ...)``: see :func:`_rope_rule`."""
+    return _rope_rule(args[0], args[-2], executor)
 
 
 GEMM_SWIGLU_MAX_ROWS = 32

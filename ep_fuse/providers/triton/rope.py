@@ -63,10 +63,8 @@ def check_rope_call(args: tuple[Any, ...]) -> str | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _layout(kind: str, form: str, rot: int, out_dtype: Any, *descs: tuple | None) -> tuple:
-    """Shape, strides and dtype of the reference's output for these input layouts (meta tensors).
-
-    ``kind`` "rope": descs are x, cos, sin (or None); "cache": x, cos_sin_cache, positions."""
+def _layout(ref: Callable[..., torch.Tensor], descs: tuple, params: tuple) -> tuple:
+    """Shape, strides and dtype of ``ref(*tensors, *params)`` for these input layouts (meta tensors)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     def meta(desc: tuple | None) -> torch.Tensor | None:
@@ -76,8 +74,7 @@ def _layout(kind: str, form: str, rot: int, out_dtype: Any, *descs: tuple | None
         return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
 
     with unset_fake_temporarily():
-        ts = [meta(d) for d in descs]
-        out = rope_ref(*ts, form, rot, out_dtype) if kind == "rope" else rope_cache_ref(*ts, form, rot)
+        out = ref(*(meta(d) for d in descs), *params)
     return tuple(out.shape), tuple(out.stride()), out.dtype
 
 
@@ -85,17 +82,15 @@ def _desc(t: torch.Tensor) -> tuple:
     return tuple(int(v) for v in t.shape), tuple(int(v) for v in t.stride()), t.dtype
 
 
-def _alloc(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int,
-           out_dtype: Any, kind: str = "rope") -> torch.Tensor:
-    """The output, laid out as the reference lays it out (``kind`` "cache": ``cos`` is the cache and
-    ``sin`` the positions)."""
-    ts = (x, cos) if sin is None else (x, cos, sin)
-    if not all(is_concrete_int(v) for t in ts for v in (*t.shape, *t.stride())):
+def _alloc(ref: Callable[..., torch.Tensor], tensors: tuple[torch.Tensor | None, ...], params: tuple) -> torch.Tensor:
+    """The output of ``ref(*tensors, *params)`` (the reference), empty, laid out as the reference lays it out."""
+    x = tensors[0]
+    assert x is not None
+    if not all(is_concrete_int(v) for t in tensors if t is not None for v in (*t.shape, *t.stride())):
         # symbolic sizes while tracing: the reference on the fake inputs gives the layout (no specialization)
-        out = rope_ref(x, cos, sin, form, rot, out_dtype) if kind == "rope" else rope_cache_ref(x, cos, sin, form, rot)
+        out = ref(*tensors, *params)
         return torch.empty_strided(out.shape, out.stride(), dtype=out.dtype, device=x.device)
-    descs = (_desc(x), _desc(cos), _desc(sin) if sin is not None else None)
-    shape, stride, dtype = _layout(kind, form, rot, out_dtype, *descs)
+    shape, stride, dtype = _layout(ref, tuple(_desc(t) if t is not None else None for t in tensors), params)
     return torch.empty_strided(shape, stride, dtype=dtype, device=x.device)
 
 
@@ -224,15 +219,15 @@ def _check_out(y: torch.Tensor) -> torch.Tensor:
 
 def rope_kernel(x, cos, sin, form, rot_dim, out_dtype, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_triton::rope``."""
-    y = _check_out(_alloc(x, cos, sin, form, rot_dim, out_dtype))
+    y = _check_out(_alloc(rope_ref, (x, cos, sin), (form, rot_dim, out_dtype)))
     launch(x, y, None, None, cos, sin, form, rot_dim, wrap)
     return y
 
 
 def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype, wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::rope_qk``: q and k in one launch."""
-    qy = _check_out(_alloc(q, cos, sin, form, rot_dim, out_dtype))
-    ky = _check_out(_alloc(k, cos, sin, form, rot_dim, out_dtype))
+    qy = _check_out(_alloc(rope_ref, (q, cos, sin), (form, rot_dim, out_dtype)))
+    ky = _check_out(_alloc(rope_ref, (k, cos, sin), (form, rot_dim, out_dtype)))
     launch(q, qy, k, ky, cos, sin, form, rot_dim, wrap)
     return qy, ky
 
@@ -264,14 +259,14 @@ def check_rope_cache_call(args: tuple[Any, ...]) -> str | None:
 
 def rope_cache_kernel(x, cos_sin_cache, positions, form, rot_dim, wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::rope_cache``: cos/sin rows gathered inside the kernel."""
-    y = _check_out(_alloc(x, cos_sin_cache, positions, form, rot_dim, None, kind="cache"))
+    y = _check_out(_alloc(rope_cache_ref, (x, cos_sin_cache, positions), (form, rot_dim)))
     launch(x, y, None, None, cos_sin_cache, None, form, rot_dim, wrap, positions=positions)
     return y
 
 
 def rope_qk_cache_kernel(q, k, cos_sin_cache, positions, form, rot_dim, wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::rope_qk_cache``: q and k in one launch, cos/sin rows gathered inside the kernel."""
-    qy = _check_out(_alloc(q, cos_sin_cache, positions, form, rot_dim, None, kind="cache"))
-    ky = _check_out(_alloc(k, cos_sin_cache, positions, form, rot_dim, None, kind="cache"))
+    qy = _check_out(_alloc(rope_cache_ref, (q, cos_sin_cache, positions), (form, rot_dim)))
+    ky = _check_out(_alloc(rope_cache_ref, (k, cos_sin_cache, positions), (form, rot_dim)))
     launch(q, qy, k, ky, cos_sin_cache, None, form, rot_dim, wrap, positions=positions)
     return qy, ky

@@ -24,32 +24,40 @@ from ep_fuse.providers.triton.rms_norm_kernel import _for_store, _round
 FORMS = {"half": 0, "chunk": 1, "deinterleave": 2, "complex": 3, "interleave": 4}
 
 
-# Packed constants (two lanes): -0.0 (so fma(a, b, -0) is the rounded product, sign of zero kept), -1, +1.
+def _fma_pair_asm(lanes: str, sign: str) -> tl.constexpr:
+    """PTX for ``round(round($1*$2) + sign*round($3*$4))`` on two packed lanes: ``fma(a, b, -0)`` is the
+    rounded product (sign of zero kept), ``fma(q, sign, p)`` the rounded sum; ``sign`` is packed ±1."""
+    return tl.constexpr(
+        f"{{ .reg .b32 z, m, p, q; mov.b32 z, 0x80008000; mov.b32 m, {sign}; fma.rn.{lanes} p, $1, $2, z; "
+        f"fma.rn.{lanes} q, $3, $4, z; fma.rn.{lanes} $0, q, m, p; }}")
+
+
+_BF16_SUB = _fma_pair_asm("bf16x2", "0xBF80BF80")
+_BF16_ADD = _fma_pair_asm("bf16x2", "0x3F803F80")
+_F16_SUB = _fma_pair_asm("f16x2", "0xBC00BC00")
+_F16_ADD = _fma_pair_asm("f16x2", "0x3C003C00")
+
+
+@triton.jit
+def _fma_pair(a, b, c, d, ASM: tl.constexpr):
+    return tl.inline_asm_elementwise(asm=ASM, constraints="=r,r,r,r,r", args=[a, b, c, d], dtype=a.dtype,
+                                     is_pure=True, pack=2)
+
+
 @triton.jit
 def _pair_native(a, b, c, d, SUB: tl.constexpr, CODE: tl.constexpr):
-    """``round(round(a*b) -/+ round(c*d))`` on bf16/fp16 values, three packed ``fma.rn`` per two lanes."""
+    """``round(round(a*b) -/+ round(c*d))`` on bf16 (``CODE`` 1) or fp16 values, three packed ``fma.rn``
+    per two lanes."""
     if CODE == 1:
         if SUB:
-            y = tl.inline_asm_elementwise(
-                asm="{ .reg .b32 z, m, p, q; mov.b32 z, 0x80008000; mov.b32 m, 0xBF80BF80; "
-                    "fma.rn.bf16x2 p, $1, $2, z; fma.rn.bf16x2 q, $3, $4, z; fma.rn.bf16x2 $0, q, m, p; }",
-                constraints="=r,r,r,r,r", args=[a, b, c, d], dtype=tl.bfloat16, is_pure=True, pack=2)
+            y = _fma_pair(a, b, c, d, _BF16_SUB)
         else:
-            y = tl.inline_asm_elementwise(
-                asm="{ .reg .b32 z, m, p, q; mov.b32 z, 0x80008000; mov.b32 m, 0x3F803F80; "
-                    "fma.rn.bf16x2 p, $1, $2, z; fma.rn.bf16x2 q, $3, $4, z; fma.rn.bf16x2 $0, q, m, p; }",
-                constraints="=r,r,r,r,r", args=[a, b, c, d], dtype=tl.bfloat16, is_pure=True, pack=2)
+            y = _fma_pair(a, b, c, d, _BF16_ADD)
     else:
         if SUB:
-            y = tl.inline_asm_elementwise(
-                asm="{ .reg .b32 z, m, p, q; mov.b32 z, 0x80008000; mov.b32 m, 0xBC00BC00; "
-                    "fma.rn.f16x2 p, $1, $2, z; fma.rn.f16x2 q, $3, $4, z; fma.rn.f16x2 $0, q, m, p; }",
-                constraints="=r,r,r,r,r", args=[a, b, c, d], dtype=tl.float16, is_pure=True, pack=2)
+            y = _fma_pair(a, b, c, d, _F16_SUB)
         else:
-            y = tl.inline_asm_elementwise(
-                asm="{ .reg .b32 z, m, p, q; mov.b32 z, 0x80008000; mov.b32 m, 0x3C003C00; "
-                    "fma.rn.f16x2 p, $1, $2, z; fma.rn.f16x2 q, $3, $4, z; fma.rn.f16x2 $0, q, m, p; }",
-                constraints="=r,r,r,r,r", args=[a, b, c, d], dtype=tl.float16, is_pure=True, pack=2)
+            y = _fma_pair(a, b, c, d, _F16_ADD)
     return y
 
 

@@ -25,10 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs
 from ep_fuse.providers.triton.grouped_gemm_kernel import (
-    GemmConfig,
-    _load,
-    _operand_ptrs,
     _tile_rows,
     _work_item,
     block_e,
@@ -78,15 +76,6 @@ def _quant_rows_kernel(X, Q, S, K, sxm, sqm, BLOCK_K: tl.constexpr, ONE_PASS: tl
 
 
 @triton.jit
-def _imma(a, b, acc, SWAP_AB: tl.constexpr, EMULATE: tl.constexpr):
-    if SWAP_AB:
-        a, b = b, a
-    if EMULATE:  # exact per slice in fp32, accumulated in int32
-        return acc + tl.dot(a, b, input_precision="ieee").to(tl.int32)
-    return tl.dot(a, b, acc, out_dtype=tl.int32)
-
-
-@triton.jit
 def _w8a8_gemm_kernel(
     X, XS, W, WS, SEG, Y, M, N, K, E,
     sxm, swe, swn, swse, sym,
@@ -104,26 +93,8 @@ def _w8a8_gemm_kernel(
     rn_c = tl.minimum(rn, N - 1)
     xp, wp = _operand_ptrs(X, W + e.to(tl.int64) * swe, rm_c, rn_c, rk, sxm, swn, SWAP_AB)
     up = wp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
-    if SWAP_AB:
-        acc = tl.zeros([BN, BM], dtype=tl.int32)
-        acc_u = tl.zeros([BN, BM], dtype=tl.int32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.int32)
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
-    for k in range(num_k):
-        a = _load(xp, rk, K - k * BK, SWAP_AB, EVEN_K, EMULATE)
-        b = _load(wp, rk, K - k * BK, not SWAP_AB, EVEN_K, EMULATE)
-        acc = _imma(a, b, acc, SWAP_AB, EMULATE)
-        if SWIGLU:
-            bu = _load(up, rk, K - k * BK, not SWAP_AB, EVEN_K, EMULATE)
-            acc_u = _imma(a, bu, acc_u, SWAP_AB, EMULATE)
-            up += BK
-        xp += BK
-        wp += BK
-    if SWAP_AB:
-        acc = tl.trans(acc)
-        acc_u = tl.trans(acc_u)
+    acc, acc_u = _accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, EMULATE, False, SWIGLU, True)
     xs = tl.load(XS + rm_c)
     ws_row = WS + e.to(tl.int64) * swse
     ws = tl.load(ws_row + rn_c)

@@ -24,7 +24,7 @@ from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.dump import Dumper
 from ep_fuse.log import configure_from_env
 from ep_fuse.pipeline import run_passes
-from ep_fuse.report import GraphReport, record
+from ep_fuse.report import GraphReport, InductorHandoff, record
 
 log = logging.getLogger("ep_fuse")
 _graph_counter = itertools.count()
@@ -153,34 +153,63 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
     if executor == "eager":
         impl.append(aten_gm.forward)  # bound after the rewrite recompiled the module
         return wrapped
-    # 3. Inductor. When the ATen graph has Dynamo's signature (no input mutation, no aliased
-    #    output), hand it to Inductor directly: one runtime wrapper, as with backend="inductor".
-    #    Otherwise Inductor compiles behind AOT's wrapper, which replays mutations and aliasing.
+    # 3. Inductor. When the ATen graph has Dynamo's signature (its inputs in order, fresh outputs, and
+    #    any input mutation -- static KV cache, counters -- kept in the graph as a copy_), hand it to
+    #    Inductor directly: one runtime wrapper and the same static-input / CUDA-graph decisions as
+    #    backend="inductor". Otherwise Inductor compiles behind AOT's wrapper, which replays mutations
+    #    and aliasing it cannot express in the graph.
     from torch._inductor.compile_fx import compile_fx
 
     patches = _inductor_patches(config)
-    if _same_signature(captured, example_inputs):
+    why = _not_direct(captured, example_inputs)
+    report.inductor = _handoff(captured, why)
+    if not report.inductor.cudagraph_safe_mutations:
+        log.info("ep_fuse: graph %s mutates inputs %s that are not static addresses %s: Inductor skips CUDA "
+                 "graphs for it (as backend='inductor' would)", report.graph, report.inductor.mutated_inputs,
+                 report.inductor.static_inputs)
+    if why is None:
         _copy_dynamo_metadata(gm, aten_gm)
         return compile_fx(aten_gm, captured["inputs"], config_patches=patches)
+    log.info("ep_fuse: graph %s: Inductor compiles behind ep_fuse's AOT wrapper: %s", report.graph, why)
     impl.append(compile_fx(aten_gm, captured["inputs"], config_patches=patches))
     return wrapped
 
 
-def _same_signature(captured: dict[str, Any], example_inputs: Sequence[Any]) -> bool:
-    """The ATen graph takes Dynamo's inputs in order and returns fresh tensors, mutating nothing."""
+def _handoff(captured: dict[str, Any], why: str | None) -> InductorHandoff:
+    """What Inductor will see of the graph's inputs: the mutated ones, and the static ones (Dynamo's
+    marks reach Inductor only through the direct hand-off, which copies them onto the ATen graph)."""
     meta = captured.get("meta")
-    if meta is None or len(captured["inputs"]) != len(example_inputs):
-        return False
+    mutated = [i for i, info in enumerate(meta.input_info) if info.mutates_data] if meta is not None else []
+    static = sorted(int(i) for i in getattr(meta, "static_input_indices", None) or ()) if why is None else []
+    return InductorHandoff(direct=why is None, reason=why or "", mutated_inputs=mutated, static_inputs=static)
+
+
+def _not_direct(captured: dict[str, Any], example_inputs: Sequence[Any]) -> str | None:
+    """Why the rewritten ATen graph cannot stand in for Dynamo's graph (``None``: it can).
+
+    It can when it takes Dynamo's inputs in order, returns fresh tensors, and every input mutation is
+    a data mutation AOT kept inside the graph (``MUTATED_IN_GRAPH``): running the graph then does what
+    Dynamo's graph does, and Inductor re-derives the same mutation and static-input facts from it."""
+    meta = captured.get("meta")
+    if meta is None:
+        return "no AOT metadata"
+    if len(captured["inputs"]) != len(example_inputs):
+        return "AOT lifted inputs Dynamo does not pass"
     gm = captured["gm"]
     if any(n.op == "get_attr" for n in gm.graph.nodes) or next(gm.named_buffers(), None) is not None:
-        return False  # lifted constants: Inductor must not take this graph for Dynamo's
-    from torch._functorch._aot_autograd.schemas import OutputType
+        return "lifted constants"
+    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
 
-    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
-        return False
+    for i, info in enumerate(meta.input_info):
+        if info.mutates_metadata or getattr(info, "mutation_inductor_storage_resize", False):
+            return f"input {i} has its metadata or storage size mutated"
+        if info.mutates_data and info.mutation_type != MutationType.MUTATED_IN_GRAPH:
+            return f"input {i} is mutated outside the graph ({info.mutation_type.name})"
     if getattr(meta, "num_intermediate_bases", 0) or getattr(meta, "tokens", None):
-        return False
-    return all(o.output_type == OutputType.non_alias for o in meta.output_info)
+        return "intermediate bases or effect tokens"
+    if not all(o.output_type == OutputType.non_alias for o in meta.output_info):
+        return "an output aliases an input or another output"
+    return None
 
 
 def _static_inputs(captured: dict[str, Any], example_inputs: Sequence[Any]) -> list[Any] | None:

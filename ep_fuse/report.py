@@ -63,6 +63,27 @@ class EpRecord:
 
 
 @dataclasses.dataclass
+class InductorHandoff:
+    """How the rewritten ATen graph was handed to Inductor, and what Inductor saw of its inputs."""
+
+    direct: bool
+    """``True``: Inductor compiled the rewritten graph as Dynamo's graph (one runtime wrapper, the same
+    CUDA-graph decisions as ``backend="inductor"``); ``False``: behind ep_fuse's own AOT wrapper."""
+    reason: str = ""
+    """Why the hand-off was not direct."""
+    mutated_inputs: list[int] = dataclasses.field(default_factory=list)
+    """Graph inputs mutated in place (static KV cache, counters)."""
+    static_inputs: list[int] = dataclasses.field(default_factory=list)
+    """Inputs Inductor treats as static addresses (parameters, ``mark_static_address`` buffers); Inductor
+    keeps CUDA graphs for a graph whose mutated inputs are all static."""
+
+    @property
+    def cudagraph_safe_mutations(self) -> bool:
+        """Every mutated input is static, so mutations do not stop CUDA graphs (``mode="reduce-overhead"``)."""
+        return set(self.mutated_inputs) <= set(self.static_inputs)
+
+
+@dataclasses.dataclass
 class Attempt:
     """One pattern variant tried at a candidate site: the node where it failed and why."""
 
@@ -122,9 +143,11 @@ class GraphReport:
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     unlowered: list[str] = dataclasses.field(default_factory=list)
     skipped: str | None = None
+    """Why the graph was compiled without rewriting (e.g. it needs autograd)."""
     ep: list[EpRecord] = dataclasses.field(default_factory=list)
     """MoE blocks the expert-parallel pass rewrote."""
-    """Why the graph was compiled without rewriting (e.g. it needs autograd)."""
+    inductor: InductorHandoff | None = None
+    """How the rewritten graph reached Inductor (``None`` for the eager executor)."""
 
     def count(self, pattern: str | None = None, variant: str | None = None, provider: str | None = None) -> int:
         return sum(
@@ -173,6 +196,8 @@ class GraphReport:
         if self.ep:
             backends = sorted({f"{e.backend} over {e.world} ranks" for e in self.ep})
             text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"
+        if self.inductor is not None and not self.inductor.direct:
+            text += f"; Inductor behind ep_fuse's AOT wrapper ({self.inductor.reason})"
         if self.skipped:
             text += f"; not rewritten: {self.skipped}"
         if self.near_misses:

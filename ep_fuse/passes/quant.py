@@ -25,7 +25,7 @@ Where the int8 weights come from:
   recompile (or a second graph over the same weights) reuses it and an in-place weight update
   requantizes. The codes and scales enter the graph as constants (``get_attr`` of non-persistent
   buffers of the GraphModule): the eager executor reads them, Inductor (which then compiles behind
-  AOT's wrapper: :func:`ep_fuse.backend._same_signature` refuses graphs with constants) embeds them.
+  AOT's wrapper: :func:`ep_fuse.backend._not_direct` refuses graphs with constants) embeds them.
 
 A block whose weights depend on activations, or whose weights the backend could not see (e.g.
 ``run_passes`` called without inputs), is left in bf16 with a warning.

@@ -7,10 +7,19 @@ checks the documented preconditions (BF16 tokens, int64 ids, fp32 weights, layou
 the recomputed layout, config-table group sizes, clean buffer before LL kernels, T <= M) and makes
 the places the contract leaves open visible: rows past the real counts are NaN (uninitialised), and
 low-latency blocks are placed in *descending* source-rank order (real placement is decided by atomics).
+
+Bound to the real library (DeepEP V1, commit 29d31c0) where it was read or run against it: the size-hint
+formulas of ``csrc/config.hpp``, ``Config``'s defaults, the per-group-size config tables, the host
+asserts of ``Buffer`` creation (128-byte-aligned sizes, ``bytes / 16 < INT_MAX``), of low-latency
+kernels (``SWITCH_HIDDEN`` sizes, hidden % 128, top-k <= 11, ``NVSHMEM_QP_DEPTH >= (M + 1) * 2``) and of
+combine (one row per received token, ``num_worst_tokens`` rows included), uninitialised top-k weights
+in padded rows, a destroyed ``Buffer`` failing with ``AttributeError`` (its runtime is ``None``), and
+the two low-latency result buffers that the kernel after next overwrites.
 """
 
 from __future__ import annotations
 
+import os
 import types
 from typing import Any
 
@@ -19,19 +28,40 @@ import torch.distributed as dist
 from dist_exchange import exchange
 
 CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
+DISPATCH_NVL_CHUNK = {2: 24, 4: 6, 8: 6, 16: 36, 24: 32, 32: 32, 48: 32, 64: 32, 96: 20, 128: 20, 144: 32, 160: 28}
+COMBINE_NVL_CHUNK = {2: 10, 4: 9, 8: 4, 16: 4, 24: 1, 32: 1, 48: 1, 64: 1, 96: 1, 128: 1, 144: 2, 160: 2}
+LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+INT_MAX = 2**31 - 1
+ALIGN = 128
+SOURCE_META_BYTES = 8
 topk_idx_t = torch.int64
 
 
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
 class Config:
-    def __init__(self, num_sms: int, nvl_send: int, nvl_recv: int, rdma_send: int, rdma_recv: int) -> None:
-        assert nvl_send < nvl_recv and rdma_send <= rdma_recv // 2
-        self.num_sms, self.nvl_send, self.nvl_recv = num_sms, nvl_send, nvl_recv
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        nvl_send, nvl_recv = num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens
+        rdma_send = num_max_rdma_chunked_send_tokens
+        rdma_recv = -(-num_max_rdma_chunked_recv_tokens // rdma_send) * rdma_send
+        assert num_sms >= 0 and 0 < nvl_send < nvl_recv and rdma_send <= rdma_recv // 2
+        self.num_sms, self.nvl_send, self.nvl_recv, self.rdma_recv = num_sms, nvl_send, nvl_recv, rdma_recv
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return (self.num_sms // 2) * num_ranks * self.nvl_recv * (hidden_bytes + 64)
+        rdma_ranks, nvl_ranks, ch = max(num_ranks // 8, 1), min(num_ranks, 8), self.num_sms // 2
+        per_token = hidden_bytes + SOURCE_META_BYTES + 128 * 8 + 128 * 4 + 128 * 4
+        return _align(ch * nvl_ranks * (2 * rdma_ranks + 3) * 4 + ch * nvl_ranks * self.nvl_recv * per_token)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        return 0 if num_ranks <= 8 else (self.num_sms // 2) * (num_ranks // 8) * hidden_bytes * 64
+        if num_ranks <= 8:
+            return 0
+        rdma_ranks, ch = num_ranks // 8, self.num_sms // 2
+        per_token = 2 * (hidden_bytes + SOURCE_META_BYTES + 128 * 8 + 128 * 4 + 128 * 4 + 16)
+        return _align(ch * rdma_ranks * (8 * 2 + 2) * 2 * 4 + ch * rdma_ranks * self.rdma_recv * per_token)
 
 
 class EventOverlap:
@@ -60,6 +90,16 @@ class Buffer:
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Any = None) -> None:
         self.group, self.rank, self.num_ranks = group, group.rank(), group.size()
+        for n in (num_nvl_bytes, num_rdma_bytes):  # deep_ep.cpp Buffer::Buffer host asserts
+            assert n % ALIGN == 0 and n // 16 < INT_MAX, f"DeepEP buffer size {n} (128-aligned, /16 < INT_MAX)"
+        assert num_nvl_bytes <= INT_MAX or num_rdma_bytes == 0
+        assert low_latency_mode or num_rdma_bytes <= INT_MAX
+        if low_latency_mode:
+            assert num_qps_per_rank > 0
+        self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
+        self.runtime: Any = object()
+        self._ll_buffers: list[torch.Tensor | None] = [None, None]
+        self._ll_phase = 0
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.num_qps_per_rank = low_latency_mode, num_qps_per_rank
         self.explicitly_destroy = explicitly_destroy
@@ -72,31 +112,55 @@ class Buffer:
 
     # ------------------------------------------------------------------ configs and hints
     @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         assert num_ranks in CONFIG_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        return Config(Buffer.num_sms, DISPATCH_NVL_CHUNK[num_ranks], 256, 6, 128)
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
         assert num_ranks in CONFIG_RANKS, f"Unsupported number of EP ranks: {num_ranks}"
-        return Config(Buffer.num_sms, 6, 256, 6, 128)
+        return Config(Buffer.num_sms, COMBINE_NVL_CHUNK[num_ranks], 256, 6, 128)
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        per_msg = hidden * 2 + 16
-        return 2 * 2 * num_max_dispatch_tokens_per_rank * per_msg * num_experts
+        m, scales = num_max_dispatch_tokens_per_rank, hidden // 128
+        dispatch_msg = 16 + max(hidden * 2, hidden + scales * 4)
+        combine_msg = scales * 4 + hidden * 2
+        send = max(m * dispatch_msg, num_experts * m * combine_msg)
+        recv = max(num_experts * m * dispatch_msg, num_experts * m * combine_msg)
+        total = 2 * send + 2 * recv + 2 * _align(num_experts * 4)
+        return (total + ALIGN) // ALIGN * ALIGN
+
+    def _ll_result(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """LL results live in one of two buffers; the kernel after next overwrites (poisons) them."""
+        self._ll_phase ^= 1
+        buf = torch.full(shape, float("nan"), dtype=dtype)
+        old = self._ll_buffers[self._ll_phase]
+        if old is not None and old.dtype.is_floating_point:
+            old.fill_(float("nan"))
+        self._ll_buffers[self._ll_phase] = buf
+        return buf
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         self.calls.append("clean_low_latency_buffer")
         self.normal_used_since_clean = False
 
     def destroy(self) -> None:
-        assert not self.destroyed, "Buffer destroyed twice"
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        if self.runtime is None:  # the real Buffer: self.runtime.destroy() on None
+            raise AttributeError("'NoneType' object has no attribute 'destroy'")
+        self.runtime = None
         self.destroyed = True
 
-    def _alive(self) -> None:
-        assert not self.destroyed, "Buffer used after destroy()"
+    def _alive(self, what: str = "get_dispatch_layout") -> None:
+        if self.runtime is None:
+            raise AttributeError(f"'NoneType' object has no attribute '{what}'")
 
     # ------------------------------------------------------------------ layout
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int, previous_event: Any = None,
@@ -121,7 +185,7 @@ class Buffer:
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
                  num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        self._alive()
+        self._alive("intranode_dispatch")
         _check_deterministic()
         if isinstance(x, tuple):
             raise NotImplementedError("deepep_double: FP8 dispatch is not implemented")
@@ -166,18 +230,20 @@ class Buffer:
             pad = num_worst_tokens - n
             recv_x = torch.cat([recv_x, torch.full((pad, x.shape[1]), float("nan"), dtype=x.dtype)])
             recv_idx = torch.cat([recv_idx, torch.full((pad, idx.shape[1]), -1, dtype=idx.dtype)])
-            recv_w = torch.cat([recv_w, torch.zeros(pad, idx.shape[1])])
+            recv_w = torch.cat([recv_w, torch.full((pad, idx.shape[1]), float("nan"))])  # torch::empty
+            src_idx = torch.cat([src_idx, torch.full((pad,), -1, dtype=torch.int32)])
+            native = (rank_prefix_matrix, torch.zeros(1), torch.zeros(1), src_idx, is_token_in_rank.clone(),
+                      torch.zeros(1))
             counts = []
         return recv_x, recv_idx, recv_w, counts, native, EventOverlap()
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
-        self._alive()
+        self._alive("intranode_combine")
         _check_deterministic()
         assert x.dtype == torch.bfloat16 and x.dim() == 2, "combine takes BF16 [N, H]"
         rank_prefix_matrix, _c, _r, src_idx, is_token_in_rank, _h = handle
-        n = src_idx.numel()
-        assert x.shape[0] >= n, "combine needs one row per received token"
+        assert x.shape[0] == src_idx.numel(), "combine: src_idx.size(0) == num_tokens (x rows)"
         self.normal_used_since_clean = True
         self.calls.append("combine")
         w = self.num_ranks
@@ -198,15 +264,18 @@ class Buffer:
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
-        self._alive()
+        self._alive("low_latency_dispatch")
         _check_deterministic()
         assert self.low_latency_mode, "low-latency kernels need Buffer(low_latency_mode=True)"
         assert not self.normal_used_since_clean, "call clean_low_latency_buffer() after normal kernels, before LL"
         if use_fp8:
             raise NotImplementedError("deepep_double: FP8 low-latency dispatch is not implemented")
         m = num_max_dispatch_tokens_per_rank
+        assert self.nvshmem_qp_depth >= (m + 1) * 2, "nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2"
         assert x.dtype == torch.bfloat16 and x.shape[0] <= m, "LL dispatch: BF16 and T <= num_max_dispatch_tokens"
-        assert topk_idx.dtype == topk_idx_t
+        assert x.shape[1] % 128 == 0 and x.shape[1] in LL_HIDDEN, "Unsupported hidden"
+        assert topk_idx.dtype == topk_idx_t and topk_idx.shape[1] <= 11, "num_topk <= kNumMaxTopK (11)"
+        assert num_experts % self.num_ranks == 0
         self.calls.append("low_latency_dispatch")
         w, me = self.num_ranks, self.rank
         per_rank = num_experts // w
@@ -221,7 +290,7 @@ class Buffer:
             per_dest.append([x[tok] if mine else x.new_empty(0, x.shape[1]), tok, exp])
         got = exchange(self.group, per_dest)
         h = x.shape[1]
-        recv_x = torch.full((per_rank, w * m, h), float("nan"), dtype=x.dtype)
+        recv_x = self._ll_result((per_rank, w * m, h), x.dtype)
         src_info = torch.full((per_rank, w * m), -1, dtype=torch.int32)
         layout_range = torch.zeros(per_rank, w, dtype=torch.int64)
         recv_count = torch.zeros(per_rank, dtype=torch.int32)
@@ -239,9 +308,10 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
-        self._alive()
+        self._alive("low_latency_combine")
         assert self.low_latency_mode and not self.normal_used_since_clean
         src_info, layout_range, m, h, num_experts = handle
+        assert self.nvshmem_qp_depth >= (m + 1) * 2
         w, me = self.num_ranks, self.rank
         per_rank = num_experts // w
         assert x.dtype == torch.bfloat16 and tuple(x.shape) == (per_rank, w * m, h), "x must be BF16 [E_r, W*M, H]"

@@ -78,12 +78,13 @@ def _close(out, ref, tol):
 
 
 def _block_case(world, *, backend="all_to_all", capacity=None, invalid=0.0, e_per_rank=2, t=12, k=2,
-                out_dtype=BF16, executor="eager", group=None, expect_backend=None, seed_extra=0, tol=2e-2):
+                out_dtype=BF16, executor="eager", group=None, expect_backend=None, seed_extra=0, tol=2e-2,
+                hidden=32):
     """Sharded CanonicalBlock under EP vs the full block, on this rank's own routing."""
     e = e_per_rank * world
-    full = CanonicalBlock(e, out_dtype=out_dtype)
+    full = CanonicalBlock(e, hidden=hidden, out_dtype=out_dtype)
     rank = dist.get_rank()
-    x, ids, w = _routing(t, e, k, seed=100 + rank + seed_extra, invalid=invalid)
+    x, ids, w = _routing(t, e, k, seed=100 + rank + seed_extra, invalid=invalid, hidden=hidden)
     with torch.no_grad():
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full), group)
@@ -307,22 +308,35 @@ def sc_deepep_double(world):
     deepep.available.cache_clear()
     deepep._BUFFERS.clear()
     deepep_double.Buffer.created.clear()
+    ll_hidden = 2048  # DeepEP's low-latency kernels exist for a few hidden sizes only
     try:
         _block_case(world, backend="deepep", invalid=0.2)  # normal, data-dependent (host sync)
         assert len(deepep_double.Buffer.created) == 1
         torch._dynamo.reset()
         _block_case(world, backend="deepep", capacity=12, seed_extra=1)  # normal, num_worst_tokens
         torch._dynamo.reset()
-        _block_case(world, backend="deepep_low_latency", capacity=16, invalid=0.2, seed_extra=2)
+        _block_case(world, backend="deepep_low_latency", capacity=16, invalid=0.2, seed_extra=2, hidden=ll_hidden)
         created = deepep_double.Buffer.created
         assert len(created) == 2 and created[0].destroyed and created[1].low_latency_mode, "recreated once for LL"
         assert created[1].num_qps_per_rank == 2, "LL: num_qps_per_rank = local experts"
         torch._dynamo.reset()
         _block_case(world, backend="deepep", seed_extra=3)  # back to normal on the LL-mode buffer
         torch._dynamo.reset()
-        _block_case(world, backend="deepep_low_latency", capacity=16, seed_extra=4)
+        _block_case(world, backend="deepep_low_latency", capacity=16, seed_extra=4, hidden=ll_hidden)
         assert len(created) == 2, "one buffer per group"
         assert created[1].calls.count("clean_low_latency_buffer") == 1, created[1].calls
+        torch._dynamo.reset()
+        # low-latency limits are compile-time declines to normal mode, never a crash
+        site = _block_case(world, backend="deepep_low_latency", capacity=16, seed_extra=6,
+                           expect_backend="deepep")  # hidden 32: no LL kernel
+        assert site.declined[0][0] == "deepep_low_latency" and "hidden" in site.declined[0][1]
+        torch._dynamo.reset()
+        site = _block_case(world, backend="deepep_low_latency", capacity=600, t=12, seed_extra=7, hidden=ll_hidden,
+                           expect_backend="deepep")  # (C + 1) * 2 > NVSHMEM_QP_DEPTH
+        assert "NVSHMEM_QP_DEPTH" in site.declined[0][1]
+        torch._dynamo.reset()
+        site = _block_case(world, backend="auto", capacity=16, seed_extra=8, expect_backend="all_to_all")
+        assert [d[0] for d in site.declined] == [], "auto on a CPU graph: all_to_all, DeepEP never considered"
         torch._dynamo.reset()
         _hf_case("mixtral", BF16, backend="deepep")
         torch._dynamo.reset()
@@ -332,8 +346,27 @@ def sc_deepep_double(world):
         torch._dynamo.reset()
         _block_case(world, backend="auto", expect_backend="all_to_all")  # auto on CPU: all_to_all
         assert handles.pending() == 0
+        # a failed (re)creation leaves no half-made buffer registered; the next call builds a new one
+        live = len(deepep._BUFFERS)
+        real_init = deepep_double.Buffer.__init__
+
+        def failing_init(self, *a, **kw):
+            raise RuntimeError("simulated: deep_ep.cpp:157 num_rdma_bytes / sizeof(int4) < INT_MAX")
+
+        deepep_double.Buffer.__init__ = failing_init
+        try:
+            deepep.get_buffer(dist.group.WORLD, "low_latency", 4096, 2, 2 * world, 4096)
+            raise AssertionError("creation should fail")
+        except deepep.groups.EpError as exc:
+            assert "INT_MAX" in str(exc)
+        finally:
+            deepep_double.Buffer.__init__ = real_init
+        assert len(deepep._BUFFERS) == live - 1, "the destroyed buffer is not left registered"
+        torch._dynamo.reset()
+        _block_case(world, backend="deepep", capacity=12, seed_extra=9)  # a fresh buffer, works
     finally:
         deepep.destroy_buffers()
+        deepep.destroy_buffers()  # idempotent: teardown twice is harmless
         sys.modules.pop("deep_ep", None)
         deepep.available.cache_clear()
 

@@ -1,5 +1,7 @@
-"""DeepEP provider (``deep_ep.Buffer``, V1 API; ``op-contracts.md`` §8.2-§8.10). **Not run on real DeepEP**:
-tested on CPU against ``tests/deepep_double.py``, a double of the documented contract.
+"""DeepEP provider (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; ``op-contracts.md`` §8.2-§8.10).
+
+Run for real on 2 x H200 (``tests/gpu/``, ``bench/bench_ep.py``; build: ``bench/build_deepep.sh``) and
+on CPU against ``tests/deepep_double.py``, a double of the same contract.
 
 * ``deepep`` (normal, ``rank`` layout): ``get_dispatch_layout`` -> ``dispatch`` (ids rebased to local
   experts, -1 elsewhere; weights fp32, 0.0 elsewhere) -> local experts, weights applied in the
@@ -15,9 +17,14 @@ tested on CPU against ``tests/deepep_double.py``, a double of the documented con
   low-latency kernel follows normal kernels on a buffer.
 * Guards (checked at compile time by :func:`supports`; run-time errors are raised, never a silent
   switch of provider, which would desynchronise the ranks): ``deep_ep`` importable; BF16 tokens and
-  output; the group size in DeepEP's config table (normal); ``T <= C`` (LL); not both
-  ``torch.use_deterministic_algorithms`` and ``fill_uninitialized_memory``; no normal dispatch
-  without ``ep_capacity`` under CUDA-graph capture.
+  output; rows of 16-byte multiples; at most 1024 local experts; the group size in DeepEP's config
+  table (normal); ``num_worst_tokens`` intranode only; low-latency: a hidden size its kernels are
+  built for, top-k <= 11, ``T <= C``, ``(C + 1) * 2 <= NVSHMEM_QP_DEPTH`` and an RDMA buffer under
+  DeepEP's ``INT_MAX * 16`` bytes -- a capacity beyond these is declined at compile time (the EP pass
+  then takes normal mode); not both ``torch.use_deterministic_algorithms`` and
+  ``fill_uninitialized_memory``; no normal dispatch without ``ep_capacity`` under CUDA-graph capture.
+* Buffers are collective objects: a failed (re)creation leaves no entry behind, and
+  :func:`destroy_buffers` (collective, every rank) releases each live buffer exactly once.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import os
 from typing import Any
 
 import torch
@@ -46,6 +54,14 @@ CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 """Group sizes with tuned ``Buffer.get_dispatch_config`` / ``get_combine_config`` entries (others assert)."""
 NVL_RANKS = 8
 """Largest intranode (NVLink) group: ``num_worst_tokens`` is intranode only."""
+LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
+"""Hidden sizes DeepEP's low-latency kernels are instantiated for (``SWITCH_HIDDEN``); others assert."""
+LL_MAX_TOPK = 11
+MAX_LOCAL_EXPERTS = 1024
+INT_MAX = 2**31 - 1
+DEFAULT_QP_DEPTH = 1024
+"""``Buffer`` sets ``NVSHMEM_QP_DEPTH`` to this unless the environment sets it; low-latency kernels
+assert ``depth >= (num_max_dispatch_tokens_per_rank + 1) * 2``."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,7 +78,17 @@ def _deep_ep() -> Any:
     return importlib.import_module("deep_ep")
 
 
-def supports(mode: str, x: Any, topk_ids: Any, out_dtype: Any, world: int, capacity: int) -> str | None:
+def ll_capacity_limit() -> int:
+    """Largest low-latency ``num_max_dispatch_tokens_per_rank`` the NVSHMEM QP depth allows."""
+    try:
+        depth = int(os.environ.get("NVSHMEM_QP_DEPTH", DEFAULT_QP_DEPTH))
+    except ValueError:
+        depth = DEFAULT_QP_DEPTH
+    return depth // 2 - 1
+
+
+def supports(mode: str, x: Any, topk_ids: Any, out_dtype: Any, world: int, capacity: int,
+             num_experts: int | None = None) -> str | None:
     """Why DeepEP ``mode`` (``normal`` / ``low_latency``) cannot run this block (``None``: it can)."""
     if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
         return "DeepEP refuses deterministic algorithms with fill_uninitialized_memory"
@@ -70,15 +96,34 @@ def supports(mode: str, x: Any, topk_ids: Any, out_dtype: Any, world: int, capac
         return f"DeepEP dispatches BF16 tokens (FP8 not used by ep_fuse); got {x.dtype}"
     if out_dtype != torch.bfloat16:
         return f"DeepEP combines BF16 expert outputs; the block returns {out_dtype}"
+    hidden = int(x.shape[-1])
+    if hidden * 2 % 16:
+        return f"DeepEP moves rows of 16-byte multiples; hidden {hidden} x 2 bytes is not"
+    if num_experts is not None and num_experts // world > MAX_LOCAL_EXPERTS:
+        return f"{num_experts // world} local experts exceed DeepEP's {MAX_LOCAL_EXPERTS}"
     if mode == "normal":
         if world not in CONFIG_RANKS:
             return f"DeepEP has no dispatch/combine config for {world} ranks (tables: {CONFIG_RANKS})"
         if capacity > 0 and world > NVL_RANKS:
             return "num_worst_tokens (ep_capacity) is intranode only (<= 8 ranks)"
-    else:
-        c = capacity_rows("expert", topk_ids.shape[0], capacity)
-        if topk_ids.shape[0] > c:
-            return f"{topk_ids.shape[0]} tokens exceed num_max_dispatch_tokens_per_rank={c}"
+        return None
+    t, k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
+    c = capacity_rows("expert", t, capacity)
+    if hidden not in LL_HIDDEN:
+        return f"DeepEP's low-latency kernels are built for hidden sizes {LL_HIDDEN}, not {hidden}"
+    if k > LL_MAX_TOPK:
+        return f"DeepEP's low-latency kernels take top-k <= {LL_MAX_TOPK}, not {k}"
+    if t > c:
+        return f"{t} tokens exceed num_max_dispatch_tokens_per_rank={c}"
+    limit = ll_capacity_limit()
+    if c > limit:
+        return (f"low-latency capacity {c} exceeds {limit} tokens per rank (NVSHMEM_QP_DEPTH must be >= "
+                f"(C + 1) * 2); use normal mode for batches this large")
+    if num_experts is not None:
+        rdma = _deep_ep().Buffer.get_low_latency_rdma_size_hint(c, hidden, world, num_experts)
+        if rdma // 16 >= INT_MAX:
+            return (f"a low-latency buffer for {c} tokens per rank x hidden {hidden} x {num_experts} experts needs "
+                    f"{rdma / 2**30:.1f} GiB, over DeepEP's limit of {16 * INT_MAX / 2**30:.0f} GiB")
     return None
 
 
@@ -95,18 +140,34 @@ class _BufferState:
 _BUFFERS: dict[str, _BufferState] = {}
 
 
+TUNED: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
+"""Measured intranode configs per group size: ``((dispatch SMs, NVL chunk), (combine SMs, NVL chunk))``
+(``bench/bench_ep.py`` runs DeepEP's own tuning sweep); groups not listed use DeepEP's defaults."""
+NVL_BUFFER_TOKENS = 256
+
+
+def _configs(deep_ep: Any, world: int) -> tuple[Any, Any]:
+    """``(dispatch, combine)`` ``deep_ep.Config`` for a group of ``world`` ranks."""
+    if world in TUNED:
+        (ds, dc), (cs, cc) = TUNED[world]
+        return deep_ep.Config(ds, dc, NVL_BUFFER_TOKENS), deep_ep.Config(cs, cc, NVL_BUFFER_TOKENS)
+    return deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)
+
+
 def _size_hints(deep_ep: Any, world: int, hidden: int, elem_size: int) -> tuple[int, int]:
     hidden_bytes = hidden * max(elem_size, 2)
     nvl = rdma = 0
     if world in CONFIG_RANKS:
-        for cfg in (deep_ep.Buffer.get_dispatch_config(world), deep_ep.Buffer.get_combine_config(world)):
+        for cfg in _configs(deep_ep, world):
             nvl = max(nvl, cfg.get_nvl_buffer_size_hint(hidden_bytes, world))
             rdma = max(rdma, cfg.get_rdma_buffer_size_hint(hidden_bytes, world))
     return nvl, rdma
 
 
 def get_buffer(group: Any, mode: str, hidden: int, elem_size: int, num_experts: int, max_tokens: int) -> Any:
-    """The group's ``Buffer``, (re)created large enough for ``mode``; cleans the LL buffer after normal use."""
+    """The group's ``Buffer``, (re)created large enough for ``mode``; cleans the LL buffer after normal use.
+
+    Collective when it (re)creates: every rank reaches the same decision (same static sizes)."""
     deep_ep = _deep_ep()
     world = group.size()
     nvl, rdma = _size_hints(deep_ep, world, hidden, elem_size)
@@ -119,12 +180,18 @@ def get_buffer(group: Any, mode: str, hidden: int, elem_size: int, num_experts: 
         if state is not None:
             nvl, rdma = max(nvl, state.num_nvl_bytes), max(rdma, state.num_rdma_bytes)
             low_latency = low_latency or state.low_latency_mode
+            del _BUFFERS[group.group_name]  # never leave a destroyed buffer registered
             state.buffer.destroy()
-        qps = num_experts // world if low_latency else max(1, deep_ep.Buffer.num_sms // 2)
+        qps = max(1, num_experts // world) if low_latency else max(1, deep_ep.Buffer.num_sms // 2)
         log.info("ep_fuse: DeepEP Buffer for group %s: nvl %d B, rdma %d B, low_latency_mode=%s",
                  group.group_name, nvl, rdma, low_latency)
-        buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency,
-                                num_qps_per_rank=qps, explicitly_destroy=True)
+        try:
+            buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency,
+                                    num_qps_per_rank=qps, explicitly_destroy=True)
+        except Exception as exc:
+            raise groups.EpError(
+                f"ep_fuse: creating a DeepEP Buffer (nvl {nvl} B, rdma {rdma} B, low_latency_mode={low_latency}) "
+                f"failed on rank {group.rank()}: {type(exc).__name__}: {exc}") from exc
         state = _BUFFERS[group.group_name] = _BufferState(buffer, nvl, rdma, low_latency)
     if low_latency and mode == "low_latency" and state.last_kernels == "normal":
         state.buffer.clean_low_latency_buffer(max_tokens, hidden, num_experts)
@@ -140,16 +207,37 @@ def _current_buffer(group: Any, mode: str) -> Any:
 
 
 def destroy_buffers() -> None:
-    """Release every DeepEP buffer (collective: call on all ranks, e.g. before destroy_process_group)."""
-    for state in _BUFFERS.values():
-        state.buffer.destroy()
+    """Release every DeepEP buffer (collective: call on all ranks, before destroy_process_group).
+
+    Idempotent; each buffer is released once even if one release raises."""
+    states = list(_BUFFERS.values())
     _BUFFERS.clear()
+    errors = []
+    for state in states:
+        try:
+            if getattr(state.buffer, "runtime", True) is not None:
+                state.buffer.destroy()
+        except Exception as exc:  # keep releasing the others
+            errors.append(exc)
+    if errors:
+        raise groups.EpError(f"ep_fuse: releasing {len(errors)} DeepEP buffer(s) failed: {errors[0]}") from errors[0]
 
 
 def _topk_idx(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """DeepEP ``topk_idx_t`` (int64) with -1 for every slot outside ``[0, E)``."""
     ids = topk_ids.long()
     return torch.where(valid_slots(ids, num_experts), ids, -1)
+
+
+def _new_handle(length: int, code: int, n_recv: int, native: Any, device: torch.device) -> torch.Tensor:
+    """The graph-visible handle: registered by storage address; on CUDA left unwritten (no fill kernels
+    on the dispatch path; its content is never read there), on CPU with its header filled in."""
+    handle = torch.empty(length, dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        handle.fill_(-1)
+        handle[0], handle[2] = code, n_recv
+    handles.put(handle, native, write_key=device.type == "cpu")
+    return handle
 
 
 # --------------------------------------------------------------------------- normal
@@ -160,14 +248,19 @@ def dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, layout, 
     if capacity == 0 and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise groups.EpError("ep_fuse: DeepEP normal dispatch syncs with the host and cannot be captured in a CUDA "
                              "graph; set ep_capacity (num_worst_tokens) or ep_backend='deepep_low_latency'")
+    if capacity > 0 and t > capacity:
+        raise groups.EpError(f"ep_fuse: {t} tokens on this rank exceed ep_capacity={capacity}; raise ep_capacity "
+                             "to the largest per-rank batch")
     buffer = get_buffer(group, "normal", x.shape[1], x.element_size(), num_experts, t)
+    dispatch_cfg, _ = _configs(_deep_ep(), world)
     idx = _topk_idx(topk_ids, num_experts)
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
     rows = recv_rows("rank", world, num_experts, t, capacity)
+    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     recv_x, recv_idx, recv_w, _counts, native, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=topk_weights.float(),
-        num_worst_tokens=rows if capacity > 0 else 0)
+        x.contiguous(), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights.contiguous(),
+        num_worst_tokens=rows if capacity > 0 else 0, config=dispatch_cfg)
     n = recv_x.shape[0]
     if n > rows:
         raise groups.EpError(
@@ -181,11 +274,11 @@ def dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, layout, 
         pad_w = torch.zeros(rows, k, dtype=torch.float32, device=x.device)
         pad_w[:n] = recv_w
         recv_x, recv_idx, recv_w = pad_x, pad_idx, pad_w
-    handle = torch.full((handle_len("rank", world, num_experts, t, k, capacity),), -1, dtype=torch.int64,
-                        device=x.device)
-    handle[0], handle[2] = CODES["deepep"], n
-    handles.put(handle, (native, n))
-    return recv_x, recv_idx.long(), recv_w.to(topk_weights.dtype), handle
+    handle = _new_handle(handle_len("rank", world, num_experts, t, k, capacity), CODES["deepep"], n, (native, n),
+                         x.device)
+    if recv_w.dtype != topk_weights.dtype:
+        recv_w = recv_w.to(topk_weights.dtype)
+    return recv_x, recv_idx if recv_idx.dtype == torch.int64 else recv_idx.long(), recv_w, handle
 
 
 def combine_normal(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s,
@@ -193,8 +286,12 @@ def combine_normal(y, handle, topk_ids, topk_weights, num_experts, group_name, l
     group = groups.resolve_group(group_name)
     native, n = handles.pop(handle)
     buffer = _current_buffer(group, "normal")
-    combined, _w, _ = buffer.combine(y if capacity > 0 else y[:n], native)
-    return combined.to(out_dtype or y.dtype)
+    _, combine_cfg = _configs(_deep_ep(), group.size())
+    send = y if capacity > 0 else y[:n]
+    combined, _w, _ = buffer.combine(send if send.dtype == torch.bfloat16 else send.to(torch.bfloat16), native,
+                                     config=combine_cfg)
+    dtype = out_dtype or y.dtype
+    return combined if combined.dtype == dtype else combined.to(dtype)
 
 
 # --------------------------------------------------------------------------- low latency
@@ -203,19 +300,21 @@ def dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, lay
     world = group.size()
     t, k = topk_ids.shape
     c = capacity_rows("expert", t, capacity)
+    if t > c:
+        raise groups.EpError(f"ep_fuse: {t} tokens on this rank exceed ep_capacity={c} (DeepEP low-latency "
+                             "num_max_dispatch_tokens_per_rank); raise ep_capacity to the largest per-rank batch")
     per_rank = num_experts // world
     buffer = get_buffer(group, "low_latency", x.shape[1], x.element_size(), num_experts, c)
     idx = _topk_idx(topk_ids, num_experts)
-    recv_x, recv_count, native, _event, _hook = buffer.low_latency_dispatch(x, idx, c, num_experts, use_fp8=False)
+    recv_x, recv_count, native, _event, _hook = buffer.low_latency_dispatch(x.contiguous(), idx, c, num_experts,
+                                                                            use_fp8=False)
     rows = per_rank * world * c
     slot = torch.arange(world * c, device=x.device)
-    live = slot.unsqueeze(0) < recv_count.to(slot.dtype).unsqueeze(1)  # [E_r, W*C]
+    live = slot.unsqueeze(0) < recv_count.unsqueeze(1)  # [E_r, W*C]
     experts = torch.arange(per_rank, device=x.device).unsqueeze(1)
     recv_ids = torch.where(live, experts, -1).reshape(rows, 1)
-    handle = torch.full((handle_len("expert", world, num_experts, t, k, capacity),), -1, dtype=torch.int64,
-                        device=x.device)
-    handle[0], handle[2] = CODES["deepep_low_latency"], rows
-    handles.put(handle, (native, idx))
+    handle = _new_handle(handle_len("expert", world, num_experts, t, k, capacity), CODES["deepep_low_latency"], rows,
+                         (native, idx), x.device)
     return recv_x.reshape(rows, x.shape[1]), recv_ids, live.reshape(rows, 1).to(topk_weights.dtype), handle
 
 
@@ -226,9 +325,12 @@ def combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_na
     c = capacity_rows("expert", topk_ids.shape[0], capacity)
     native, idx = handles.pop(handle)
     buffer = _current_buffer(group, "low_latency")
+    send = y.view(num_experts // world, world * c, y.shape[1])
+    weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
     combined, _event, _hook = buffer.low_latency_combine(
-        y.view(num_experts // world, world * c, y.shape[1]).to(torch.bfloat16), idx, topk_weights.float(), native)
-    return combined.to(out_dtype or torch.promote_types(y.dtype, topk_weights.dtype))
+        send if send.dtype == torch.bfloat16 else send.to(torch.bfloat16), idx, weights.contiguous(), native)
+    dtype = out_dtype or torch.promote_types(y.dtype, topk_weights.dtype)
+    return combined if combined.dtype == dtype else combined.to(dtype)
 
 
 __all__ = ["HEADER", "available", "destroy_buffers", "get_buffer", "supports"]

@@ -21,13 +21,15 @@ _by_ptr: dict[int, int] = {}
 _keys = itertools.count(1)
 
 
-def put(handle: torch.Tensor, value: Any) -> int:
-    """Store ``value`` for the dispatch whose handle tensor is ``handle`` (fills ``handle[1]``)."""
+def put(handle: torch.Tensor, value: Any, write_key: bool = True) -> int:
+    """Store ``value`` for the dispatch whose handle tensor is ``handle``; ``write_key`` also writes the
+    key into ``handle[1]`` (a device write: providers skip it on GPUs, where lookups go by address)."""
     with _lock:
         key = next(_keys)
         _entries[key] = value
         _by_ptr[handle.data_ptr()] = key
-    handle[1] = key
+    if write_key:
+        handle[1] = key
     return key
 
 

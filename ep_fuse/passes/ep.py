@@ -71,45 +71,69 @@ def router_width(ids: Any) -> int | None:
     return None
 
 
+LAYOUTS = {"all_to_all": "rank", "deepep": "rank", "deepep_low_latency": "expert", "npu": "expert"}
+"""Receive layout of each provider (``ep_fuse/ep/layout.py``)."""
+
+FALLBACKS = {
+    "deepep_low_latency": ("deepep_low_latency", "deepep", "all_to_all"),
+    "deepep": ("deepep", "all_to_all"),
+    "npu": ("npu", "all_to_all"),
+    "all_to_all": ("all_to_all",),
+}
+"""What an explicitly requested backend falls back to, in order, when it cannot run a block (a
+low-latency capacity DeepEP cannot hold takes DeepEP normal mode before all_to_all)."""
+
+
+def auto_order(device: str, capacity: int) -> tuple[str, ...]:
+    """``ep_backend="auto"``: the providers tried, fastest first, for a graph on ``device``."""
+    if device == "cuda":
+        return (("deepep_low_latency",) if capacity else ()) + ("deepep", "all_to_all")
+    if device == "npu":
+        return ("npu", "all_to_all")
+    return ("all_to_all",)
+
+
+def _available(name: str) -> str | None:
+    if name in ("deepep", "deepep_low_latency"):
+        return deepep.available()
+    if name == "npu":
+        return npu.available()
+    return None
+
+
+def _supports(name: str, x: Any, ids: Any, block_dtype: Any, world: int, num_experts: int, capacity: int
+              ) -> str | None:
+    if name == "deepep":
+        return deepep.supports("normal", x, ids, block_dtype, world, capacity, num_experts)
+    if name == "deepep_low_latency":
+        return deepep.supports("low_latency", x, ids, block_dtype, world, capacity, num_experts)
+    if name == "npu":
+        return npu.supports(x, ids, num_experts, world, capacity)
+    return None
+
+
 def choose_backend(
     requested: str, device: str, x: Any, ids: Any, block_dtype: Any, world: int, num_experts: int, capacity: int
 ) -> tuple[str, str, list[tuple[str, str]]]:
-    """``(backend, layout, declined)`` for one block; raises when an explicitly requested runtime is missing."""
-    if requested == "all_to_all":
-        return "all_to_all", "rank", []
-    if requested in ("deepep", "deepep_low_latency"):
-        why = deepep.available()
+    """``(backend, layout, declined)`` for one block, decided from static shapes and options only (so
+    every rank decides alike); raises when an explicitly requested runtime is missing."""
+    if requested == "auto":
+        order = auto_order(device, capacity)
+    else:
+        why = _available(requested)
         if why:
-            raise EpError(f"ep_fuse: ep_backend={requested!r} but {why}. Install DeepEP (CUDA, NVLink/RDMA) "
-                          "or use ep_backend='all_to_all' / 'auto'.")
-        mode = "normal" if requested == "deepep" else "low_latency"
-        why = deepep.supports(mode, x, ids, block_dtype, world, capacity)
+            raise EpError(f"ep_fuse: ep_backend={requested!r} but {why}. Install it, or use ep_backend="
+                          "'all_to_all' / 'auto'.")
+        order = FALLBACKS[requested]
+    declined: list[tuple[str, str]] = []
+    for name in order:
+        why = _available(name) or _supports(name, x, ids, block_dtype, world, num_experts, capacity)
         if why is None:
-            return requested, "rank" if mode == "normal" else "expert", []
-        log.warning("ep_fuse: %s cannot run this MoE block (%s); using all_to_all", requested, why)
-        return "all_to_all", "rank", [(requested, why)]
-    if requested == "npu":
-        why = npu.available()
-        if why:
-            raise EpError(f"ep_fuse: ep_backend='npu' but {why}. Use ep_backend='all_to_all' / 'auto' elsewhere.")
-        why = npu.supports(x, ids, num_experts, world, capacity)
-        if why is None:
-            return "npu", "expert", []
-        log.warning("ep_fuse: npu_moe_distribute_* cannot run this MoE block (%s); using all_to_all", why)
-        return "all_to_all", "rank", [("npu", why)]
-    declined: list[tuple[str, str]] = []  # auto
-    if device == "cuda":
-        mode = "low_latency" if capacity else "normal"
-        why = deepep.available() or deepep.supports(mode, x, ids, block_dtype, world, capacity)
-        if why is None:
-            return ("deepep_low_latency", "expert", []) if capacity else ("deepep", "rank", [])
-        declined.append(("deepep", why))
-    if device == "npu":
-        why = npu.available() or npu.supports(x, ids, num_experts, world, capacity)
-        if why is None:
-            return "npu", "expert", []
-        declined.append(("npu", why))
-    return "all_to_all", "rank", declined
+            if requested != "auto" and declined:
+                log.warning("ep_fuse: %s cannot run this MoE block (%s); using %s", requested, declined[0][1], name)
+            return name, LAYOUTS[name], declined
+        declined.append((name, why))
+    raise EpError(f"ep_fuse: no EP provider can run this MoE block: {declined}")
 
 
 class ExpertParallel(GraphPass):

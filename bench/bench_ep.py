@@ -1,43 +1,70 @@
-"""Benchmark of the EP path: ``ep_dispatch`` + ``ep_combine`` alone and a whole EP MoE layer.
+"""Expert parallelism on several GPUs, side by side with the same work on one GPU, in one run.
 
-    torchrun --nproc-per-node 8 bench/bench_ep.py [--quick] [--backends all_to_all,deepep,deepep_low_latency]
+    torchrun --nproc-per-node 2 bench/bench_ep.py [--quick] [--backends all_to_all,symm_mem,deepep,...]
+        [--shapes "DeepSeek-V3 decode,..."] [--iters 20] [--e2e] [--deepep-config SMS,CHUNK,SMS,CHUNK]
     python bench/bench_ep.py --quick          # one process: world size 1 (loopback; says so)
 
-Per rank: tokens/s of the EP MoE layer (``ep_fuse.shard_experts`` + compile with ``ep_fuse.ep_options``)
-and GB/s of the dispatch + combine traffic (bytes of the rows that leave or arrive at a rank, both
-directions, divided by the time of dispatch + combine with identity experts). Backends: ``all_to_all``
-(data-dependent sizes and static capacity) always; DeepEP normal / low-latency when ``deep_ep``
-imports. NCCL on CUDA, gloo on CPU. With world size 1 no EP nodes are inserted into the layer
-(plain local MoE) and the dispatch/combine numbers are a loopback copy: the output says so.
-Writes ``$OUT/ep.json`` and ``$OUT/ep.md`` (rank 0).
+Per MoE layer shape and EP provider (every rank runs its own tokens, ``ep_fuse.shard_experts`` +
+``ep_fuse.ep_options``, Inductor executor, Triton stage providers):
+
+* **dispatch** and **combine** times, separately (combine = dispatch+combine - dispatch), and GB/s per
+  rank two ways: ``recv`` = rows this rank receives (its own included) x H x 2 B over the time -- the
+  way DeepEP's own tests count -- and ``remote`` = rows that cross to another rank;
+* the EP **layer** time per rank against the **same layer on one GPU** (all experts, this rank's T
+  tokens; and W x T tokens, the same total work) in the same process, and its relative L2 against
+  that one-GPU layer;
+* capacity modes (static shapes) are captured in a CUDA graph and replayed (what serving runs);
+  data-dependent modes sync the host and are timed from launches. Every rank replays the same fixed
+  number of iterations between two events after a barrier.
+
+``--e2e``: a 4-layer Qwen3-30B-A3B-sized HF model (``hf_models.py``): tokens/s of the pair (prefill,
+4096 tokens per rank, DeepEP normal; decode 128 x 1 per rank, low-latency under CUDA graphs) against one
+GPU running the whole model on one rank's tokens, logits checked per rank.
+
+Keep ``NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1`` (set here too).
+Writes ``$OUT/ep.json`` and ``$OUT/ep.md`` (rank 0). Exits 0 when every rank finished.
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import datetime
-import json
 import os
-import socket
-import time
-from pathlib import Path
-from typing import Any
 
-import torch
-import torch.distributed as dist
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ[_k] = _v  # NVLink multicast off in every process (device README)
 
-import ep_fuse
-import ep_fuse.ops.canonical
-from ep_fuse.ep import deepep
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ep_fuse  # noqa: E402
+import ep_fuse.ops.canonical  # noqa: E402,F401
+from ep_fuse.ep import deepep, handles, release_buffers  # noqa: E402
+from ep_fuse.passes.ep import ep_sites  # noqa: E402
 
 BF16 = torch.bfloat16
 SHAPES = [  # (name, tokens per rank, H, I, E, K)
     ("DeepSeek-V3 decode", 128, 7168, 2048, 256, 8),
     ("DeepSeek-V3 prefill", 4096, 7168, 2048, 256, 8),
+    ("Qwen3-30B-A3B decode", 128, 2048, 768, 128, 8),
     ("Qwen3-30B-A3B prefill", 4096, 2048, 768, 128, 8),
 ]
-QUICK = [("small", 256, 1024, 512, 32, 4)]
+QUICK = [("small", 256, 2048, 512, 32, 4)]
+# (backend, capacity: True = T, False = data-dependent)
+DECODE_MODES = [("deepep_low_latency", True), ("deepep", True), ("symm_mem", True), ("all_to_all", True),
+                ("all_to_all", False)]
+PREFILL_MODES = [("deepep", True), ("deepep", False), ("deepep_low_latency", True), ("symm_mem", True),
+                 ("all_to_all", True), ("all_to_all", False)]
 
 
 def log(*a: Any) -> None:
@@ -51,7 +78,8 @@ def init() -> torch.device:
         local = int(os.environ.get("LOCAL_RANK", 0))
         if cuda:
             torch.cuda.set_device(local)
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=180),
+                                device_id=torch.device("cuda", local) if cuda else None)
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -61,100 +89,241 @@ def init() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
-def timed(fn, iters: int, device: torch.device) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs (barrier-aligned; CUDA events on GPU)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2]
-
-
 class Block(torch.nn.Module):
     def __init__(self, e: int, h: int, i: int, device: torch.device) -> None:
         super().__init__()
         self.num_experts = e
-        self.w13 = torch.nn.Parameter(torch.randn(e, 2 * i, h, device=device, dtype=BF16) / h**0.5)
-        self.w2 = torch.nn.Parameter(torch.randn(e, h, i, device=device, dtype=BF16) / i**0.5)
+        self.w13 = torch.nn.Parameter(torch.randn(e, 2 * i, h, device=device, dtype=BF16) / h**0.5,
+                                      requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.randn(e, h, i, device=device, dtype=BF16) / i**0.5, requires_grad=False)
 
     def forward(self, x, ids, w):
         return torch.ops.ep_fuse.moe_experts(x, ids, w, self.w13, self.w2, BF16)
 
 
-def traffic_bytes(ids: torch.Tensor, e: int, world: int, rank: int, h: int, layout: str) -> int:
-    """Bytes of token rows leaving this rank for other ranks in dispatch (combine moves the same back)."""
+def loop_seconds(fn, iters: int, device: torch.device, graph: bool) -> float:
+    """Seconds per call of ``fn``: ``iters`` back-to-back calls (or replays of its CUDA graph) between two
+    events, after a barrier; every rank runs the same count, so collectives pair up."""
+    if graph and device.type == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        dist.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        run = g.replay
+    else:
+        run = fn
+    for _ in range(3):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+    if device.type == "cuda":
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            run()
+        b.record()
+        b.synchronize()
+        sec = a.elapsed_time(b) / 1e3 / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        sec = (time.perf_counter() - t0) / iters
+    dist.barrier()
+    return sec
+
+
+def kernel_split(fn, iters: int) -> tuple[float, float]:
+    """Seconds per call spent in GPU kernels named ``*dispatch*`` / ``*combine*`` (DeepEP's own kernels),
+    from a profiler trace of ``iters`` calls -- how DeepEP's tests time its low-latency kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    dist.barrier()
+    d = c = 0.0
+    for ev in prof.key_averages():
+        total = getattr(ev, "device_time_total", None)
+        if total is None:
+            total = getattr(ev, "cuda_time_total", 0.0)
+        name = ev.key.lower()
+        if "dispatch" in name and "layout" not in name:
+            d += total
+        elif "combine" in name:
+            c += total
+    return d / iters / 1e6, c / iters / 1e6
+
+
+def routing(t: int, h: int, e: int, k: int, device: torch.device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(device, BF16)
+    w, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k)
+    return x, ids.to(device), w.to(device)
+
+
+def traffic_rows(ids: torch.Tensor, e: int, layout: str) -> tuple[int, int]:
+    """(rows this rank receives, rows crossing from this rank to others) in dispatch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
     per_rank = e // world
+    gathered = [torch.empty_like(ids) for _ in range(world)]
+    dist.all_gather(gathered, ids)
+    recv = 0
+    for src in gathered:
+        mine = (src // per_rank) == rank
+        recv += int(mine.any(1).sum()) if layout == "rank" else int(mine.sum())
     dest = ids // per_rank
     if layout == "rank":
         remote = sum(int((dest == r).any(1).sum()) for r in range(world) if r != rank)
     else:
-        remote = int(((dest != rank) & (ids >= 0)).sum())
-    return 2 * remote * h * 2  # dispatch + combine, bf16
+        remote = int((dest != rank).sum())
+    return recv, remote
 
 
-def run_shape(name, t, h, inter, e, k, backends, iters, device):
+def one_gpu_us(full: Block, x, ids, w, iters: int, device: torch.device) -> float:
+    fn = torch.compile(full, backend="ep_fuse", options={"executor": "inductor" if device.type == "cuda" else "eager"})
+    with torch.no_grad():
+        fn(x, ids, w)
+        sec = loop_seconds(lambda: fn(x, ids, w), iters, device, graph=True)
+    torch._dynamo.reset()
+    return sec * 1e6
+
+
+def run_shape(name, t, h, inter, e, k, modes, iters, device) -> list[dict[str, Any]]:
     world, rank = dist.get_world_size(), dist.get_rank()
-    rows = []
+    rows: list[dict[str, Any]] = []
     if e % world:
         log(f"skip {name}: {e} experts not divisible by {world} ranks")
         return rows
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(t, h, generator=g).to(device, BF16)
-    w, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k)
-    ids, w = ids.to(device), w.to(device)
-    torch.manual_seed(1234)  # one model: every rank must hold the same expert weights before sharding
+    x, ids, w = routing(t, h, e, k, device, seed=rank)
+    torch.manual_seed(1234)  # one model: every rank holds the same expert weights before sharding
     full = Block(e, h, inter, device)
-    for backend in backends:
-        for cap in ((None, t) if backend == "all_to_all" else (None,) if backend == "deepep" else (t,)):
-            label = f"{backend}" + (f" (capacity {cap})" if cap else " (data-dependent)")
-            layout = "expert" if backend == "deepep_low_latency" else "rank"
-            opname = dist.group.WORLD.group_name
-            ops = torch.ops.ep_fuse
-
-            def comm(backend=backend, layout=layout, cap=cap, opname=opname, ops=ops):
-                rx, _ids, _w, hd = ops.ep_dispatch(x, ids, w, e, opname, backend, layout, cap or 0, 300.0)
-                return ops.ep_combine(rx, hd, ids, w, e, opname, backend, layout, cap or 0, 300.0,
-                                      BF16 if layout == "expert" else None)
-
-            try:
-                sec_comm = timed(comm, iters, device)
-                model = ep_fuse.shard_experts(copy.deepcopy(full))
-                opts = ep_fuse.ep_options(model, backend=backend, capacity=cap)
-                executor = "inductor" if device.type == "cuda" else "eager"
-                fn = torch.compile(model, backend="ep_fuse", options={**opts, "executor": executor})
-                with torch.no_grad():
-                    out, ref = fn(x, ids, w), full(x, ids, w)  # EP layer vs all experts on this rank
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-                    if not err < 1e-2:
-                        raise AssertionError(f"rank {rank}: EP output differs from the full layer (rel L2 {err:.2e})")
-                    sec_layer = timed(lambda fn=fn: fn(x, ids, w), iters, device)
-                from ep_fuse.passes.ep import ep_sites
-
-                sites = ep_sites(ep_fuse.last_report())
-                ran = sites[0].backend if sites else "none (world size 1: local MoE)"
-            except Exception as exc:  # one backend failing must not hide the others
-                log(f"{name} {label}: failed: {type(exc).__name__}: {exc}")
-                continue
-            gbs = traffic_bytes(ids, e, world, rank, h, layout) / sec_comm / 1e9
-            rows.append(dict(shape=name, backend=label, ran=ran, world=world, tokens_per_rank=t,
-                             dispatch_combine_us=round(sec_comm * 1e6, 1), gb_s_per_rank=round(gbs, 2),
-                             layer_us=round(sec_layer * 1e6, 1), tokens_s_per_rank=round(t / sec_layer),
-                             rel_l2_vs_full=f"{err:.1e}"))
-            log(rows[-1])
+    with torch.no_grad():
+        base_us = one_gpu_us(full, x, ids, w, iters, device)
+        xs, idss, ws = routing(t * world, h, e, k, device, seed=100 + rank)
+        base_total_us = one_gpu_us(full, xs, idss, ws, iters, device) if world > 1 else base_us
+        ref = full(x, ids, w)
+    log(f"{name}: one GPU, all experts: {base_us:.1f} us on T={t}; {base_total_us:.1f} us on T={t * world}")
+    group_name = dist.group.WORLD.group_name
+    for backend, use_cap in modes:
+        cap = t if use_cap else 0
+        label = f"{backend} ({'capacity ' + str(cap) if cap else 'data-dependent'})"
+        row: dict[str, Any] = dict(shape=name, mode=label, world=world, tokens_per_rank=t,
+                                   one_gpu_us=round(base_us, 1), one_gpu_total_us=round(base_total_us, 1))
+        try:
+            model = ep_fuse.shard_experts(copy.deepcopy(full))
+            opts = ep_fuse.ep_options(model, backend=backend, capacity=cap or None)
+            fn = torch.compile(model, backend="ep_fuse", options={**opts, "executor": "inductor"})
+            with torch.no_grad():
+                out = fn(x, ids, w)
+            sites = ep_sites(ep_fuse.last_report())
+            ran = sites[0].backend if sites else "none (world size 1)"
+            layout = sites[0].layout if sites else "rank"
+            row["ran"] = ran
+            if sites and sites[0].declined:
+                row["declined"] = "; ".join(f"{p}: {r}" for p, r in sites[0].declined)[:160]
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            row["rel_l2_vs_one_gpu"] = f"{err:.1e}"
+            if not err < 2e-2:
+                raise AssertionError(f"rank {rank}: EP output differs from the one-GPU layer (rel L2 {err:.2e})")
+            graph = bool(cap) and device.type == "cuda"
+            with torch.no_grad():
+                layer = loop_seconds(lambda: fn(x, ids, w), iters, device, graph)
             torch._dynamo.reset()
+            # the dispatch / combine ops alone, with the provider the pass chose
+            ops = torch.ops.ep_fuse
+            common = (e, group_name, ran, layout, cap, 300.0)
+            out_dt = BF16 if layout == "expert" else None
+
+            def disp(common=common):
+                return ops.ep_dispatch(x, ids, w, *common)
+
+            def both(common=common, out_dt=out_dt):
+                rx, _i, _w, hd = ops.ep_dispatch(x, ids, w, *common)
+                return ops.ep_combine(rx, hd, ids, w, *common, out_dt)
+
+            if world > 1:
+                t_both = loop_seconds(both, iters, device, graph)
+                if ran == "deepep_low_latency":  # LL dispatch must alternate with combine: split by kernels
+                    t_disp, _t_comb = kernel_split(both, iters)
+                    row["split"] = "LL: DeepEP kernel times (profiler)"
+                else:
+                    t_disp = loop_seconds(disp, iters, device, graph)
+                    handles.clear()  # dispatch-only loops leave their handles registered
+                t_comb = _t_comb if ran == "deepep_low_latency" else t_both - t_disp
+                recv, remote = traffic_rows(ids, e, layout)
+                row.update(
+                    dispatch_us=round(t_disp * 1e6, 1), combine_us=round(t_comb * 1e6, 1),
+                    dispatch_combine_us=round(t_both * 1e6, 1),
+                    dispatch_gbs_recv=round(recv * h * 2 / t_disp / 1e9, 1),
+                    combine_gbs_recv=round(recv * h * 2 / t_comb / 1e9, 1),
+                    gbs_remote=round(2 * remote * h * 2 / t_both / 1e9, 1))
+            row.update(layer_us=round(layer * 1e6, 1), layer_vs_one_gpu=round(layer * 1e6 / base_us, 3),
+                       graph=graph, tokens_s_per_rank=round(t / layer))
+        except Exception as exc:  # one backend failing must not hide the others
+            row["failed"] = f"{type(exc).__name__}: {exc}"[:300]
+            log(f"{name} {label}: failed: {row['failed']}")
+        rows.append(row)
+        log(row)
+        torch._dynamo.reset()
+    return rows
+
+
+def run_e2e(iters: int, device: torch.device) -> list[dict[str, Any]]:
+    """A 4-layer Qwen3-30B-A3B-sized HF model: the EP pair vs one GPU running the whole model."""
+    import hf_models
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = []
+    for label, (b, s), backend, cap, mode in [
+        ("prefill 2 x 2048 per rank", (2, 2048), "deepep", 4096, None),
+        ("decode 128 x 1 per rank", (128, 1), "deepep_low_latency", 128, "reduce-overhead"),
+    ]:
+        row: dict[str, Any] = dict(case=label, world=world, backend=backend)
+        try:
+            full = hf_models.build("qwen3_30b_a3b", device=str(device))
+            g = torch.Generator(device=device).manual_seed(rank)
+            ids = torch.randint(1, full.config.vocab_size, (b, s), device=device, generator=g)
+            opts = {"executor": "inductor", **({"mode": mode} if mode else {})}
+            one = torch.compile(full, backend="ep_fuse", options=opts)
+            with torch.no_grad():
+                ref = one(input_ids=ids, use_cache=False).logits
+                t_one = loop_seconds(lambda: one(input_ids=ids, use_cache=False), iters, device, graph=False)
+            torch._dynamo.reset()
+            ep_model = ep_fuse.shard_experts(full)
+            ep = torch.compile(ep_model, backend="ep_fuse",
+                               options={**opts, **ep_fuse.ep_options(ep_model, backend=backend, capacity=cap)})
+            with torch.no_grad():
+                out = ep(input_ids=ids, use_cache=False).logits
+                t_ep = loop_seconds(lambda: ep(input_ids=ids, use_cache=False), iters, device, graph=False)
+            sites = ep_sites(ep_fuse.last_report())
+            err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+            errs = [torch.zeros(1, device=device) for _ in range(world)]
+            dist.all_gather(errs, torch.tensor([err], device=device))
+            row.update(ran=sorted({s_.backend for s_ in sites}), rel_l2_per_rank=[f"{e.item():.1e}" for e in errs],
+                       one_gpu_tokens_s=round(b * s / t_one), pair_tokens_s=round(world * b * s / t_ep),
+                       speedup=round(world * t_one / t_ep, 2), one_gpu_ms=round(t_one * 1e3, 2),
+                       ep_ms=round(t_ep * 1e3, 2))
+            del full, ep_model, one, ep
+        except Exception as exc:
+            row["failed"] = f"{type(exc).__name__}: {exc}"[:300]
+        log(row)
+        rows.append(row)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -162,37 +331,53 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--backends", default=None)
+    ap.add_argument("--backends", default=None, help="restrict to these providers (default: all)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    ap.add_argument("--e2e", action="store_true", help="also the 4-layer Qwen3-30B-A3B-sized HF model")
+    ap.add_argument("--deepep-config", default=None,
+                    help="dispatch SMs,NVL chunk,combine SMs,NVL chunk for DeepEP normal (from its own tuning)")
     args = ap.parse_args()
     device = init()
     world = dist.get_world_size()
-    backends = args.backends.split(",") if args.backends else ["all_to_all"]
-    if args.backends is None and device.type == "cuda" and deepep.available() is None:
-        backends += ["deepep", "deepep_low_latency"]
+    if args.deepep_config:
+        ds, dc, cs, cc = (int(v) for v in args.deepep_config.split(","))
+        deepep.TUNED[world] = ((ds, dc), (cs, cc))
     note = ("world size 1: no EP nodes are inserted (plain local MoE) and dispatch/combine is a loopback copy"
             if world == 1 else f"{world} ranks, {dist.get_backend()}")
-    log(f"bench_ep: {note}; device {device}; backends {backends}; deep_ep: {deepep.available() or 'available'}")
-    rows = []
+    log(f"bench_ep: {note}; device {device}; deep_ep: {deepep.available() or 'available'}; "
+        f"DeepEP configs: {deepep.TUNED.get(world, 'defaults')}")
+    keep = set(args.backends.split(",")) if args.backends else None
+    rows: list[dict[str, Any]] = []
     shapes = QUICK if args.quick else SHAPES
     if args.shapes:
         shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
     for shape in shapes:
-        rows += run_shape(*shape, backends, args.iters, device)
+        modes = DECODE_MODES if shape[1] <= 512 else PREFILL_MODES
+        modes = [m for m in modes if keep is None or m[0] in keep]
+        rows += run_shape(*shape, modes, args.iters, device)
+    e2e = run_e2e(max(5, args.iters // 2), device) if args.e2e and device.type == "cuda" else []
     if dist.get_rank() == 0:
         out = Path(os.environ.get("OUT", "bench_out"))
         out.mkdir(parents=True, exist_ok=True)
-        meta = dict(note=note, torch=torch.__version__, device=str(device),
-                    gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
-        (out / "ep.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-        head = ["shape", "backend", "ran", "world", "tokens_per_rank", "dispatch_combine_us", "gb_s_per_rank",
-                "layer_us", "tokens_s_per_rank", "rel_l2_vs_full"]
-        lines = [f"EP benchmark ({note}; {meta['gpu'] or 'CPU'})", "", "| " + " | ".join(head) + " |",
-                 "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(str(r[c]) for c in head) + " |" for r in rows]
+        meta = dict(note=note, torch=torch.__version__, device=str(device), date=str(datetime.date.today()),
+                    gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
+                    deepep_configs=deepep.TUNED.get(world))
+        (out / "ep.json").write_text(json.dumps(dict(meta=meta, rows=rows, e2e=e2e), indent=2))
+        head = ["shape", "mode", "ran", "layer_us", "one_gpu_us", "layer_vs_one_gpu", "one_gpu_total_us",
+                "dispatch_us", "combine_us", "dispatch_combine_us", "dispatch_gbs_recv", "combine_gbs_recv",
+                "gbs_remote", "rel_l2_vs_one_gpu", "graph", "declined", "failed"]
+        lines = [f"EP benchmark ({note}; {meta['gpu'] or 'CPU'}; {meta['date']})", "",
+                 "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in head) + " |" for r in rows]
+        if e2e:
+            head2 = ["case", "backend", "ran", "one_gpu_tokens_s", "pair_tokens_s", "speedup", "one_gpu_ms", "ep_ms",
+                     "rel_l2_per_rank", "failed"]
+            lines += ["", "| " + " | ".join(head2) + " |", "|" + "---|" * len(head2)]
+            lines += ["| " + " | ".join(str(r.get(c, "")) for c in head2) + " |" for r in e2e]
         (out / "ep.md").write_text("\n".join(lines) + "\n")
         log("\n".join(lines))
-    deepep.destroy_buffers()
+    release_buffers()
+    dist.barrier()
     dist.destroy_process_group()
 
 

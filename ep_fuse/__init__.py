@@ -5,7 +5,7 @@
 """
 
 from ep_fuse.config import ConfigError, EpFuseConfig
-from ep_fuse.ep import EpError, ep_options, shard_experts
+from ep_fuse.ep import EpError, ep_options, release_buffers, shard_experts
 from ep_fuse.hf import prepare
 from ep_fuse.report import GraphReport, MatchRecord, last_report, reports, reset_reports
 
@@ -26,6 +26,7 @@ __all__ = [
     "GraphReport",
     "MatchRecord",
     "ep_options",
+    "release_buffers",
     "last_report",
     "make_backend",
     "prepare",

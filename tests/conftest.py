@@ -1,12 +1,15 @@
-"""Test setup: the Triton interpreter (before any kernel module is imported) and quiet Dynamo."""
+"""Test setup: the Triton interpreter on CPU machines (before any kernel module is imported) and quiet
+Dynamo. On a CUDA machine the kernels run for real (``tests/gpu``)."""
 
 import os
 import warnings
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
 

@@ -10,6 +10,15 @@
 from ep_fuse.ep.groups import EpError
 from ep_fuse.ep.shard import ep_options, shard_experts
 
+
+def release_buffers() -> None:
+    """Release the communication buffers EP providers keep per process group (DeepEP ``Buffer``s,
+    symmetric-memory workspaces). Collective: call on every rank, before ``destroy_process_group``."""
+    from ep_fuse.ep import deepep
+
+    deepep.destroy_buffers()
+
+
 BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu")
 
-__all__ = ["BACKENDS", "EpError", "ep_options", "shard_experts"]
+__all__ = ["BACKENDS", "EpError", "ep_options", "release_buffers", "shard_experts"]

@@ -51,3 +51,12 @@ def pending() -> int:
     """Handles dispatched but not yet combined (tests check this returns to 0)."""
     with _lock:
         return len(_entries)
+
+
+def clear() -> int:
+    """Drop every pending handle (benchmarks that dispatch without combining); returns how many."""
+    with _lock:
+        n = len(_entries)
+        _entries.clear()
+        _by_ptr.clear()
+        return n

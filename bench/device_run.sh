@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# One call on an offline GPU machine (the device tool): install ep_fuse, build DeepEP if a source tree
+# is carried, then run the named steps. Output for each step lands in $OUT/<step>.log.
+#   bash bench/device_run.sh STEP [STEP ...]
+# Steps: deepep (build from .deepep/, or reuse a carried .deepep_build/), deepep_test (DeepEP's own
+# intranode + low-latency tests, 2 GPUs), gpu_tests (python -m pytest tests/gpu), ep (bench_ep.py on
+# every GPU, with --e2e), generate[:MODELS[:BATCHES]] (bench_generate.py), accuracy (accuracy_decode.py),
+# dynamic (check_dynamic.py, if present).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+repo=$PWD
+OUT=${OUT:-$repo/bench_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+echo "GPUs: $ngpu; $(python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)')"
+deepep_dest=$repo/.deepep_build
+if [ -d "$deepep_dest/deep_ep" ]; then export PYTHONPATH=$deepep_dest${PYTHONPATH:+:$PYTHONPATH}; fi
+status=0
+step() {  # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "=== $name"
+  ( cd /tmp && "$@" ) >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
+  tail -${TAIL:-25} "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+for s in "$@"; do
+  case $s in
+    deepep)
+      if [ ! -d "$deepep_dest/deep_ep" ]; then
+        step deepep_build bash "$repo/bench/build_deepep.sh" "$repo/.deepep" "$deepep_dest"
+        so=$(ls "$deepep_dest"/deep_ep_cpp*.so 2>/dev/null | head -1)
+        [ -n "$so" ] && strip -o "$OUT/$(basename "$so")" "$so" 2>/dev/null
+      fi
+      export PYTHONPATH=$deepep_dest${PYTHONPATH:+:$PYTHONPATH}
+      python3 -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer.is_sm90_compiled())' ;;
+    deepep_test)
+      step deepep_intranode timeout 240 python3 "$repo/.deepep/tests/test_intranode.py" --num-processes "$ngpu"
+      grep -E "Best (dispatch|combine)" "$OUT/deepep_intranode.log"
+      step deepep_low_latency timeout 180 python3 "$repo/.deepep/tests/test_low_latency.py" --num-processes "$ngpu" \
+        --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256 ;;
+    gpu_tests)
+      step gpu_tests timeout 560 python3 -m pytest -q -x -p no:cacheprovider "$repo/tests/gpu" -rA ;;
+    ep)
+      step bench_ep timeout 580 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" --e2e ${EP_ARGS:-} ;;
+    generate*)
+      IFS=: read -r _ models batches <<<"$s"
+      step "generate_${models:-all}" timeout 580 python3 "$repo/bench/bench_generate.py" \
+        ${models:+--models $models} ${batches:+--batches $batches} ${GEN_ARGS:-} ;;
+    accuracy)
+      step accuracy timeout 400 python3 "$repo/bench/accuracy_decode.py" ;;
+    dynamic)
+      [ -f "$repo/bench/check_dynamic.py" ] && step dynamic timeout 400 python3 "$repo/bench/check_dynamic.py" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+exit $status

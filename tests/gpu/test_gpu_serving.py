@@ -1,0 +1,100 @@
+"""One GPU: the serving loop keeps CUDA graphs, and the tiny HF models fuse and match eager on CUDA."""
+
+import pytest
+import torch
+
+import ep_fuse
+from ep_fuse import tiny_models
+
+BF16 = torch.bfloat16
+
+
+class StaticCacheStep(torch.nn.Module):
+    """A decode step in the shape of HF's static cache (``index_copy_`` into a static buffer, a counter)."""
+
+    def __init__(self, h: int = 256, slots: int = 32) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(h, device="cuda", dtype=BF16) * 0.1 + 1)
+        self.cache = torch.zeros(slots, h, dtype=BF16, device="cuda")
+        self.count = torch.zeros(1, dtype=torch.int64, device="cuda")
+        torch._dynamo.mark_static_address(self.cache)
+        torch._dynamo.mark_static_address(self.count)
+
+    def forward(self, x, r, pos):
+        s = x + r
+        hf = s.float()
+        n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
+        self.cache.index_copy_(0, pos, n)
+        self.count.add_(1)
+        return self.cache.sum(0, keepdim=True) + n
+
+
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(v for k, v in counters["inductor"].items() if "cudagraph_skips" in k)
+
+
+def test_mutating_graph_keeps_cuda_graphs_under_ep_fuse():
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    torch.manual_seed(0)
+    ref, mod = StaticCacheStep(), StaticCacheStep()
+    mod.load_state_dict(ref.state_dict())
+    fn = torch.compile(mod, backend="ep_fuse", options={"mode": "reduce-overhead"})
+    g = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(1, 256, device="cuda", generator=g, dtype=BF16)
+            r = torch.randn(1, 256, device="cuda", generator=g, dtype=BF16)
+            pos = torch.tensor([i], device="cuda")
+            torch.testing.assert_close(fn(x, r, pos).float(), ref(x, r, pos).float(), rtol=0.02, atol=0.05)
+    rep = ep_fuse.last_report()
+    assert rep.inductor.direct and rep.inductor.cudagraph_safe_mutations, rep.inductor
+    assert _cudagraph_skips() == 0, dict(counters["inductor"])
+    assert int(mod.count) == int(ref.count) == 6
+    torch.testing.assert_close(mod.cache.float(), ref.cache.float(), rtol=0.02, atol=0.05)
+
+
+def test_generate_static_cache_keeps_cuda_graphs_and_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = ep_fuse.prepare(tiny_models.build("qwen3_moe", dtype=BF16, device="cuda", seed=1))
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(1, 128, (4, 12), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, cache_implementation="static",
+              return_dict_in_generate=True, output_logits=True)
+    with torch.no_grad():
+        ref = model.generate(ids, disable_compile=True, **kw)
+
+        class Force:
+            def __call__(self, input_ids, scores):
+                tok = ref.sequences[:, input_ids.shape[1]]
+                return torch.full_like(scores, float("-inf")).scatter_(1, tok[:, None], 0.0)
+
+        cc = transformers.CompileConfig(backend="ep_fuse", mode="reduce-overhead")
+        out = model.generate(ids, compile_config=cc, logits_processor=transformers.LogitsProcessorList([Force()]),
+                             **kw)
+    reps = ep_fuse.reports()
+    assert reps and all(r.inductor.direct and r.inductor.cudagraph_safe_mutations for r in reps), reps
+    assert reps[0].counts() == tiny_models.EXPECTED_SITES["qwen3_moe"][0]
+    assert _cudagraph_skips() == 0, dict(counters["inductor"])
+    for a, b in zip(out.logits, ref.logits):
+        scale = b.float().abs().max().item()
+        torch.testing.assert_close(a.float(), b.float(), rtol=0.03, atol=0.03 * scale)
+
+
+@pytest.mark.parametrize("name", tiny_models.TINY_MODELS)
+def test_tiny_hf_model_fuses_expected_sites_on_cuda(name):
+    model = tiny_models.build(name, device="cuda")
+    inp = tiny_models.example_inputs(device="cuda")
+    with torch.no_grad():
+        ref = model(**inp).logits
+        out = torch.compile(model, backend="ep_fuse")(**inp).logits
+    rep = ep_fuse.last_report()
+    assert rep.counts() == tiny_models.EXPECTED_SITES[name][0], rep
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.03, atol=0.03 * scale)

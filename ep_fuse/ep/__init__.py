@@ -4,12 +4,12 @@
   backend options that enable the EP pass (``ep_fuse/passes/ep.py``).
 * :mod:`ep_fuse.ep.ops`: the canonical ``ep_dispatch`` / ``ep_combine`` ops.
 * Providers: :mod:`~ep_fuse.ep.all_to_all` (default, the reference), :mod:`~ep_fuse.ep.deepep`,
-  :mod:`~ep_fuse.ep.npu`.
+  :mod:`~ep_fuse.ep.npu`, :mod:`~ep_fuse.ep.symm_mem`.
 """
 
 from ep_fuse.ep.groups import EpError
 from ep_fuse.ep.shard import ep_options, shard_experts
 
-BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu")
+BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu", "symm_mem")
 
 __all__ = ["BACKENDS", "EpError", "ep_options", "shard_experts"]

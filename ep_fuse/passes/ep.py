@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ep_fuse.ep import deepep, groups, npu
+from ep_fuse.ep import deepep, groups, npu, symm_mem
 from ep_fuse.ep.groups import EpError
 from ep_fuse.ep.ops import ep_combine, ep_dispatch
 from ep_fuse.fx_utils import module_path, val
@@ -88,6 +88,8 @@ def choose_backend(
             return requested, "rank" if mode == "normal" else "expert", []
         log.warning("ep_fuse: %s cannot run this MoE block (%s); using all_to_all", requested, why)
         return "all_to_all", "rank", [(requested, why)]
+    if requested == "symm_mem":
+        return _symm_mem(x, ids, block_dtype, world, capacity, [], explicit=True)
     if requested == "npu":
         why = npu.available()
         if why:
@@ -104,12 +106,32 @@ def choose_backend(
         if why is None:
             return ("deepep_low_latency", "expert", []) if capacity else ("deepep", "rank", [])
         declined.append(("deepep", why))
+    if device == symm_mem.device_type():  # after DeepEP
+        why = symm_mem.available()
+        if why is None:
+            return _symm_mem(x, ids, block_dtype, world, capacity, declined, explicit=False)
+        declined.append(("symm_mem", why))
     if device == "npu":
         why = npu.available() or npu.supports(x, ids, num_experts, world, capacity)
         if why is None:
             return "npu", "expert", []
         declined.append(("npu", why))
     return "all_to_all", "rank", declined
+
+
+def _symm_mem(x: Any, ids: Any, block_dtype: Any, world: int, capacity: int, declined: list[tuple[str, str]],
+              explicit: bool) -> tuple[str, str, list[tuple[str, str]]]:
+    """symm_mem (NVSHMEM all-to-all), or all_to_all with the reason when it cannot run this block."""
+    why = symm_mem.available()
+    if why:
+        raise EpError(f"ep_fuse: ep_backend='symm_mem' but {why}. Use a CUDA build of torch with NVSHMEM, or "
+                      "ep_backend='all_to_all' / 'auto'.")
+    why = symm_mem.supports(x, ids, block_dtype, world, capacity)
+    if why is None:
+        return "symm_mem", "rank", declined
+    if explicit:
+        log.warning("ep_fuse: symm_mem cannot run this MoE block (%s); using all_to_all", why)
+    return "all_to_all", "rank", [*declined, ("symm_mem", why)]
 
 
 class ExpertParallel(GraphPass):

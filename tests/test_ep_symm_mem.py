@@ -190,6 +190,10 @@ def sc_roundtrip_vs_reference(world):
                 x, ids, w = _routing(t, e, k, seed=len(kind) + t, kind=kind)
                 for cap in (0, 9):
                     _same_as_reference(x, ids, w, e, cap, exact=world == 2)
+        # capacity mode with unequal batches (one rank may even have none)
+        for t in (0, 5 - dist.get_rank() % 2 * 3):
+            x, ids, w = _routing(t, e, k, seed=9)
+            _same_as_reference(x, ids, w, e, 5, exact=world == 2)
         # other dtypes: fp32 tokens with bf16 weights; fp32 block output (combine regrows the buffers)
         x, ids, w = _routing(5, e, k, seed=3, dtype=torch.float32, w_dtype=BF16)
         _same_as_reference(x, ids, w, e, 0, exact=world == 2)
@@ -229,6 +233,14 @@ def sc_buffers_and_order(world):
         _same_as_reference(x, ids, w, e, 8, exact=world == 2)
         assert symm.allocated == first + 2 + 6, "allocated again after destroy_buffers"
         assert handles.pending() == 0
+
+
+def sc_opcheck(world):
+    with _double():
+        x, ids, w = _routing(6, 2 * world, 2, seed=0, kind="minus_one")
+        args = (x, ids, w, 2 * world, dist.group.WORLD.group_name, "symm_mem", "rank", 6, TIMEOUT_S)
+        torch.library.opcheck(torch.ops.ep_fuse.ep_dispatch.default, args,
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def sc_blocks(world):
@@ -312,8 +324,8 @@ def sc_property(world):
         check()
 
 
-SCENARIOS_2 = [sc_double_contract, sc_roundtrip_vs_reference, sc_buffers_and_order, sc_blocks, sc_hf_mixtral,
-               sc_selection, sc_property]
+SCENARIOS_2 = [sc_double_contract, sc_roundtrip_vs_reference, sc_buffers_and_order, sc_opcheck, sc_blocks,
+               sc_hf_mixtral, sc_selection, sc_property]
 SCENARIOS_4 = [sc_roundtrip_vs_reference, sc_blocks]
 
 
@@ -421,6 +433,22 @@ def test_unavailable_without_cuda_and_guards():
     assert [symm_mem_chunks(w) for w in (2, 4, 8, 16)] == [16, 16, 8, 1]
     assert handle_len("rank", 2, 4, 5, 2, 0, "symm_mem") == 3 + 10 + 2 * 16
     assert handle_len("rank", 2, 4, 5, 2, 0) == 3 + 4 + 10
+
+
+def test_auto_on_cuda_without_runtimes_keeps_the_reference():
+    """No DeepEP, no CUDA: auto on a CUDA block declines both with their reasons (compile time, no group)."""
+    import sys
+
+    from ep_fuse.ep import deepep, symm_mem
+    from ep_fuse.passes.ep import choose_backend
+
+    sys.modules.pop("deep_ep", None)
+    deepep.available.cache_clear()
+    symm_mem.available.cache_clear()
+    x, ids = torch.zeros(4, 16, dtype=BF16), torch.zeros(4, 2, dtype=torch.int64)
+    backend, layout, declined = choose_backend("auto", "cuda", x, ids, BF16, 2, 4, 0)
+    assert (backend, layout) == ("all_to_all", "rank")
+    assert [d[0] for d in declined] == ["deepep", "symm_mem"] and "CUDA is not available" in declined[1][1]
 
 
 def test_supports_and_heap(monkeypatch):

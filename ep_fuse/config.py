@@ -45,7 +45,7 @@ class EpFuseConfig:
         ep: expert parallelism over the default (world) group; see ``docs/ep.md`` and
             :func:`ep_fuse.ep_options`. EP runs only where the group has more than one rank.
         ep_group: the EP ``torch.distributed`` process group (or its name); setting it enables EP.
-        ep_backend: ``auto``, ``all_to_all``, ``deepep``, ``deepep_low_latency`` or ``npu``.
+        ep_backend: ``auto``, ``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu`` or ``symm_mem``.
         ep_capacity: ``None``: receive sizes are data-dependent (a host sync per layer); an int:
             static capacity in tokens per rank (no sync, CUDA-graph capturable; every rank's batch
             must fit).

@@ -4,7 +4,7 @@
   backend options that enable the EP pass (``ep_fuse/passes/ep.py``).
 * :mod:`ep_fuse.ep.ops`: the canonical ``ep_dispatch`` / ``ep_combine`` ops.
 * Providers: :mod:`~ep_fuse.ep.all_to_all` (default, the reference), :mod:`~ep_fuse.ep.deepep`,
-  :mod:`~ep_fuse.ep.npu`.
+  :mod:`~ep_fuse.ep.npu`, :mod:`~ep_fuse.ep.symm_mem`.
 """
 
 from ep_fuse.ep.groups import EpError
@@ -14,11 +14,14 @@ from ep_fuse.ep.shard import ep_options, shard_experts
 def release_buffers() -> None:
     """Release the communication buffers EP providers keep per process group (DeepEP ``Buffer``s,
     symmetric-memory workspaces). Collective: call on every rank, before ``destroy_process_group``."""
-    from ep_fuse.ep import deepep
+    from ep_fuse.ep import deepep, symm_mem
 
-    deepep.destroy_buffers()
+    try:
+        deepep.destroy_buffers()
+    finally:
+        symm_mem.destroy_buffers()
 
 
-BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu")
+BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu", "symm_mem")
 
 __all__ = ["BACKENDS", "EpError", "ep_options", "release_buffers", "shard_experts"]

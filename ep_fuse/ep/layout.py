@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 LAYOUTS = ("rank", "expert")
-CODES = {"all_to_all": 0, "deepep": 1, "deepep_low_latency": 2, "npu": 3}
+CODES = {"all_to_all": 0, "deepep": 1, "deepep_low_latency": 2, "npu": 3, "symm_mem": 4}
 HEADER = 3
 
 
@@ -41,9 +41,21 @@ def recv_rows(layout: str, world: int, num_experts: int, tokens: int, capacity: 
     return (num_experts // world) * world * c
 
 
-def handle_len(layout: str, world: int, num_experts: int, tokens: int, top_k: int, capacity: int):
+def symm_mem_chunks(world: int) -> int:
+    """Splits per destination rank of the ``symm_mem`` provider: ``all_to_all_vdev_2d`` copies one split
+    per thread block and launches ``min(W * splits, 64)`` blocks, so ``W * chunks <= 64`` keeps every
+    block busy with exactly one split (at most 16 per rank: the op's tile limit). Above 8 ranks the ops
+    launch 8 blocks only (internode tuning): one split per rank."""
+    return 1 if world > 8 else max(1, min(16, 64 // max(world, 1)))
+
+
+def handle_len(layout: str, world: int, num_experts: int, tokens: int, top_k: int, capacity: int,
+               backend: str = ""):
     if layout == "rank":
-        return HEADER + 2 * world + recv_rows(layout, world, num_experts, tokens, capacity)
+        rows = recv_rows(layout, world, num_experts, tokens, capacity)
+        if backend == "symm_mem":  # [slot of every (token, rank) (T*W <= R), received splits (W*chunks)]
+            return HEADER + rows + world * symm_mem_chunks(world)
+        return HEADER + 2 * world + rows
     return HEADER + tokens * top_k
 
 

@@ -7,7 +7,7 @@ timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and t
 :mod:`ep_fuse.ep.layout`.
 
 * The kernels run the provider named by ``backend`` (``all_to_all``, ``deepep``,
-  ``deepep_low_latency``, ``npu``); the EP pass picks it at compile time, identically on every rank,
+  ``deepep_low_latency``, ``npu``, ``symm_mem``); the EP pass picks it at compile time, identically on every rank,
   so dispatch and combine of one block always use the same provider. ``all_to_all`` is the reference.
 * Fake impls have fixed shapes (a static bound, or the capacity), so the rest of the graph keeps
   static shapes; data-dependent receive counts live in the handle.
@@ -72,7 +72,7 @@ def ep_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend
     kk = k if layout == "rank" else 1
     return (x.new_empty(rows, x.shape[1]), topk_ids.new_empty(rows, kk, dtype=torch.int64),
             topk_weights.new_empty(rows, kk),
-            x.new_empty(handle_len(layout, world, num_experts, t, k, capacity), dtype=torch.int64))
+            x.new_empty(handle_len(layout, world, num_experts, t, k, capacity, backend), dtype=torch.int64))
 
 
 def ep_combine_fake(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
@@ -100,10 +100,11 @@ def _load_providers() -> None:
     global _loaded
     if _loaded:
         return
-    from ep_fuse.ep import all_to_all, deepep, npu
+    from ep_fuse.ep import all_to_all, deepep, npu, symm_mem
 
     register_ep_provider("all_to_all", all_to_all.dispatch, all_to_all.combine)
     register_ep_provider("deepep", deepep.dispatch_normal, deepep.combine_normal)
     register_ep_provider("deepep_low_latency", deepep.dispatch_low_latency, deepep.combine_low_latency)
     register_ep_provider("npu", npu.dispatch, npu.combine)
+    register_ep_provider("symm_mem", symm_mem.dispatch, symm_mem.combine)
     _loaded = True

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ep_fuse.ep import deepep, groups, npu
+from ep_fuse.ep import deepep, groups, npu, symm_mem
 from ep_fuse.ep.groups import EpError
 from ep_fuse.ep.ops import ep_combine, ep_dispatch
 from ep_fuse.fx_utils import module_path, val
@@ -71,13 +71,15 @@ def router_width(ids: Any) -> int | None:
     return None
 
 
-LAYOUTS = {"all_to_all": "rank", "deepep": "rank", "deepep_low_latency": "expert", "npu": "expert"}
+LAYOUTS = {"all_to_all": "rank", "deepep": "rank", "deepep_low_latency": "expert", "npu": "expert",
+           "symm_mem": "rank"}
 """Receive layout of each provider (``ep_fuse/ep/layout.py``)."""
 
 FALLBACKS = {
     "deepep_low_latency": ("deepep_low_latency", "deepep", "all_to_all"),
     "deepep": ("deepep", "all_to_all"),
     "npu": ("npu", "all_to_all"),
+    "symm_mem": ("symm_mem", "all_to_all"),
     "all_to_all": ("all_to_all",),
 }
 """What an explicitly requested backend falls back to, in order, when it cannot run a block (a
@@ -86,16 +88,21 @@ low-latency capacity DeepEP cannot hold takes DeepEP normal mode before all_to_a
 
 def auto_order(device: str, capacity: int) -> tuple[str, ...]:
     """``ep_backend="auto"``: the providers tried, fastest first, for a graph on ``device``."""
+    order: tuple[str, ...] = ()
     if device == "cuda":
-        return (("deepep_low_latency",) if capacity else ()) + ("deepep", "all_to_all")
+        order = (("deepep_low_latency",) if capacity else ()) + ("deepep",)
+    if device == symm_mem.device_type():  # CUDA (a test double may claim another device)
+        order += ("symm_mem",)
     if device == "npu":
-        return ("npu", "all_to_all")
-    return ("all_to_all",)
+        order += ("npu",)
+    return order + ("all_to_all",)
 
 
 def _available(name: str) -> str | None:
     if name in ("deepep", "deepep_low_latency"):
         return deepep.available()
+    if name == "symm_mem":
+        return symm_mem.available()
     if name == "npu":
         return npu.available()
     return None
@@ -109,6 +116,8 @@ def _supports(name: str, x: Any, ids: Any, block_dtype: Any, world: int, num_exp
         return deepep.supports("low_latency", x, ids, block_dtype, world, capacity, num_experts)
     if name == "npu":
         return npu.supports(x, ids, num_experts, world, capacity)
+    if name == "symm_mem":
+        return symm_mem.supports(x, ids, block_dtype, world, capacity)
     return None
 
 

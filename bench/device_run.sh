@@ -42,8 +42,10 @@ for s in "$@"; do
       grep -E "Best (dispatch|combine)" "$OUT/deepep_intranode.log"
       step deepep_low_latency timeout 180 python3 "$repo/.deepep/tests/test_low_latency.py" --num-processes "$ngpu" \
         --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256 ;;
-    gpu_tests)
-      step gpu_tests timeout 560 python3 -m pytest -q -x -p no:cacheprovider "$repo/tests/gpu" -rA ;;
+    gpu_tests)  # one GPU first, then the multi-GPU checks
+      step gpu_tests_single timeout 300 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_serving.py"
+      step gpu_tests_multi timeout 500 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
+        --ignore "$repo/tests/gpu/test_gpu_serving.py" ;;
     ep)
       step bench_ep timeout 580 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" --e2e ${EP_ARGS:-} ;;
     generate*)

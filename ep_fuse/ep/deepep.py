@@ -140,9 +140,11 @@ class _BufferState:
 _BUFFERS: dict[str, _BufferState] = {}
 
 
-TUNED: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}
-"""Measured intranode configs per group size: ``((dispatch SMs, NVL chunk), (combine SMs, NVL chunk))``
-(``bench/bench_ep.py`` runs DeepEP's own tuning sweep); groups not listed use DeepEP's defaults."""
+TUNED: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {2: ((24, 12), (24, 8))}
+"""Intranode configs per group size: ``((dispatch SMs, NVL chunk), (combine SMs, NVL chunk))``. 2 ranks:
+the best of DeepEP's own tuning sweep (``tests/test_intranode.py``, 4096 tokens x 7168, top-8, 256
+experts) on 2 x H200, 2026-11-30 -- 339.7 GB/s dispatch, 288.3 GB/s combine (its defaults: 20 SMs,
+chunks 24 / 10). Other group sizes use DeepEP's defaults (``bench_ep.py --deepep-config`` overrides)."""
 NVL_BUFFER_TOKENS = 256
 
 

@@ -2,7 +2,8 @@
 
 Skipped below 2 GPUs or when ``deep_ep`` does not import (``bench/build_deepep.sh`` builds it). Every
 rank runs its own tokens through its shard of the experts; its output must equal the unsharded model's
-output on the same tokens (bf16 tolerance)."""
+output on the same tokens: relative L2 of the logits below 2e-2 (bf16; EP adds one bf16 rounding of
+each rank's partial sum, which DeepEP's BF16 combine takes), 1e-2 for a single layer."""
 
 from __future__ import annotations
 
@@ -21,9 +22,16 @@ needs_deep_ep = pytest.mark.skipif(importlib.util.find_spec("deep_ep") is None, 
 
 
 # ----------------------------------------------------------------------------------- in the workers
-def _close(out, ref, tol=4e-2):
-    scale = ref.float().abs().max().item()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+def _agree_close(out, ref, tol=2e-2):
+    """Relative L2 of ``out`` vs ``ref`` below ``tol`` on every rank; all ranks raise together (a rank
+    that raised alone would leave its peers waiting inside the next DeepEP call)."""
+    import torch.distributed as dist
+
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    errs = [torch.zeros(1, device="cuda") for _ in range(dist.get_world_size())]
+    dist.all_gather(errs, torch.tensor([err], device="cuda"))
+    errs = [e.item() for e in errs]
+    assert all(e < tol for e in errs), f"relative L2 per rank {errs} (bound {tol})"
 
 
 def _sites():
@@ -53,7 +61,7 @@ def _hf(name, backend, capacity=None, mode=None, batch=2, seq=8, **overrides):
             out = fn(**inp).logits
     sites = _sites()
     assert sites and {s.backend for s in sites} == {backend}, sites
-    _close(out, ref)
+    _agree_close(out, ref)
 
 
 def sc_tiny_hf_normal(world):
@@ -109,8 +117,7 @@ def _layer(t, backend, capacity, e=256, h=7168, i=2048, k=8, mode=None):
     with torch.no_grad():
         for _ in range(3 if mode else 1):
             out = fn(x, ids, w)
-    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-    assert err < 1e-2, f"rank {dist.get_rank()}: rel L2 {err:.2e}"
+    _agree_close(out, ref, 1e-2)
     return _sites()
 
 

@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -217,8 +218,10 @@ def test_gloo_provider_kernels_equal_reference():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.start_processes(_worker, args=(2, port, out_dir), nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + 240
     try:
-        ctx.join(timeout=240)
+        while not ctx.join(timeout=1.0) and time.monotonic() < deadline:
+            pass
     finally:
         for p in ctx.processes:
             if p.is_alive():

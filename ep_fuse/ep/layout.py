@@ -61,17 +61,13 @@ def _round_up(n: int, unit: int) -> int:
 
 def weight_words(dtype: torch.dtype) -> int:
     """int32 words of one routing weight in the packed row (16-bit weights are zero-extended)."""
-    return max(1, _elem_size(dtype) // 4)
-
-
-def _elem_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return max(1, dtype.itemsize // 4)
 
 
 def packed_row(hidden: int, x_dtype: torch.dtype, top_k: int, w_dtype: torch.dtype) -> tuple[int, int]:
     """``(Hp, moff)``: elements per packed dispatch row (a multiple of 16 elements and of 16 bytes, so
     Triton specializes the row stride for 16-byte vectors) and the int32 word where the metadata starts."""
-    elt = _elem_size(x_dtype)
+    elt = x_dtype.itemsize
     x_bytes = _round_up(hidden * elt, 16)
     row_bytes = _round_up(x_bytes + 4 * top_k * (1 + weight_words(w_dtype)), 16 * elt)
     return row_bytes // elt, x_bytes // 4
@@ -88,7 +84,7 @@ def weight_bits(weights: torch.Tensor) -> torch.Tensor:
 
 def bits_to_weights(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`weight_bits`."""
-    elt = _elem_size(dtype)
+    elt = dtype.itemsize
     if elt >= 4:
         return words.contiguous().view(dtype)
     return words.to({1: torch.uint8, 2: torch.int16}[elt]).view(dtype)

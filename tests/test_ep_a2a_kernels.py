@@ -103,7 +103,7 @@ def _assert_same(kern, ref, k, capacity, world):
         assert torch.equal(ok[r].view(torch.uint8), orf[r].view(torch.uint8)), f"rank {r} combine"
 
 
-@settings(max_examples=24, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(world=st.sampled_from([2, 4]), per_rank=st.integers(1, 3), t=st.integers(1, 13), k=st.integers(1, 5),
        h=st.sampled_from([8, 20, 33, 48]), mode=st.sampled_from(["random", "invalid", "one_rank", "empty"]),
        extra=st.sampled_from([None, 0, 3]), x_dtype=st.sampled_from([BF16, FP32, FP16]),
@@ -126,13 +126,17 @@ def test_kernels_equal_reference(world, per_rank, t, k, h, mode, extra, x_dtype,
         assert torch.equal(ref[2][s], expect.to(x_dtype)), "reference round trip"
 
 
-def test_large_world_and_top_k_one():
-    """W = 8 (more ranks than a routing tile row holds bits of), K = 1, capacity far above T."""
-    world, per_rank, t, k = 8, 2, 5, 1
-    inputs = [_routing(t, k, world, per_rank, "random", r, BF16, FP32, 16) for r in range(world)]
-    kern = simulate(inputs, world * per_rank, world, 11, True, TINY)
-    ref = simulate(inputs, world * per_rank, world, 11, False)
-    _assert_same(kern, ref, k, 11, world)
+@pytest.mark.parametrize("world,per_rank,t,k,capacity,tiny", [
+    (8, 2, 5, 1, 11, True),  # W 8, K 1, capacity far above T
+    (1, 4, 9, 2, 0, True),  # one rank (a loopback)
+    (2, 3, 150, 2, 0, False),  # default tiles: several routing blocks
+    (2, 3, 150, 2, 160, False),
+])
+def test_shapes(world, per_rank, t, k, capacity, tiny):
+    inputs = [_routing(t, k, world, per_rank, "invalid", r, BF16, FP32, 16) for r in range(world)]
+    kern = simulate(inputs, world * per_rank, world, capacity, True, TINY if tiny else None)
+    ref = simulate(inputs, world * per_rank, world, capacity, False)
+    _assert_same(kern, ref, k, capacity, world)
 
 
 def test_splits_are_reused():

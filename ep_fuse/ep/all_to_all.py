@@ -135,7 +135,7 @@ def _combine_rank(y, handle, tokens, group, capacity, timeout_s, out_dtype):
     else:
         send_counts, recv_counts = _splits(handle, world)
         s, n = sum(send_counts), sum(recv_counts)
-        back = torch.empty(s, h, dtype=y.dtype, device=y.device)
+        back = torch.empty(max(s, 1), h, dtype=y.dtype, device=y.device)[:s]  # never a null pointer for Triton
         groups.all_to_all(back, y[:n], group, timeout_s, send_counts, recv_counts, "ep_combine")
     out_dtype = out_dtype or y.dtype
     if _combine_kernels(back, tokens, out_dtype):

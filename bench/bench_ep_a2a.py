@@ -177,10 +177,10 @@ def run_case(shape, t: int, cap: int, path: str, iters: int, device: torch.devic
     remote, received = byte_counts(ids, e, h)
     row = dict(shape=name, tokens=t, mode=f"capacity {cap}" if cap else "data-dependent", path=path,
                dispatch_us=round(sec_d * 1e6, 1), combine_us=round(sec_c * 1e6, 1), pair_us=round(sec_p * 1e6, 1),
-               remote_gbs_dispatch=round(remote / sec_d / 1e9, 1), remote_gbs_combine=round(remote / sec_c / 1e9, 1),
-               remote_gbs_pair=round(2 * remote / (sec_d + sec_c) / 1e9, 1),
-               recv_gbs_dispatch=round(received / sec_d / 1e9, 1), recv_gbs_combine=round(received / sec_c / 1e9, 1))
-    if with_stages and path == "kernels" and device.type == "cuda":
+               remote_gbs_dispatch=round(remote / sec_d / 1e9, 2), remote_gbs_combine=round(remote / sec_c / 1e9, 2),
+               remote_gbs_pair=round(2 * remote / (sec_d + sec_c) / 1e9, 2),
+               recv_gbs_dispatch=round(received / sec_d / 1e9, 2), recv_gbs_combine=round(received / sec_c / 1e9, 2))
+    if with_stages and path == "kernels" and a2a._dispatch_kernels(x, ids, w, group.size()):
         row.update(stages(x, ids, w, e, cap, group, iters, device))
     return row
 

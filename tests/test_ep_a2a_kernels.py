@@ -183,7 +183,7 @@ def _gloo_checks(rank: int, world: int) -> None:
                 y = (rx.float() * 2).to(x_dtype)
                 out = ops.ep_combine(y, hd, ids, w, e, name, "all_to_all", "rank", capacity, TIMEOUT_S, None)
             finally:
-                a2a.USE_KERNELS = None
+                a2a.USE_KERNELS = True
             hp, _ = packed_row(h, x_dtype, k, w_dtype)
             assert rx.stride() == (hp, 1), "recv_x is the packed buffer's view"
             live = rids.max(1).values >= 0

@@ -145,18 +145,16 @@ def _combine_rank(y, handle, tokens, group, capacity, timeout_s, out_dtype):
 
 # Local halves of the rank layout: the Triton kernels (ep_fuse.ep.a2a_kernels) and the pure-torch reference,
 # interchangeable (same wire format and handle), so ranks may even mix them.
-USE_KERNELS: bool | None = None
-"""``None``: the kernels on CUDA (and on the CPU under ``TRITON_INTERPRET=1``); ``False``: always the
-reference; ``True``: the kernels wherever Triton runs."""
+USE_KERNELS = True
+"""The kernels wherever Triton runs (CUDA; the CPU under ``TRITON_INTERPRET=1``); ``False``: always the
+reference (tests and the benchmark compare the two)."""
 MAX_WORLD = 64
 MAX_TOP_K = 64
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernels_run_on(device: torch.device) -> bool:
-    if USE_KERNELS is not None:
-        return USE_KERNELS and (device.type == "cuda" or (device.type == "cpu" and triton_interpret()))
-    return device.type == "cuda" or (device.type == "cpu" and triton_interpret())
+    return USE_KERNELS and (device.type == "cuda" or (device.type == "cpu" and triton_interpret()))
 
 
 def _dispatch_kernels(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, world: int) -> bool:
@@ -187,7 +185,8 @@ def _combine_kernels(back: torch.Tensor, tokens: int, out_dtype: torch.dtype) ->
     return True
 
 
-def pack_rank_reference(x, topk_ids, topk_weights, num_experts, world, capacity):
+def pack_rank_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                        world: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(send [W*(C or T), Hp], handle)``: packed rows in rank-major blocks (capacity: ``C`` rows per
     block, padding ids -1; data-dependent: exact, the rows past the total unused) and the handle."""
     t, k = topk_ids.shape
@@ -226,7 +225,8 @@ def pack_rank_reference(x, topk_ids, topk_weights, num_experts, world, capacity)
     return send, handle
 
 
-def unpack_rank_reference(recv, n_valid, hidden, top_k, w_dtype, handle, zero_tail):
+def unpack_rank_reference(recv: torch.Tensor, n_valid: int, hidden: int, top_k: int, w_dtype: torch.dtype,
+                          handle: torch.Tensor, zero_tail: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(recv_x [R, H] view, recv_ids [R, K] int64, recv_weights [R, K])`` of the receive buffer."""
     _hp, moff = packed_row(hidden, recv.dtype, top_k, w_dtype)
     if zero_tail:
@@ -235,7 +235,8 @@ def unpack_rank_reference(recv, n_valid, hidden, top_k, w_dtype, handle, zero_ta
     return unpack_rows(recv, n_valid, hidden, top_k, w_dtype, moff)
 
 
-def combine_rank_reference(back, handle, tokens, world, out_dtype):
+def combine_rank_reference(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: int,
+                           out_dtype: torch.dtype) -> torch.Tensor:
     """``out[t] = sum_r back[slot[t, r]]``: unweighted fp32 sum in rank order, one cast (DeepEP normal)."""
     slot = handle[HEADER + 2 * world:HEADER + 2 * world + tokens * world].view(tokens, world)
     rows = torch.cat([back, back.new_zeros(1, back.shape[1])])  # a zero row for pairs not sent
@@ -246,7 +247,8 @@ def combine_rank_reference(back, handle, tokens, world, out_dtype):
     return acc.to(out_dtype)
 
 
-def pack_rank(x, topk_ids, topk_weights, num_experts, world, capacity, cfg=None):
+def pack_rank(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, world: int,
+              capacity: int, cfg: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pack_rank_reference` with the Triton kernels (no host sync; rows of ``send`` that carry no
     token are uninitialised except for their padding metadata)."""
     from ep_fuse.ep import a2a_kernels
@@ -262,7 +264,9 @@ def pack_rank(x, topk_ids, topk_weights, num_experts, world, capacity, cfg=None)
     return send, handle
 
 
-def unpack_rank(recv, n_valid, hidden, top_k, w_dtype, handle, zero_tail, cfg=None):
+def unpack_rank(recv: torch.Tensor, n_valid: int, hidden: int, top_k: int, w_dtype: torch.dtype,
+                handle: torch.Tensor, zero_tail: bool,
+                cfg: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`unpack_rank_reference` with the Triton kernel."""
     from ep_fuse.ep import a2a_kernels
 
@@ -274,7 +278,8 @@ def unpack_rank(recv, n_valid, hidden, top_k, w_dtype, handle, zero_tail, cfg=No
     return recv[:, :hidden], recv_ids, recv_weights
 
 
-def combine_rank(back, handle, tokens, world, out_dtype, cfg=None):
+def combine_rank(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: int, out_dtype: torch.dtype,
+                 cfg: Any = None) -> torch.Tensor:
     """:func:`combine_rank_reference` with the Triton kernel."""
     from ep_fuse.ep import a2a_kernels
 

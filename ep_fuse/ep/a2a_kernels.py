@@ -163,8 +163,8 @@ def _scatter_kernel(
 
 
 @triton.jit
-def _unpack_kernel(META, IDS_OUT, W_OUT, HANDLE, R, N, ROW_W, MOFF,
-                   K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BZ: tl.constexpr,
+def _unpack_kernel(META, IDS_OUT, W_OUT, HANDLE, R, N, ROW_W,
+                   MOFF: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BR: tl.constexpr, BZ: tl.constexpr,
                    W16: tl.constexpr, ZERO_TAIL: tl.constexpr):
     p = tl.program_id(0)
     i = p * BR + tl.arange(0, BR)
@@ -260,8 +260,8 @@ def launch_unpack(recv: torch.Tensor, n_valid: int, moff: int, recv_ids: torch.T
     words = recv.view(torch.int32)
     grid = (max(1, triton.cdiv(rows, cfg.unpack_rows)),)
     _unpack_kernel[grid](
-        words, recv_ids, _raw(recv_weights), handle, rows, n_valid, words.stride(0), moff,
-        K=k, KP=triton.next_power_of_2(k), BR=cfg.unpack_rows, BZ=min(512, triton.next_power_of_2(max(moff, 1))),
+        words, recv_ids, _raw(recv_weights), handle, rows, n_valid, words.stride(0),
+        MOFF=moff, K=k, KP=triton.next_power_of_2(k), BR=cfg.unpack_rows, BZ=min(512, triton.next_power_of_2(max(moff, 1))),
         W16=recv_weights.element_size() == 2, ZERO_TAIL=zero_tail, num_warps=cfg.num_warps,
     )
 

@@ -124,9 +124,10 @@ def run_shape(name, t, h, inter, e, k, backends, iters, device):
             opname = dist.group.WORLD.group_name
             ops = torch.ops.ep_fuse
 
-            def comm(backend=backend, layout=layout, cap=cap, opname=opname, ops=ops):
+            def comm(backend=backend, layout=layout, cap=cap, opname=opname, ops=ops, ys={}):  # noqa: B006
                 rx, _ids, _w, hd = ops.ep_dispatch(x, ids, w, e, opname, backend, layout, cap or 0, 300.0)
-                return ops.ep_combine(rx, hd, ids, w, e, opname, backend, layout, cap or 0, 300.0,
+                y = ys.setdefault("y", rx.contiguous())  # stands for the experts' contiguous output (made once)
+                return ops.ep_combine(y, hd, ids, w, e, opname, backend, layout, cap or 0, 300.0,
                                       BF16 if layout == "expert" else None)
 
             try:

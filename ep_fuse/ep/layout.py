@@ -15,6 +15,13 @@ experts, ``T`` local tokens, ``K`` top-k, ``C`` capacity in tokens per rank):
 
 The dispatch handle is one int64 tensor ``[3 + ...]``: ``[code, key, n_recv, payload...]``
 (:data:`CODES`); providers that keep an opaque object store it in :mod:`ep_fuse.ep.handles`.
+
+``all_to_all`` rank layout (:func:`packed_row`): one message per direction. A dispatch row is the token
+row followed by its metadata -- ``[x (H) | pad to 16 B | ids (K int32 words) | weights (K words of
+bits) | pad]``, ``Hp`` elements of x's dtype, a multiple of 16 elements -- and the receiver's ``recv_x``
+is the ``[:, :H]`` view of the ``[R, Hp]`` receive buffer (row stride ``Hp``). Handle payload:
+``[send_counts (W), recv_counts (W), slot (T*W)]``, ``slot[t, r]`` the row of token ``t``'s copy for rank
+``r`` in the send buffer (= in the buffer combine receives back), -1 when ``t`` does not go to ``r``.
 """
 
 from __future__ import annotations
@@ -51,12 +58,74 @@ def symm_mem_chunks(world: int) -> int:
 
 def handle_len(layout: str, world: int, num_experts: int, tokens: int, top_k: int, capacity: int,
                backend: str = ""):
+    """Length of the int64 dispatch handle. Rank layout: ``all_to_all`` (and DeepEP, whose payload is
+    unused) hold per-peer counts and the ``[T, W]`` slot table; ``symm_mem`` the slot of every
+    (token, rank) pair and the received splits."""
     if layout == "rank":
-        rows = recv_rows(layout, world, num_experts, tokens, capacity)
-        if backend == "symm_mem":  # [slot of every (token, rank) (T*W <= R), received splits (W*chunks)]
-            return HEADER + rows + world * symm_mem_chunks(world)
-        return HEADER + 2 * world + rows
+        if backend == "symm_mem":
+            return HEADER + recv_rows(layout, world, num_experts, tokens, capacity) + world * symm_mem_chunks(world)
+        return HEADER + 2 * world + tokens * world
     return HEADER + tokens * top_k
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def weight_words(dtype: torch.dtype) -> int:
+    """int32 words of one routing weight in the packed row (16-bit weights are zero-extended)."""
+    return max(1, dtype.itemsize // 4)
+
+
+def packed_row(hidden: int, x_dtype: torch.dtype, top_k: int, w_dtype: torch.dtype) -> tuple[int, int]:
+    """``(Hp, moff)``: elements per packed dispatch row (a multiple of 16 elements and of 16 bytes, so
+    Triton specializes the row stride for 16-byte vectors) and the int32 word where the metadata starts."""
+    elt = x_dtype.itemsize
+    x_bytes = _round_up(hidden * elt, 16)
+    row_bytes = _round_up(x_bytes + 4 * top_k * (1 + weight_words(w_dtype)), 16 * elt)
+    return row_bytes // elt, x_bytes // 4
+
+
+def weight_bits(weights: torch.Tensor) -> torch.Tensor:
+    """Routing weights [S, K] as int32 words [S, K * weight_words] (bit patterns, lossless)."""
+    elt = weights.element_size()
+    w = weights.contiguous()
+    if elt >= 4:
+        return w.view(torch.int32)
+    return w.view({1: torch.uint8, 2: torch.int16}[elt]).to(torch.int32) & ((1 << (8 * elt)) - 1)
+
+
+def bits_to_weights(words: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`weight_bits`."""
+    elt = dtype.itemsize
+    if elt >= 4:
+        return words.contiguous().view(dtype)
+    return words.to({1: torch.uint8, 2: torch.int16}[elt]).view(dtype)
+
+
+def pack_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, hp: int, moff: int) -> torch.Tensor:
+    """Reference packing: rows ``x`` [S, H], local ids [S, K] and weights [S, K] -> packed rows [S, Hp]."""
+    s, k = ids.shape
+    out = x.new_zeros(s, hp)
+    out[:, :x.shape[1]] = x
+    words = out.view(torch.int32)
+    words[:, moff:moff + k] = ids.to(torch.int32)
+    bits = weight_bits(weights)
+    words[:, moff + k:moff + k + bits.shape[1]] = bits
+    return out
+
+
+def unpack_rows(recv: torch.Tensor, n_valid: int, hidden: int, top_k: int, w_dtype: torch.dtype,
+                moff: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference unpacking of the receive buffer [R, Hp]: ``(recv_x [R, H] view, ids int64 [R, K],
+    weights [R, K])``; rows from ``n_valid`` on are padding (ids -1, weights 0)."""
+    words = recv.view(torch.int32)
+    ids = words[:, moff:moff + top_k].long()
+    bits = words[:, moff + top_k:moff + top_k * (1 + weight_words(w_dtype))]
+    weights = bits_to_weights(bits, w_dtype)
+    ids[n_valid:] = -1
+    weights[n_valid:] = 0
+    return recv[:, :hidden], ids, weights
 
 
 def valid_slots(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -107,14 +176,3 @@ def pair_positions(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tens
     pos_sorted = torch.arange(flat.numel(), device=flat.device) - start[sorted_key]
     pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
     return valid, pos
-
-
-def pack_meta(ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """ids [S, K] and weights [S, K] as one int64 [S, 2K] message (weights bit-cast, so lossless)."""
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[weights.element_size()]
-    return torch.cat([ids.long(), weights.contiguous().view(bits).long()], dim=1)
-
-
-def unpack_meta(meta: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[torch.empty((), dtype=dtype).element_size()]
-    return meta[:, :top_k], meta[:, top_k:].to(bits).view(dtype)

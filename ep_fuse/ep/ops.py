@@ -10,7 +10,8 @@ timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and t
   ``deepep_low_latency``, ``npu``, ``symm_mem``); the EP pass picks it at compile time, identically on every rank,
   so dispatch and combine of one block always use the same provider. ``all_to_all`` is the reference.
 * Fake impls have fixed shapes (a static bound, or the capacity), so the rest of the graph keeps
-  static shapes; data-dependent receive counts live in the handle.
+  static shapes; data-dependent receive counts live in the handle. ``all_to_all``'s rank-layout
+  ``recv_x`` is a row-strided view (row stride ``Hp`` of :func:`~ep_fuse.ep.layout.packed_row`).
 * Both ops are marked side-effectful (``torch.fx.node.has_side_effect``): DCE, CSE and ep_fuse's
   cleanup never drop or merge them; data dependencies (dispatch -> experts -> combine -> next layer)
   order them. They are opaque to Inductor (never inlined).
@@ -25,7 +26,7 @@ import torch
 import torch.fx
 
 from ep_fuse.ep import groups
-from ep_fuse.ep.layout import handle_len, recv_rows
+from ep_fuse.ep.layout import handle_len, packed_row, recv_rows
 from ep_fuse.ops.registry import define_canonical
 
 DISPATCH_SCHEMA = (
@@ -70,7 +71,12 @@ def ep_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend
     t, k = topk_ids.shape
     rows = recv_rows(layout, world, num_experts, t, capacity)
     kk = k if layout == "rank" else 1
-    return (x.new_empty(rows, x.shape[1]), topk_ids.new_empty(rows, kk, dtype=torch.int64),
+    h = x.shape[1]
+    if backend == "all_to_all" and layout == "rank":  # a view of the packed receive buffer (layout.packed_row)
+        recv_x = x.new_empty(rows, packed_row(h, x.dtype, k, topk_weights.dtype)[0])[:, :h]
+    else:
+        recv_x = x.new_empty(rows, h)
+    return (recv_x, topk_ids.new_empty(rows, kk, dtype=torch.int64),
             topk_weights.new_empty(rows, kk),
             x.new_empty(handle_len(layout, world, num_experts, t, k, capacity, backend), dtype=torch.int64))
 

@@ -3,15 +3,21 @@
 # is carried, then run the named steps. Output for each step lands in $OUT/<step>.log.
 #   bash bench/device_run.sh STEP [STEP ...]
 # Steps: deepep (build from .deepep/, or reuse a carried .deepep_build/), deepep_test (DeepEP's own
-# intranode + low-latency tests, 2 GPUs), gpu_tests (python -m pytest tests/gpu), ep (bench_ep.py on
-# every GPU, with --e2e), generate[:MODELS[:BATCHES]] (bench_generate.py), accuracy (accuracy_decode.py),
-# dynamic (check_dynamic.py, if present).
+# intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
+# checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
+# (bench_generate.py), accuracy (accuracy_decode.py), dynamic (check_dynamic.py, if present),
+# pack (tar every log and result into $OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 repo=$PWD
-OUT=${OUT:-$repo/bench_out}
+# every log and result goes to RESULTS (bench scripts write there through OUT); pack it with `pack`
+RESULTS=${RESULTS:-/tmp/ep_fuse_results}
+final_out=${OUT:-$repo/bench_out}
+export OUT=$RESULTS
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+if [ -z "${SKIP_INSTALL:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $ngpu; $(python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)')"
 deepep_dest=$repo/.deepep_build
@@ -42,10 +48,13 @@ for s in "$@"; do
       grep -E "Best (dispatch|combine)" "$OUT/deepep_intranode.log"
       step deepep_low_latency timeout 180 python3 "$repo/.deepep/tests/test_low_latency.py" --num-processes "$ngpu" \
         --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256 ;;
-    gpu_tests)  # one GPU first, then the multi-GPU checks
-      step gpu_tests_single timeout 300 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_serving.py"
-      step gpu_tests_multi timeout 500 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
-        --ignore "$repo/tests/gpu/test_gpu_serving.py" ;;
+    gpu_single)
+      step gpu_single timeout 300 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_serving.py" ;;
+    gpu_multi)
+      step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
+        --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;
+    pack)  # one archive back through the device tool (it returns at most 8 files)
+      mkdir -p "$final_out" && tar czf "$final_out/results-$(date +%H%M%S).tgz" -C "$OUT" . && ls -la "$final_out" ;;
     ep)
       step bench_ep timeout 580 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" --e2e ${EP_ARGS:-} ;;
     generate*)
@@ -53,7 +62,7 @@ for s in "$@"; do
       step "generate_${models:-all}" timeout 580 python3 "$repo/bench/bench_generate.py" \
         ${models:+--models $models} ${batches:+--batches $batches} ${GEN_ARGS:-} ;;
     accuracy)
-      step accuracy timeout 400 python3 "$repo/bench/accuracy_decode.py" ;;
+      step accuracy timeout 400 python3 "$repo/bench/accuracy_decode.py" ${ACC_ARGS:-} ;;
     dynamic)
       [ -f "$repo/bench/check_dynamic.py" ] && step dynamic timeout 400 python3 "$repo/bench/check_dynamic.py" ;;
     *) echo "unknown step $s" ;;

@@ -64,8 +64,10 @@ def assert_matches(out, ref, seg, dtype):
 
 
 @pytest.mark.parametrize("regime", sorted(CONFIGS))
-@pytest.mark.parametrize("counts, tail", [([0, 0, 70, 0], 0), ([70], 9), ([0, 2, 0, 0, 1], 33), ([0, 0, 0], 6)],
-                         ids=["one_expert", "E1_tail", "sparse_tail", "all_tail"])
+@pytest.mark.parametrize("counts, tail", [([0, 0, 70, 0], 0), ([70], 9), ([0, 2, 0, 0, 1], 33), ([0, 0, 0], 6),
+                                          ([1] * 5 + [0] * 59, 2), ([0] * 40 + [1, 1, 1] + [0] * 21, 0)],
+                         ids=["one_expert", "E1_tail", "sparse_tail", "all_tail", "decode_many_experts",
+                              "decode_experts_late"])
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gemm", "swiglu"])
 def test_edge_routings(counts, tail, regime, swiglu):
     x, w, seg = case(counts, tail, 18, 40, BF16)
@@ -80,6 +82,13 @@ def test_host_functions_match_the_canonical_reference(dtype):
         out, expect = kernel(x, w, seg), ref(x, w, seg)
         assert out.shape == expect.shape and out.dtype == expect.dtype
         assert_matches(out, expect, seg, dtype)
+
+
+def test_grid_bound_is_the_rows_not_the_experts():
+    """M rows can occupy at most min(E, M) experts: the grid must not scale with E at decode."""
+    cfg = gk.config_for(8, 1536, 2048, 256, swiglu=True)
+    assert gk.num_programs(8, 1536, 256, cfg) == (1 + 8) * -(-1536 // cfg.bn)
+    assert gk.num_programs(4096, 1536, 256, cfg) == (-(-4096 // cfg.bm) + 256) * -(-1536 // cfg.bn)
 
 
 def test_empty_shapes():

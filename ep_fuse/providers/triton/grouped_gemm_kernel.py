@@ -5,9 +5,11 @@ Rows are in expert-major order: expert ``e`` owns rows ``[seg[e], seg[e+1])`` of
 from ``seg_indptr`` alone (no host sync, so the launch is CUDA-graph capturable and traceable):
 
 * a *tile* is ``BM`` rows of one expert; expert ``e`` has ``cdiv(count_e, BM)`` tiles, listed
-  expert by expert, followed by the ``BM``-row tiles of the zero tail. The total never exceeds the
-  static bound ``cdiv(M, BM) + E``, so the flat grid is ``(cdiv(M, BM) + E) * cdiv(N, BN)``
-  (grouped ``GROUP_M`` tiles at a time, for L2 reuse); programs past the real tiles store nothing.
+  expert by expert, followed by the ``BM``-row tiles of the zero tail. At most ``min(E, M)`` experts
+  hold rows, so the total never exceeds the static bound ``cdiv(M, BM) + min(E, M)`` and the flat grid
+  is that times ``cdiv(N, BN)`` (grouped ``GROUP_M`` tiles at a time, for L2 reuse); programs past the
+  real tiles store nothing. (At decode, M = T*K is far below E: a bound in E launched up to 30x more
+  programs than could ever hold work, all of them scanning the offsets.)
 * each program loads the ``E + 1`` offsets (a few hundred bytes, L2 resident), takes a cumulative
   sum of the tile counts and finds its expert by counting the experts that end before its tile.
 * ``SWAP_AB`` computes ``w_tile @ x_tile.T`` so that the weight rows fill the MMA's M dimension
@@ -75,7 +77,7 @@ def _tile_rows(tile, SEG, M, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
 def _work_item(M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """``(tile, n-tile)`` of this program: ``GROUP_M`` tiles at a time, tiles fastest within a group."""
     pid = tl.program_id(0)
-    num_tiles = tl.cdiv(M, BM) + E
+    num_tiles = tl.cdiv(M, BM) + tl.minimum(E, M)
     num_n = tl.cdiv(N, BN)
     per_group = GROUP_M * num_n
     first = (pid // per_group) * GROUP_M
@@ -134,6 +136,11 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
     return GemmConfig(128, 256, 64, 8, 3, 8)
 
 
+def num_programs(m: int, n: int, e: int, cfg: GemmConfig) -> int:
+    """The flat grid: the static tile bound (module docstring) times the N tiles."""
+    return (triton.cdiv(m, cfg.bm) + min(e, m)) * triton.cdiv(n, cfg.bn)
+
+
 def block_e(e: int) -> int:
     return max(MIN_BLOCK_E, triton.next_power_of_2(e))
 
@@ -143,7 +150,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor
     m, k = x.shape
     e = w.shape[0]
     fn = wrap(_grouped_gemm_kernel) if wrap is not None else _grouped_gemm_kernel
-    grid = ((triton.cdiv(m, cfg.bm) + e) * triton.cdiv(n, cfg.bn),)
+    grid = (num_programs(m, n, e, cfg),)
     fn[grid](
         x, w, seg, y, m, n, k, e,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),

@@ -2,7 +2,7 @@
 
 Semantics: :mod:`ep_fuse.ops.quant_reference`. The grouped GEMMs reuse the work list of
 :mod:`ep_fuse.providers.triton.grouped_gemm_kernel` (tiles of ``BM`` rows of one expert built on the
-device from ``seg_indptr``, flat grid ``(cdiv(M, BM) + E) * cdiv(N, BN)``, ``SWAP_AB`` for decode):
+device from ``seg_indptr``, flat grid ``(cdiv(M, BM) + min(E, M)) * cdiv(N, BN)``, ``SWAP_AB`` for decode):
 
 * int8 x int8 -> int32 ``tl.dot`` (Hopper int8 tensor cores; both operands K-contiguous, the "NT"
   layout int8 MMAs want). Under the interpreter int8 dots are not trusted: each ``BK`` slice is
@@ -29,6 +29,7 @@ from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operan
 from ep_fuse.providers.triton.grouped_gemm_kernel import (
     _tile_rows,
     _work_item,
+    num_programs,
     block_e,
     is_decode,
 )
@@ -147,7 +148,7 @@ def launch_w8a8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: t
     n = wq.shape[1] // 2 if swiglu else wq.shape[1]
     cfg = config or config_for(m, n, k, e, swiglu=swiglu)
     fn = wrap(_w8a8_gemm_kernel) if wrap is not None else _w8a8_gemm_kernel
-    grid = ((triton.cdiv(m, cfg.bm) + e) * triton.cdiv(n, cfg.bn),)
+    grid = (num_programs(m, n, e, cfg),)
     fn[grid](
         xq, xs, wq, ws, seg, y, m, n, k, e,
         xq.stride(0), wq.stride(0), wq.stride(1), ws.stride(0), y.stride(0),

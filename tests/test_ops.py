@@ -142,11 +142,13 @@ def test_choose_by_device_priority_and_support():
     assert "no upcast" in choose(canonical.rms_norm, no_upcast, "cpu").declined[0][1]
 
 
-def test_triton_on_row_slices_of_a_wider_projection():
-    """DeepSeek kv_a_layernorm reads split(kv_a_proj(x), [kv_lora, rope])[0]: strided rows."""
-    proj = torch.randn(2, 7, 48).to(torch.bfloat16)
+@pytest.mark.parametrize("seq", [7, 1], ids=["prefill", "decode"])
+def test_triton_on_row_slices_of_a_wider_projection(seq):
+    """DeepSeek kv_a_layernorm reads split(kv_a_proj(x), [kv_lora, rope])[0]: strided rows. At decode the
+    sequence dim has size 1 and the rows are 48 apart along the batch dim (a size-1 dim places nothing)."""
+    proj = torch.randn(2, seq, 48).to(torch.bfloat16)
     x, _rope = proj.split([32, 16], dim=-1)
-    r = torch.randn(2, 7, 48).to(torch.bfloat16)[..., 8:40]
+    r = torch.randn(2, seq, 48).to(torch.bfloat16)[..., 8:40]
     w = torch.randn(32).to(torch.bfloat16)
     for args, ref_fn, op in (
         ((x, w, 1e-6, None, "llama", True, torch.bfloat16), rms_norm_ref, OPS[False][1]),

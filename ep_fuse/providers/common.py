@@ -38,12 +38,16 @@ def row_stride(t: torch.Tensor) -> int | None:
         return None
     if shape[-1] > 1 and strides[-1] != 1:
         return None
-    if len(shape) == 1:
-        return shape[-1]
-    for i in range(len(shape) - 2):
-        if shape[i] > 1 and strides[i] != strides[i + 1] * shape[i + 1]:
+    # rows are every index of the leading dims; size-1 dims place nothing (their stride is arbitrary)
+    lead = [(n, st) for n, st in zip(shape[:-1], strides[:-1]) if n > 1]
+    if not lead:
+        return shape[-1]  # a single row
+    rs = lead[-1][1]
+    expect = rs
+    for n, st in reversed(lead):
+        if st != expect:
             return None
-    rs = strides[-2] if shape[-2] > 1 else shape[-1]
+        expect = st * n
     if rs < shape[-1]:
         return None
     if rs != shape[-1] and not contiguous(t) and _dense(shape, strides):

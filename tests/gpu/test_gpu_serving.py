@@ -82,9 +82,8 @@ def test_generate_static_cache_keeps_cuda_graphs_and_matches_eager():
     assert reps and all(r.inductor.direct and r.inductor.cudagraph_safe_mutations for r in reps), reps
     assert reps[0].counts() == tiny_models.EXPECTED_SITES["qwen3_moe"][0]
     assert _cudagraph_skips() == 0, dict(counters["inductor"])
-    for a, b in zip(out.logits, ref.logits):
-        scale = b.float().abs().max().item()
-        torch.testing.assert_close(a.float(), b.float(), rtol=0.03, atol=0.03 * scale)
+    errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out.logits, ref.logits)]
+    assert max(errs) < 2e-2, f"per-step logits relative L2 {errs}"  # bf16: an ulp flips an element here and there
 
 
 @pytest.mark.parametrize("name", tiny_models.TINY_MODELS)

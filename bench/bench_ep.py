@@ -141,33 +141,6 @@ def loop_seconds(fn, iters: int, device: torch.device, graph: bool) -> float:
     return sec
 
 
-def kernel_split(fn, iters: int) -> tuple[float, float]:
-    """Seconds per call spent in GPU kernels named ``*dispatch*`` / ``*combine*`` (DeepEP's own kernels),
-    from a profiler trace of ``iters`` calls -- how DeepEP's tests time its low-latency kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    dist.barrier()
-    d = c = 0.0
-    for ev in prof.key_averages():
-        total = getattr(ev, "device_time_total", None)
-        if total is None:
-            total = getattr(ev, "cuda_time_total", 0.0)
-        name = ev.key.lower()
-        if "dispatch" in name and "layout" not in name:
-            d += total
-        elif "combine" in name:
-            c += total
-    return d / iters / 1e6, c / iters / 1e6
-
-
 def routing(t: int, h: int, e: int, k: int, device: torch.device, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(t, h, generator=g).to(device, BF16)
@@ -258,20 +231,18 @@ def run_shape(name, t, h, inter, e, k, modes, iters, device) -> list[dict[str, A
 
             if world > 1:
                 t_both = loop_seconds(both, iters, device, graph)
-                if ran == "deepep_low_latency":  # LL dispatch must alternate with combine: split by kernels
-                    t_disp, _t_comb = kernel_split(both, iters)
-                    row["split"] = "LL: DeepEP kernel times (profiler)"
-                else:
+                recv, remote = traffic_rows(ids, e, layout)
+                row.update(dispatch_combine_us=round(t_both * 1e6, 1),
+                           gbs_remote=round(2 * remote * h * 2 / t_both / 1e9, 1))
+                # LL dispatch must alternate with combine (DeepEP's own test splits the two from kernel
+                # traces of lock-stepped ranks): only the pair is timed here
+                if ran != "deepep_low_latency":
                     t_disp = loop_seconds(disp, iters, device, graph)
                     handles.clear()  # dispatch-only loops leave their handles registered
-                t_comb = _t_comb if ran == "deepep_low_latency" else t_both - t_disp
-                recv, remote = traffic_rows(ids, e, layout)
-                row.update(
-                    dispatch_us=round(t_disp * 1e6, 1), combine_us=round(t_comb * 1e6, 1),
-                    dispatch_combine_us=round(t_both * 1e6, 1),
-                    dispatch_gbs_recv=round(recv * h * 2 / t_disp / 1e9, 1),
-                    combine_gbs_recv=round(recv * h * 2 / t_comb / 1e9, 1),
-                    gbs_remote=round(2 * remote * h * 2 / t_both / 1e9, 1))
+                    t_comb = t_both - t_disp
+                    row.update(dispatch_us=round(t_disp * 1e6, 1), combine_us=round(t_comb * 1e6, 1),
+                               dispatch_gbs_recv=round(recv * h * 2 / t_disp / 1e9, 1),
+                               combine_gbs_recv=round(recv * h * 2 / t_comb / 1e9, 1))
             row.update(layer_us=round(layer * 1e6, 1), layer_vs_one_gpu=round(layer * 1e6 / base_us, 3),
                        graph=graph, tokens_s_per_rank=round(t / layer))
         except Exception as exc:  # one backend failing must not hide the others
@@ -283,7 +254,7 @@ def run_shape(name, t, h, inter, e, k, modes, iters, device) -> list[dict[str, A
     return rows
 
 
-def run_e2e(iters: int, device: torch.device) -> list[dict[str, Any]]:
+def run_e2e(iters: int, device: torch.device, cases: list[str]) -> list[dict[str, Any]]:
     """A 4-layer Qwen3-30B-A3B-sized HF model: the EP pair vs one GPU running the whole model."""
     import hf_models
 
@@ -293,6 +264,8 @@ def run_e2e(iters: int, device: torch.device) -> list[dict[str, Any]]:
         ("prefill 2 x 2048 per rank", (2, 2048), "deepep", 4096, None),
         ("decode 128 x 1 per rank", (128, 1), "deepep_low_latency", 128, "reduce-overhead"),
     ]:
+        if label.split()[0] not in cases:
+            continue
         row: dict[str, Any] = dict(case=label, world=world, backend=backend)
         try:
             full = hf_models.build("qwen3_30b_a3b", device=str(device))
@@ -301,14 +274,16 @@ def run_e2e(iters: int, device: torch.device) -> list[dict[str, Any]]:
             opts = {"executor": "inductor", **({"mode": mode} if mode else {})}
             one = torch.compile(full, backend="ep_fuse", options=opts)
             with torch.no_grad():
-                ref = one(input_ids=ids, use_cache=False).logits
+                for _ in range(3 if mode else 1):  # CUDA graphs: warm-up, record, replay
+                    ref = one(input_ids=ids, use_cache=False).logits.clone()  # replays overwrite outputs
                 t_one = loop_seconds(lambda: one(input_ids=ids, use_cache=False), iters, device, graph=False)
             torch._dynamo.reset()
             ep_model = ep_fuse.shard_experts(full)
             ep = torch.compile(ep_model, backend="ep_fuse",
                                options={**opts, **ep_fuse.ep_options(ep_model, backend=backend, capacity=cap)})
             with torch.no_grad():
-                out = ep(input_ids=ids, use_cache=False).logits
+                for _ in range(3 if mode else 1):
+                    out = ep(input_ids=ids, use_cache=False).logits.clone()
                 t_ep = loop_seconds(lambda: ep(input_ids=ids, use_cache=False), iters, device, graph=False)
             sites = ep_sites(ep_fuse.last_report())
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
@@ -335,6 +310,7 @@ def main() -> None:
     ap.add_argument("--backends", default=None, help="restrict to these providers (default: all)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--e2e", action="store_true", help="also the 4-layer Qwen3-30B-A3B-sized HF model")
+    ap.add_argument("--e2e-cases", default="prefill,decode")
     ap.add_argument("--deepep-config", default=None,
                     help="dispatch SMs,NVL chunk,combine SMs,NVL chunk for DeepEP normal (from its own tuning)")
     args = ap.parse_args()
@@ -356,7 +332,8 @@ def main() -> None:
         modes = DECODE_MODES if shape[1] <= 512 else PREFILL_MODES
         modes = [m for m in modes if keep is None or m[0] in keep]
         rows += run_shape(*shape, modes, args.iters, device)
-    e2e = run_e2e(max(5, args.iters // 2), device) if args.e2e and device.type == "cuda" else []
+    e2e = run_e2e(max(5, args.iters // 2), device, args.e2e_cases.split(",")) \
+        if args.e2e and device.type == "cuda" else []
     if dist.get_rank() == 0:
         out = Path(os.environ.get("OUT", "bench_out"))
         out.mkdir(parents=True, exist_ok=True)

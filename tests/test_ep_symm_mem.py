@@ -265,7 +265,7 @@ def sc_hf_mixtral(world):
 
 
 def sc_selection(world):
-    """auto picks symm_mem when DeepEP is absent and the ops are there; an explicit request without them is
+    """auto never picks symm_mem (measured slower than all_to_all); an explicit request without the ops is
     one compile-time error; a block over the NVSHMEM heap falls back to all_to_all with the reason."""
     import test_ep
 
@@ -282,8 +282,11 @@ def sc_selection(world):
     test_ep._block_case(world, backend="auto", expect_backend="all_to_all")  # CPU, no double: the reference
     with _double():
         torch._dynamo.reset()
-        site = test_ep._block_case(world, backend="auto", expect_backend="symm_mem", seed_extra=1)
-        assert site.requested == "auto" and site.layout == "rank"
+        site = test_ep._block_case(world, backend="auto", expect_backend="all_to_all", seed_extra=1)
+        assert site.requested == "auto" and not site.declined
+        torch._dynamo.reset()
+        site = test_ep._block_case(world, backend="symm_mem", expect_backend="symm_mem", seed_extra=1)
+        assert site.layout == "rank"
         old = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
         os.environ["NVSHMEM_SYMMETRIC_SIZE"] = "2K"
         try:
@@ -448,7 +451,11 @@ def test_auto_on_cuda_without_runtimes_keeps_the_reference():
     x, ids = torch.zeros(4, 16, dtype=BF16), torch.zeros(4, 2, dtype=torch.int64)
     backend, layout, declined = choose_backend("auto", "cuda", x, ids, BF16, 2, 4, 0)
     assert (backend, layout) == ("all_to_all", "rank")
-    assert [d[0] for d in declined] == ["deepep", "symm_mem"] and "CUDA is not available" in declined[1][1]
+    assert [d[0] for d in declined] == ["deepep"] and "deep_ep" in declined[0][1]  # 2 ranks, data-dependent
+    backend, _, declined = choose_backend("auto", "cuda", x, ids, BF16, 2, 4, 8)
+    assert backend == "all_to_all" and not declined, "2 ranks with a capacity: measured fastest"
+    backend, _, declined = choose_backend("auto", "cuda", x, ids, BF16, 4, 4, 8)
+    assert backend == "all_to_all" and [d[0] for d in declined] == ["deepep_low_latency", "deepep"]
 
 
 def test_supports_and_heap(monkeypatch):

@@ -362,7 +362,7 @@ def dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacit
                          torch.zeros((), dtype=topk_weights.dtype, device=dev))
     handle = torch.full((handle_len("rank", world, num_experts, t, k, capacity, "symm_mem"),), -1,
                         dtype=torch.int64, device=dev)
-    handle[0] = CODE
+    handle[:1].fill_(CODE)  # a kernel, not a host-to-device copy (CUDA-graph capturable)
     handle[2] = total
     handle[HEADER:HEADER + t * world] = torch.where(in_rank, slot, -1).reshape(-1)
     handle[HEADER + rows:] = splits

@@ -86,16 +86,33 @@ FALLBACKS = {
 low-latency capacity DeepEP cannot hold takes DeepEP normal mode before all_to_all)."""
 
 
-def auto_order(device: str, capacity: int) -> tuple[str, ...]:
-    """``ep_backend="auto"``: the providers tried, fastest first, for a graph on ``device``."""
-    order: tuple[str, ...] = ()
+MEASURED_AUTO: dict[tuple[int, bool], tuple[str, ...]] = {
+    (2, True): ("all_to_all",),
+    (2, False): ("deepep", "all_to_all"),
+}
+"""``auto`` on CUDA where it was measured: ``(ranks, capacity set) -> providers, fastest first``.
+``bench/bench_ep.py`` on 2 x H200 (NVLink, 2026-11-30), per-rank EP MoE layer, Inductor executor:
+with a capacity (CUDA graphs) the Triton-indexed NCCL all_to_all was fastest at every shape
+(DeepSeek-V3 decode 2847 us vs DeepEP normal 2895, low-latency 4017, symm_mem 3644; prefill 8218 vs
+DeepEP 8275; Qwen3-30B-A3B decode 233 vs 250 / 377, prefill 1134 vs 1403); data-dependent sizes:
+DeepEP normal (Qwen3-30B-A3B prefill 1500 vs 2069 us; DeepSeek-V3 prefill 8462 vs 8233, within
+DeepEP's own run-to-run spread)."""
+
+
+def auto_order(device: str, capacity: int, world: int = 0) -> tuple[str, ...]:
+    """``ep_backend="auto"``: the providers tried, fastest first, for a graph on ``device``.
+
+    Measured group sizes follow :data:`MEASURED_AUTO`; elsewhere DeepEP comes first (low-latency with a
+    capacity, then normal), then all_to_all. ``symm_mem`` is never chosen automatically: it ran slower
+    than all_to_all at every measured shape (request it explicitly)."""
     if device == "cuda":
-        order = (("deepep_low_latency",) if capacity else ()) + ("deepep",)
-    if device == symm_mem.device_type():  # CUDA (a test double may claim another device)
-        order += ("symm_mem",)
+        measured = MEASURED_AUTO.get((world, bool(capacity)))
+        if measured is not None:
+            return measured
+        return (("deepep_low_latency",) if capacity else ()) + ("deepep", "all_to_all")
     if device == "npu":
-        order += ("npu",)
-    return order + ("all_to_all",)
+        return ("npu", "all_to_all")
+    return ("all_to_all",)
 
 
 def _available(name: str) -> str | None:
@@ -127,7 +144,7 @@ def choose_backend(
     """``(backend, layout, declined)`` for one block, decided from static shapes and options only (so
     every rank decides alike); raises when an explicitly requested runtime is missing."""
     if requested == "auto":
-        order = auto_order(device, capacity)
+        order = auto_order(device, capacity, world)
     else:
         why = _available(requested)
         if why:

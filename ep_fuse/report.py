@@ -122,9 +122,12 @@ class GraphReport:
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
     unlowered: list[str] = dataclasses.field(default_factory=list)
     skipped: str | None = None
+    """Why the graph was compiled without rewriting (e.g. it needs autograd)."""
     ep: list[EpRecord] = dataclasses.field(default_factory=list)
     """MoE blocks the expert-parallel pass rewrote."""
-    """Why the graph was compiled without rewriting (e.g. it needs autograd)."""
+    shape_guards: list[str] = dataclasses.field(default_factory=list)
+    """Shape guards the rewrite added to a dynamic-shape graph (expected: none; each one restricts the
+    sizes the compiled graph accepts, so other sizes recompile). See :mod:`ep_fuse.shape_guards`."""
 
     def count(self, pattern: str | None = None, variant: str | None = None, provider: str | None = None) -> int:
         return sum(
@@ -177,6 +180,8 @@ class GraphReport:
             text += f"; not rewritten: {self.skipped}"
         if self.near_misses:
             text += f"; {len(self.near_misses)} near miss(es)"
+        if self.shape_guards:
+            text += f"; {len(self.shape_guards)} shape guard(s) added"
         return text
 
     def __str__(self) -> str:

@@ -108,12 +108,30 @@ class Item(Pat):
 
 
 # --------------------------------------------------------------------------- literal checks
+SYM_NUMBERS = (torch.SymInt, torch.SymFloat)
+
+
+def sym_eq(a: Any, b: Any) -> bool:
+    """``a == b`` for numbers that may be symbolic (``SymInt`` sizes of a dynamic graph): ``True`` only when
+    it holds for every value of the symbols. Never adds a guard (a Python ``==`` on a ``SymInt`` followed
+    by ``bool()`` would, specialising the graph on the example sizes)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if not isinstance(a, (int, float, *SYM_NUMBERS)) or not isinstance(b, (int, float, *SYM_NUMBERS)):
+        return False
+    return bool(statically_known_true(a == b))
+
+
 def check_item(v: Any, expected: Any) -> bool:
     return equals(expected)(v) is None
 
 
 def equals(expected: Any) -> Check:
     def check(v: Any) -> str | None:
+        if isinstance(v, SYM_NUMBERS) or isinstance(expected, SYM_NUMBERS):
+            return None if sym_eq(v, expected) else f"expected {expected!r}, got {v!r}"
         if isinstance(expected, (list, tuple)):
             same = isinstance(v, (list, tuple)) and len(v) == len(expected) and all(
                 check_item(a, b) for a, b in zip(v, expected))

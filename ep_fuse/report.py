@@ -32,9 +32,15 @@ class MatchRecord:
     """For a block: the provider chosen for each stage op."""
     stage_nodes: list[str] = dataclasses.field(default_factory=list)
     """For a block: the nodes of its stage ops after expansion (what the report draws as "after")."""
+    run_time: list[str] = dataclasses.field(default_factory=list)
+    """Size-dependent provider choices deferred to run time (a symbolic size under ``dynamic=True``):
+    ``"<op>: <rule>"``, e.g. ``"gemm_swiglu: > 32 rows: the reference"``."""
 
-    def set_provider(self, op: str, provider: str, declined: tuple[tuple[str, str], ...]) -> None:
+    def set_provider(self, op: str, provider: str, declined: tuple[tuple[str, str], ...],
+                     run_time: str | None = None) -> None:
         """Record the provider lowering chose for ``op`` (the fused op, or one stage of a block)."""
+        if run_time:
+            self.run_time.append(f"{op}: {run_time}")
         if not self.block:
             self.provider, self.declined = provider, list(declined)
             return

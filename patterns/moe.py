@@ -61,9 +61,10 @@ from ep_fuse.matching.checks import (
     is_value,
     one_of,
     same_shape,
+    sym_eq,
     tensor_of,
 )
-from ep_fuse.matching.pattern import Opt, alt, equals, sym_eq
+from ep_fuse.matching.pattern import Opt, alt, equals
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten

@@ -60,8 +60,9 @@ from ep_fuse.matching.checks import (
     is_value,
     one_of,
     same_shape,
+    sym_eq,
 )
-from ep_fuse.matching.pattern import equals, is_number, sym_eq
+from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten

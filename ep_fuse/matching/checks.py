@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching.pattern import equals, sym_eq
+from ep_fuse.matching.pattern import equals
+from ep_fuse.symbolic import concrete_int, same_shape, sym_eq  # noqa: F401  (re-exported for pattern files)
 
 MODEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INT64_MAX = 2**63 - 1
@@ -52,24 +53,6 @@ def is_shape(v: Any) -> str | None:
     if isinstance(v, (list, tuple)) and all(is_size(d) is None for d in v):
         return None
     return f"expected a shape, got {v!r}"
-
-
-def same_shape(given: Any, *expected: Any) -> bool:
-    """``given`` equals one of ``expected`` element-wise (``-1`` only where an expected shape says ``-1``),
-    decided for every value of the symbols (:func:`ep_fuse.matching.pattern.sym_eq`), adding no guard."""
-    if not isinstance(given, (list, tuple)):
-        return False
-    return any(len(given) == len(e) and all(sym_eq(a, b) for a, b in zip(given, e)) for e in expected)
-
-
-def concrete_int(v: Any) -> int | None:
-    """``v`` as an int when it is one (or a ``SymInt`` with a constant value), else ``None`` -- never
-    ``int()`` of a symbolic size, which would add a guard and specialise the graph."""
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
-    if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or not is_concrete_int(v):
-        return None
-    return int(v)
 
 
 def is_bool(v: Any) -> str | None:

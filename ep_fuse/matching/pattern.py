@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ep_fuse.symbolic import SYM_NUMBERS, sym_eq
+
 Check = Callable[[Any], "str | None"]
 """A predicate returning ``None`` when the value is acceptable, else the reason it is not."""
 
@@ -108,22 +110,6 @@ class Item(Pat):
 
 
 # --------------------------------------------------------------------------- literal checks
-SYM_NUMBERS = (torch.SymInt, torch.SymFloat)
-
-
-def sym_eq(a: Any, b: Any) -> bool:
-    """``a == b`` for numbers that may be symbolic (``SymInt`` sizes of a dynamic graph): ``True`` only when
-    it holds for every value of the symbols. Never adds a guard (a Python ``==`` on a ``SymInt`` followed
-    by ``bool()`` would, specialising the graph on the example sizes)."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if not isinstance(a, (int, float, *SYM_NUMBERS)) or not isinstance(b, (int, float, *SYM_NUMBERS)):
-        return False
-    return bool(statically_known_true(a == b))
-
-
 def check_item(v: Any, expected: Any) -> bool:
     return equals(expected)(v) is None
 

@@ -65,12 +65,16 @@ def literal_value(arg: Any) -> Any:
 
     Under ``dynamic=True`` sizes are computed in the graph (``mul_608: "Sym(6*s27*s52)" = 6 * arg1_1``)
     and passed as nodes, alone (``arange(mul_608)``) or inside lists (``view(y, [mul_241, 6, 360])``).
-    Such a node stands for its symbolic value (a ``SymInt``, or a plain int where Dynamo specialised
-    it); lists are resolved element-wise. Any other graph value (a tensor) is :data:`NOT_LITERAL`.
+    Such a node stands for its symbolic value (a ``SymInt``, or a plain int where its value is a
+    constant); lists are resolved element-wise. Any other graph value (a tensor) is :data:`NOT_LITERAL`.
     Reading ``meta['val']`` adds no guard: nothing is evaluated.
     """
     if isinstance(arg, fx.Node):
         v = val(arg)
+        if isinstance(v, torch.SymInt):
+            from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+            return int(v) if is_concrete_int(v) else v  # a size Dynamo specialised is a plain int
         if isinstance(v, SYM_SCALARS) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
             return v
         return NOT_LITERAL

@@ -54,6 +54,7 @@ from ep_fuse.matching import (
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
+    concrete_int,
     is_dtype,
     is_int,
     is_shape,
@@ -246,6 +247,8 @@ def routing(m: Match) -> str | None:
         return f"topk ids {list(ids.shape)} and weights {list(w.shape)} are not one [T, K]"
     t, k = ids.shape
     h = x.shape[1]
+    if concrete_int(k) is None:  # the block's stages take K as an int: reading a SymInt would specialise it
+        return f"a symbolic top-k {k} (the block takes K as a constant)"
     if not sym_eq(t, x.shape[0]):
         return f"{t} routed rows for {x.shape[0]} tokens"
     if "tkh" in m.bindings and not same_shape(m["tkh"], [t, k, h], [t, k, -1], [-1, k, h]):

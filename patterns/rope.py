@@ -222,7 +222,8 @@ def complex_views_pair_channels(m: Match) -> str | None:
     return None
 
 
-GUARDS = (static_head_dim, rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels, interleaves_back)
+GUARDS = (static_head_dim, rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels,
+          interleaves_back)
 
 
 # --------------------------------------------------------------------------- cos/sin-cache form

@@ -38,7 +38,7 @@ class AtRunTime:
     guard (a recompile per size) and declining would lose the sizes where the kernel is faster."""
 
     rule: str
-    """The choice made per call, for the report (``"> 32 rows: the reference (cuBLAS + SwiGLU)"``)."""
+    """The choice made per call, for the report (``"the kernel up to 32 rows, the reference ... above"``)."""
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@
 
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ep import EpError, ep_options, release_buffers, shard_experts
-from ep_fuse.hf import prepare
+from ep_fuse.hf import dynamic_batch, prepare
 from ep_fuse.report import GraphReport, MatchRecord, last_report, reports, reset_reports
 
 __version__ = "0.1.0"
@@ -25,6 +25,7 @@ __all__ = [
     "EpFuseConfig",
     "GraphReport",
     "MatchRecord",
+    "dynamic_batch",
     "ep_options",
     "release_buffers",
     "last_report",

@@ -54,6 +54,36 @@ def tensor_val(node: Any) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
+NOT_LITERAL = object()
+"""What :func:`literal_value` returns for a graph value that is not a scalar (a tensor)."""
+
+SYM_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def literal_value(arg: Any) -> Any:
+    """The literal an argument holds, with the size expressions of a dynamic-shape graph resolved.
+
+    Under ``dynamic=True`` sizes are computed in the graph (``mul_608: "Sym(6*s27*s52)" = 6 * arg1_1``)
+    and passed as nodes, alone (``arange(mul_608)``) or inside lists (``view(y, [mul_241, 6, 360])``).
+    Such a node stands for its symbolic value (a ``SymInt``, or a plain int where its value is a
+    constant); lists are resolved element-wise. Any other graph value (a tensor) is :data:`NOT_LITERAL`.
+    Reading ``meta['val']`` adds no guard: nothing is evaluated.
+    """
+    if isinstance(arg, fx.Node):
+        v = val(arg)
+        if isinstance(v, torch.SymInt):
+            from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+            return int(v) if is_concrete_int(v) else v  # a size Dynamo specialised is a plain int
+        if isinstance(v, SYM_SCALARS) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
+            return v
+        return NOT_LITERAL
+    if isinstance(arg, (list, tuple)):
+        items = [literal_value(a) for a in arg]
+        return NOT_LITERAL if any(i is NOT_LITERAL for i in items) else type(arg)(items)
+    return arg
+
+
 def module_path(node: fx.Node) -> str:
     """Dotted module path from ``nn_module_stack`` (``model.layers.0.input_layernorm``), or ``''``."""
     stack = node.meta.get("nn_module_stack")

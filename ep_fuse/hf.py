@@ -37,3 +37,47 @@ def _safe(fn: Any) -> bool:
         return bool(fn())
     except Exception:
         return False
+
+
+BATCH_SHAPE_ID = "ep_fuse_batch"
+"""The ``shape_id`` under which :func:`dynamic_batch` marks every batch dim (one unbacked size)."""
+
+
+def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids", "inputs_embeds", "position_ids",
+                                                                    "attention_mask")) -> dict[str, Any]:
+    """Mark the batch dim of a Hugging Face model's inputs so that batch 1 and larger batches share a graph.
+
+    ``torch.compile(..., dynamic=True)`` (and automatic dynamic) specialise sizes 0 and 1: a batch of 1
+    and a batch of 3 get different graphs, and so do 1 token and 7 tokens. HF models also branch on
+    ``length > 1`` (``is_causal`` of SDPA), so decode (length 1) and prefill need two graphs anyway; the
+    batch is what can be shared. This marks the batch dim of each tensor in ``names`` unbacked
+    (``torch._dynamo.decorators.mark_unbacked``), all with one ``shape_id`` so they are one size.
+    Without a cache HF expands ``position_ids`` ``[1, S]`` to the batch when ``batch != 1`` -- a branch on
+    the batch size -- so ``position_ids`` ``[B, S]`` (``arange(S)``, what HF computes) are added when the
+    inputs have neither ``position_ids`` nor ``past_key_values``. A KV cache's batch dim is not marked.
+
+    Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).
+    """
+    import inspect
+
+    import torch
+
+    ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
+    if ids is None:
+        raise ValueError("ep_fuse.dynamic_batch: the inputs have neither input_ids nor inputs_embeds")
+    if "position_ids" not in inputs and inputs.get("past_key_values") is None:
+        b, s = ids.shape[:2]
+        inputs["position_ids"] = torch.arange(s, device=ids.device).expand(b, s).contiguous()
+    mark = torch._dynamo.decorators.mark_unbacked
+    shared = "shape_id" in inspect.signature(mark).parameters
+    if not shared:
+        log.warning("ep_fuse.dynamic_batch: this torch has no mark_unbacked(shape_id=...); the batch dims of "
+                    "%s become separate sizes and HF's batch checks may break the graph", ", ".join(names))
+    for name in names:
+        t = inputs.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() >= 1:
+            if shared:
+                mark(t, 0, shape_id=BATCH_SHAPE_ID)
+            else:
+                mark(t, 0)
+    return inputs

@@ -22,6 +22,7 @@ from ep_fuse.passes.pair import Pair
 from ep_fuse.passes.quant import QuantizeExperts
 from ep_fuse.patterns import all_pairs, all_patterns
 from ep_fuse.report import GraphReport, PassRecord
+from ep_fuse.shape_guards import ShapeGuardWatch
 
 log = logging.getLogger("ep_fuse")
 progress = logging.getLogger("ep_fuse.progress")
@@ -48,6 +49,7 @@ def run_passes(
     dumper = dumper or Dumper.for_config(config, report.graph)
     report.ops_before = op_histogram(gm.graph)
     dumper.graph("01_aten", gm)
+    watch = ShapeGuardWatch(ctx.fake_mode)
     for i, p in enumerate(build_passes(config), start=2):
         t0 = time.perf_counter()
         changes = p(gm, ctx)
@@ -56,6 +58,10 @@ def run_passes(
                       report.passes[-1].seconds)
         dumper.graph(f"{i:02d}_{p.name}", gm)
     report.ops_after = op_histogram(gm.graph)
+    report.shape_guards = watch.added()
+    if report.shape_guards:
+        log.warning("ep_fuse: graph %s: the rewrite added %d shape guard(s) (the graph recompiles for sizes "
+                    "outside them): %s", report.graph, len(report.shape_guards), "; ".join(report.shape_guards))
     canon = {c.op for c in canonical_ops().values() if not c.engine}
     report.unlowered = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in canon]
     dumper.report(report)

@@ -32,9 +32,15 @@ class MatchRecord:
     """For a block: the provider chosen for each stage op."""
     stage_nodes: list[str] = dataclasses.field(default_factory=list)
     """For a block: the nodes of its stage ops after expansion (what the report draws as "after")."""
+    run_time: list[str] = dataclasses.field(default_factory=list)
+    """Size-dependent provider choices deferred to run time (a symbolic size under ``dynamic=True``):
+    ``"<op>: <rule>"``, e.g. ``"gemm_swiglu: > 32 rows: the reference"``."""
 
-    def set_provider(self, op: str, provider: str, declined: tuple[tuple[str, str], ...]) -> None:
+    def set_provider(self, op: str, provider: str, declined: tuple[tuple[str, str], ...],
+                     run_time: str | None = None) -> None:
         """Record the provider lowering chose for ``op`` (the fused op, or one stage of a block)."""
+        if run_time:
+            self.run_time.append(f"{op}: {run_time}")
         if not self.block:
             self.provider, self.declined = provider, list(declined)
             return
@@ -148,6 +154,9 @@ class GraphReport:
     """MoE blocks the expert-parallel pass rewrote."""
     inductor: InductorHandoff | None = None
     """How the rewritten graph reached Inductor (``None`` for the eager executor)."""
+    shape_guards: list[str] = dataclasses.field(default_factory=list)
+    """Shape guards the rewrite added to a dynamic-shape graph (expected: none; each one restricts the
+    sizes the compiled graph accepts, so other sizes recompile). See :mod:`ep_fuse.shape_guards`."""
 
     def count(self, pattern: str | None = None, variant: str | None = None, provider: str | None = None) -> int:
         return sum(
@@ -202,6 +211,8 @@ class GraphReport:
             text += f"; not rewritten: {self.skipped}"
         if self.near_misses:
             text += f"; {len(self.near_misses)} near miss(es)"
+        if self.shape_guards:
+            text += f"; {len(self.shape_guards)} shape guard(s) added"
         return text
 
     def __str__(self) -> str:

@@ -104,6 +104,50 @@ def build(
     return model.to(device).eval()
 
 
+def qwen2_moe_sized(
+    hidden: int = 72,
+    head_dim: int = 12,
+    heads: int = 6,
+    kv_heads: int = 2,
+    experts: int = 60,
+    top_k: int = 6,
+    moe_intermediate: int = 24,
+    shared_intermediate: int = 40,
+    layers: int = 2,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A Qwen2-MoE causal LM of the given sizes with seeded random weights (shared expert with a sigmoid
+    gate, ``norm_topk_prob=False``), prepared for one graph (``grouped_mm`` experts).
+
+    The defaults are a CPU-sized copy of an odd-sized model (hidden 2880, head_dim 80, 60 experts, top-6):
+    widths that are not powers of two, many experts, a wide top-k. ``torch._grouped_mm`` needs rows of
+    a multiple of 16 bytes, so ``hidden`` and ``moe_intermediate`` are multiples of 8 for bf16."""
+    import transformers as tf
+
+    from ep_fuse.hf import prepare
+
+    cfg = tf.Qwen2MoeConfig(vocab_size=128, hidden_size=hidden, head_dim=head_dim, num_attention_heads=heads,
+                            num_key_value_heads=kv_heads, num_hidden_layers=layers, intermediate_size=4 * hidden,
+                            moe_intermediate_size=moe_intermediate, shared_expert_intermediate_size=shared_intermediate,
+                            num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=False,
+                            max_position_embeddings=4096, rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    model = tf.Qwen2MoeForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    prepare(model)
+    return model.to(device).eval()
+
+
+QWEN2_MOE_SITES = {"add_rms_norm": 2, "rms_norm": 1, "rope": 2, "gemm_swiglu": 1, "moe_experts": 1, "moe_gating": 1}
+"""Fused sites per decoder layer of :func:`qwen2_moe_sized` (the final norm counted once)."""
+
+
+def qwen2_moe_expected(layers: int) -> dict[str, int]:
+    """Fused sites in one graph of a :func:`qwen2_moe_sized` model with ``layers`` layers."""
+    return {k: (1 if k == "rms_norm" else v * layers) for k, v in QWEN2_MOE_SITES.items()}
+
+
 def example_inputs(batch: int = 2, seq: int = 16, device: str | torch.device = "cpu", seed: int = 0) -> dict[str, Any]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 128, (batch, seq), generator=g).to(device)

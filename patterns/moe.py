@@ -54,11 +54,15 @@ from ep_fuse.matching import (
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
+    concrete_int,
     is_dtype,
     is_int,
     is_shape,
+    is_size,
     is_value,
     one_of,
+    same_shape,
+    sym_eq,
     tensor_of,
 )
 from ep_fuse.matching.pattern import Opt, alt, equals
@@ -131,9 +135,10 @@ def _routing_front() -> dict[str, Any]:
     counts = alt(histc, one_hot, scattered)
     offs = alt(op(aten.cumsum.default, self=counts, dim=Lit(equals(0)), dtype=Lit(is_value(torch.int32))),
                Cast(op(aten.cumsum.default, self=counts, dim=Lit(equals(0))), dtype=torch.int32), bind="offs")
-    token = op(aten.floor_divide.default, self=perm, other=Lit(is_int, bind="top_k"), bind="token")
+    token = op(aten.floor_divide.default, self=perm, other=Lit(is_size, bind="top_k"), bind="token")
+    # under dynamic shapes the slot count T*K is a SymInt node (``arange(mul_608)``): a size literal
     inverse = op(aten.index_put.default, self=op(aten.empty_like.default, self=perm, ignore=("pin_memory",)),
-                 indices=[perm], values=_fill(aten.arange.default, end=Lit(is_int, bind="slots"),
+                 indices=[perm], values=_fill(aten.arange.default, end=Lit(is_size, bind="slots"),
                                               ignore=("device", "pin_memory", "dtype", "layout")), bind="inverse")
     rows = alt(op(aten.index.Tensor, self=x, indices=[token]),
                op(aten.index_select.default, self=x, dim=Lit(equals(0)), index=token),
@@ -230,39 +235,41 @@ def expert_weights(m: Match) -> str | None:
     return None
 
 
-def _same_shape(given: Any, *expected: list[Any]) -> bool:
-    return list(given) in [list(e) for e in expected]
-
-
 def routing(m: Match) -> str | None:
-    """ids and weights are [T, K] of the tokens; counts, token index and the top-k sum use the same T, K, E."""
+    """ids and weights are [T, K] of the tokens; counts, token index and the top-k sum use the same T, K, E.
+
+    Under dynamic shapes T (and the slot count T*K, the view/expand/accumulator sizes) are ``SymInt``s:
+    every comparison is decided for all values of the symbols (``sym_eq``/``same_shape``) and adds no
+    guard; one that cannot be decided refuses the match."""
     x, ids, w = tensor_val(m["x"]), tensor_val(m["topk_ids"]), tensor_val(m["topk_weights"])
     e = tensor_val(m["w13"]).shape[0]
-    if ids.dim() != 2 or tuple(w.shape) != tuple(ids.shape):
+    if ids.dim() != 2 or not same_shape(w.shape, ids.shape):
         return f"topk ids {list(ids.shape)} and weights {list(w.shape)} are not one [T, K]"
     t, k = ids.shape
     h = x.shape[1]
-    if not statically_known_true(t == x.shape[0]):
+    if concrete_int(k) is None:  # the block's stages take K as an int: reading a SymInt would specialise it
+        return f"a symbolic top-k {k} (the block takes K as a constant)"
+    if not sym_eq(t, x.shape[0]):
         return f"{t} routed rows for {x.shape[0]} tokens"
-    if "tkh" in m.bindings and not _same_shape(m["tkh"], [t, k, h], [t, k, -1], [-1, k, h]):
+    if "tkh" in m.bindings and not same_shape(m["tkh"], [t, k, h], [t, k, -1], [-1, k, h]):
         return f"top-k sum over a view {list(m['tkh'])}, expected [{t}, {k}, {h}]"
-    if "top_k" in m.bindings and m["top_k"] != k:
+    if "top_k" in m.bindings and not sym_eq(m["top_k"], k):
         return f"slot // {m['top_k']} does not map slots of top-{k} routing to tokens"
-    if "bins" in m.bindings and m["bins"] != e:
+    if "bins" in m.bindings and not sym_eq(m["bins"], e):
         return f"counts over {m['bins']} bins for {e} experts"
-    if "sentinel_e" in m.bindings and m["sentinel_e"] != e:
+    if "sentinel_e" in m.bindings and not sym_eq(m["sentinel_e"], e):
         return f"slots with ids >= {m['sentinel_e']} are masked, the block has {e} experts"
-    if "hist_max" in m.bindings and m["hist_max"] != e - 1:
+    if "hist_max" in m.bindings and not sym_eq(m["hist_max"], e - 1):
         return f"histc(max={m['hist_max']}) does not count experts 0..{e - 1}"
-    if "count_shape" in m.bindings and not _same_shape(m["count_shape"], [e]):
+    if "count_shape" in m.bindings and not same_shape(m["count_shape"], [e]):
         return f"counts of shape {list(m['count_shape'])} for {e} experts"
-    if "slots" in m.bindings and m["slots"] != t * k:
+    if "slots" in m.bindings and not sym_eq(m["slots"], t * k):
         return f"inverse permutation over {m['slots']} slots, expected {t * k}"
-    if "expand_size" in m.bindings and not _same_shape(m["expand_size"], [t, k, h]):
+    if "expand_size" in m.bindings and not same_shape(m["expand_size"], [t, k, h]):
         return f"tokens repeated as {list(m['expand_size'])}, expected [{t}, {k}, {h}]"
-    if "acc_shape" in m.bindings and not _same_shape(m["acc_shape"], [t, h]):
+    if "acc_shape" in m.bindings and not same_shape(m["acc_shape"], [t, h]):
         return f"accumulator of shape {list(m['acc_shape'])}, expected [{t}, {h}]"
-    if "index_shape" in m.bindings and not _same_shape(m["index_shape"], [-1, h], [t * k, h]):
+    if "index_shape" in m.bindings and not same_shape(m["index_shape"], [-1, h], [t * k, h]):
         return f"scatter index expanded to {list(m['index_shape'])}, expected [{t * k}, {h}]"
     return None
 
@@ -290,7 +297,7 @@ def clamp_is_noop(m: Match) -> str | None:
     if "clamp_max" not in m.bindings:
         return None
     e = tensor_val(m["w13"]).shape[0]
-    if m["clamp_max"] != e - 1:
+    if not sym_eq(m["clamp_max"], e - 1):
         return f"ids clamped to [0, {m['clamp_max']}] for {e} experts"
     if not _from_topk(m["topk_ids"]):
         return "ids clamped into range are not a top-k output: out-of-range ids would differ"

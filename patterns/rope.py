@@ -28,7 +28,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ep_fuse.fx_utils import tensor_val
+from ep_fuse.fx_utils import literal_value, tensor_val
 from ep_fuse.matching import (
     Cast,
     Item,
@@ -45,9 +45,11 @@ from ep_fuse.matching import (
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
+    concrete_int,
     is_end,
     is_int,
     is_shape,
+    same_shape,
     tensor_of,
 )
 from ep_fuse.ops import canonical
@@ -151,8 +153,18 @@ def rotates_last_dim(m: Match) -> str | None:
 
 
 def _rot_dim(m: Match) -> int:
-    d = int(tensor_val(m["x"]).shape[-1])
-    return int(m["rot"]) if "rot" in m.bindings else d
+    """The rotated width (a constant: :func:`static_head_dim` guards it)."""
+    return m["rot"] if "rot" in m.bindings else int(tensor_val(m["x"]).shape[-1])
+
+
+def static_head_dim(m: Match) -> str | None:
+    """The head dim is a constant (the canonical op and the kernels take it as an int).
+
+    Token dims may be symbolic (``dynamic=True``); a symbolic head dim -- a module whose heads are a
+    graph input -- is not fused: reading it as an int would specialise the graph on it."""
+    if concrete_int(tensor_val(m["x"]).shape[-1]) is None:
+        return f"symbolic head dim {tensor_val(m['x']).shape[-1]}"
+    return None
 
 
 def halves_the_rotated_dim(m: Match) -> str | None:
@@ -174,7 +186,7 @@ def interleaves_back(m: Match) -> str | None:
     if m.bindings["stack_dim"] not in (-1, tensor_val(m["xe"]).dim()):
         return f"stack on dim {m['stack_dim']}, not a new last dim"
     rotated = m["xr"] if "xr" in m.bindings else m["x"]
-    if list(tensor_val(m["flat"]).shape) != list(tensor_val(rotated).shape):
+    if not same_shape(tensor_val(m["flat"]).shape, tensor_val(rotated).shape):
         return f"flattened to {list(tensor_val(m['flat']).shape)}, not the rotated shape {list(tensor_val(rotated).shape)}"
     return None
 
@@ -194,7 +206,7 @@ def cos_sin_broadcast(m: Match) -> str | None:
         for i in range(1, len(lead_t) + 1):
             if not (statically_known_true(lead_t[-i] == 1) or statically_known_true(lead_t[-i] == lead_x[-i])):
                 return f"{name} of shape {list(t.shape)} does not broadcast to {list(x.shape)}"
-    if "sin" in m.bindings and tensor_val(m["sin"]).shape != tensor_val(m["cos"]).shape:
+    if "sin" in m.bindings and not same_shape(tensor_val(m["sin"]).shape, tensor_val(m["cos"]).shape):
         return "cos and sin differ in shape"
     return None
 
@@ -205,12 +217,13 @@ def complex_views_pair_channels(m: Match) -> str | None:
         return None
     x = tensor_val(m["x"])
     pairs, unpairs = tensor_val(m["pairs"]), tensor_val(m["unpairs"])
-    if list(pairs.shape) != [*x.shape[:-1], x.shape[-1] // 2, 2] or list(unpairs.shape) != list(x.shape):
+    if not same_shape(pairs.shape, [*x.shape[:-1], x.shape[-1] // 2, 2]) or not same_shape(unpairs.shape, x.shape):
         return f"views {list(pairs.shape)} / {list(unpairs.shape)} do not pair the channels of {list(x.shape)}"
     return None
 
 
-GUARDS = (rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels, interleaves_back)
+GUARDS = (static_head_dim, rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels,
+          interleaves_back)
 
 
 # --------------------------------------------------------------------------- cos/sin-cache form
@@ -255,9 +268,9 @@ def cache_gather(m: Match, rot: int) -> tuple[fx.Node, fx.Node] | None:
     if cos is None or sin is None or cos[0] is not sin[0] or (cos[1], sin[1]) != (0, 1):
         return None
     split = cos[0]
-    gather, size = split.args[0], split.args[1]
+    gather, size = split.args[0], concrete_int(literal_value(split.args[1]))
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if not isinstance(gather, fx.Node) or gather.target not in _GATHERS or size * 2 != rot:
+    if not isinstance(gather, fx.Node) or gather.target not in _GATHERS or size is None or size * 2 != rot:
         return None
     if dim not in (-1, tensor_val(gather).dim() - 1) or len(list(split.users)) > 2:
         return None
@@ -273,7 +286,7 @@ def cache_gather(m: Match, rot: int) -> tuple[fx.Node, fx.Node] | None:
     c, p = tensor_val(cache), tensor_val(positions)
     if c.dim() != 2 or not statically_known_true(c.shape[-1] == rot) or p.dtype not in (torch.int32, torch.int64):
         return None
-    if list(tensor_val(m["cos"]).shape) != [*p.shape, 1, rot // 2]:
+    if not same_shape(tensor_val(m["cos"]).shape, [*p.shape, 1, rot // 2]):
         return None
     return cache, positions
 

@@ -6,7 +6,7 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
 
 * ``softmax_topk`` (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 ``greedy``)::
 
-      v, ids = topk(_softmax(logits, -1), K[, sorted=False])
+      v, ids = topk(_softmax(logits, -1), K[, sorted=False])   # or _softmax(fp16 logits, -1, half_to_float=True)
       w = [_to_copy](  [mul]( [div(v, [add](sum(v, [-1], True), eps))], scale ), dtype)
 
 * ``softmax_group_max`` (DeepSeek-V2 ``group_limited_greedy``): ``p = _softmax(logits)``; group
@@ -53,11 +53,14 @@ from ep_fuse.matching import (
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
+    concrete_int,
     is_bool,
     is_int,
     is_shape,
     is_value,
     one_of,
+    same_shape,
+    sym_eq,
 )
 from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import canonical
@@ -78,6 +81,13 @@ def _f32_2d(v: Any) -> str | None:
         return f"expected a tensor, got {v!r}"
     if t.dtype != torch.float32 or t.dim() != 2:
         return f"router logits must be a fp32 [T, E] tensor, got {t.dtype} of {t.dim()} dims"
+    return None
+
+
+def _f16_2d(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dtype != torch.float16 or t.dim() != 2:
+        return "logits of a half_to_float softmax must be a fp16 [T, E] tensor"
     return None
 
 
@@ -105,8 +115,12 @@ LAST_3D = one_of(-1, 2)
 def _probs(kind: str) -> Any:
     logits = Var("logits", _f32_2d)
     if kind == "softmax":
-        return op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
-                  bind="probs")
+        # ``F.softmax(fp16 logits, dtype=float32)`` traces on CUDA to one ``_softmax(x, dim, half_to_float=True)``
+        # (fp32 math and output, as ``_softmax(_to_copy(x, f32))``; the CPU only has the cast form)
+        return alt(op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
+                      bind="probs"),
+                   op(aten._softmax.default, self=Var("logits", _f16_2d), dim=Lit(LAST_2D),
+                      half_to_float=Lit(equals(True)), bind="probs"))
     return op(aten.sigmoid.default, self=logits, bind="probs")
 
 
@@ -181,12 +195,14 @@ def router_shapes(m: Match) -> str | tuple[Any, str] | None:
         return m["bias"], f"bias of shape {list(tensor_val(m['bias']).shape)} is not [{e}]"
     if "gscore" in m.bindings:
         view = list(m["group_view"])
-        if len(view) != 3 or view[0] not in (-1, t) or not statically_known_true(view[1] * view[2] == e):
+        if (len(view) != 3 or not (sym_eq(view[0], -1) or sym_eq(view[0], t))
+                or concrete_int(view[1]) is None or concrete_int(view[2]) is None
+                or not statically_known_true(view[1] * view[2] == e)):
             return f"group view {view} does not split [{t}, {e}] into [T, groups, experts per group]"
         g, per = view[1], view[2]
-        if list(m["group_expand"]) not in ([-1, g, per], [t, g, per]):
+        if not same_shape(m["group_expand"], [-1, g, per], [t, g, per]):
             return f"group mask expanded to {list(m['group_expand'])}, expected [-1, {g}, {per}]"
-        if list(m["group_flat"]) not in ([t, e], [-1, e]):
+        if not same_shape(m["group_flat"], [t, e], [-1, e]):
             return f"group mask flattened to {list(m['group_flat'])}, expected [{t}, {e}]"
         if not 1 <= m["topk_group"] <= g:
             return f"keeps {m['topk_group']} of {g} groups"
@@ -196,11 +212,23 @@ def router_shapes(m: Match) -> str | tuple[Any, str] | None:
     return None
 
 
+def _scaled_by_tensor(user: Any, w: Any) -> bool:
+    """``w * s`` with ``s`` a 0-d floating tensor. Under ``dynamic=True`` Dynamo turns a module's float
+    attribute (DeepSeek-V2's ``routed_scaling_factor``) into a graph input, so the scale is a tensor that
+    the op's ``float scale`` cannot take: the match ends before the multiply, which stays an ATen op."""
+    if user.target is not aten.mul.Tensor or len(user.args) != 2:
+        return False
+    other = user.args[1] if user.args[0] is w else user.args[0]
+    s = tensor_val(other)
+    return s is not None and s.dim() == 0 and s.dtype.is_floating_point
+
+
 def whole_tail(m: Match) -> str | None:
-    """A match ending at the raw top-k values must not leave a renormalisation half outside."""
+    """A match ending at the raw top-k values must not leave a renormalisation half outside
+    (a multiply by a tensor scale may stay outside: :func:`_scaled_by_tensor`)."""
     if m.root is not m["weights_raw"]:
         return None
-    arith = [u.name for u in m.root.users if u.target in ARITH]
+    arith = [u.name for u in m.root.users if u.target in ARITH and not _scaled_by_tensor(u, m.root)]
     if arith:
         return f"the routing weights feed {', '.join(arith)} (a normalisation this pattern does not cover)"
     return None

@@ -34,7 +34,7 @@ from ep_fuse.matching import (
     Var,
     op,
 )
-from ep_fuse.matching.checks import MODEL_FLOATS, VIEWS, is_shape, tensor_of
+from ep_fuse.matching.checks import MODEL_FLOATS, VIEWS, is_shape, same_shape, tensor_of
 from ep_fuse.ops import canonical
 
 aten = torch.ops.aten
@@ -82,7 +82,7 @@ def weights_match_input(m: Match) -> str | None:
             return f"{name} of shape {list(w.shape)} is not [I, {x.shape[-1]}]"
         if w.dtype != x.dtype:
             return f"{name} is {w.dtype}, the input {x.dtype}"
-    if len(names) == 2 and tensor_val(m["w_gate"]).shape != tensor_val(m["w_up"]).shape:
+    if len(names) == 2 and not same_shape(tensor_val(m["w_gate"]).shape, tensor_val(m["w_up"]).shape):
         return "gate and up weights differ in shape"
     if len(names) == 1:
         w = tensor_val(m["w_gate_up"])

@@ -129,14 +129,23 @@ def test_kernel_only_at_measured_decode_sizes(executor, rows, provider):
     ulp_close(out, ref, BF16)
 
 
-def test_symbolic_row_count_declines():
+def test_symbolic_row_count_chooses_at_run_time(caplog):
+    """A symbolic row count: the provider's by-size op runs the kernel up to 32 rows, the reference above."""
     mod = Mlp().to(BF16)
-    with torch.no_grad():
-        f = torch.compile(mod, backend="ep_fuse", dynamic=True)
-        out = f(_x((5, 32)))
-    m = ep_fuse.last_report().matches[0]
-    assert m.provider == "reference" and "symbolic row count" in m.declined[0][1]
-    ulp_close(out, mod(_x((5, 32))), BF16)
+    f = torch.compile(mod, backend="ep_fuse", dynamic=True)
+    with torch.no_grad(), caplog.at_level("DEBUG", logger="ep_fuse.ops"):
+        for rows in (5, 40):
+            caplog.clear()
+            x = _x((rows, 32))
+            ulp_close(f(x), mod(x), BF16)
+            assert ("the reference at run time" in caplog.text) == (rows > 32), caplog.text
+    rep = ep_fuse.last_report()
+    assert len(ep_fuse.reports()) == 1, "one graph for both row counts"
+    m = rep.matches[0]
+    assert m.provider == "triton" and not m.declined, m.declined
+    assert m.run_time == ["gemm_swiglu: the kernel up to 32 rows, the reference (cuBLAS + SwiGLU) above"]
+    assert rep.ops_after.get("ep_fuse_triton.gemm_swiglu_by_size.default") == 1
+    assert not rep.shape_guards
 
 
 @settings(max_examples=25, deadline=None)

@@ -9,6 +9,7 @@ import torch
 
 from ep_fuse.fx_utils import tensor_val
 from ep_fuse.matching.pattern import equals
+from ep_fuse.symbolic import concrete_int, same_shape, sym_eq  # noqa: F401  (re-exported for pattern files)
 
 MODEL_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INT64_MAX = 2**63 - 1
@@ -30,7 +31,16 @@ def tensor_of(dtypes: tuple[torch.dtype, ...], what: str = "floating") -> Callab
 
 
 def is_int(v: Any) -> str | None:
+    """A concrete int (a structural constant: K, E, a split size, a dim). A symbolic size is refused:
+    reading it as an int would specialise the graph (see :func:`is_size`)."""
     return None if isinstance(v, int) and not isinstance(v, bool) else f"expected an int, got {v!r}"
+
+
+def is_size(v: Any) -> str | None:
+    """An int or a ``SymInt``: a size that may follow the token count of a dynamic-shape graph."""
+    if isinstance(v, torch.SymInt) or (isinstance(v, int) and not isinstance(v, bool)):
+        return None
+    return f"expected a size, got {v!r}"
 
 
 def is_end(v: Any) -> str | None:
@@ -39,7 +49,10 @@ def is_end(v: Any) -> str | None:
 
 
 def is_shape(v: Any) -> str | None:
-    return None if isinstance(v, (list, tuple)) else f"expected a shape, got {v!r}"
+    """A list of sizes (ints or ``SymInt``s)."""
+    if isinstance(v, (list, tuple)) and all(is_size(d) is None for d in v):
+        return None
+    return f"expected a shape, got {v!r}"
 
 
 def is_bool(v: Any) -> str | None:

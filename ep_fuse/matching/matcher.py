@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ep_fuse.fx_utils import MISSING, op_args, schema_defaults, tensor_val
+from ep_fuse.fx_utils import MISSING, NOT_LITERAL, literal_value, op_args, schema_defaults, tensor_val
 from ep_fuse.matching.pattern import Alt, Cast, Item, Lit, Op, Opt, Pat, Var, equals
 
 aten = torch.ops.aten
@@ -63,6 +63,8 @@ def match_tree(pat: Any, value: Any, state: State) -> State | Mismatch:
     if not isinstance(pat, Pat):
         reason = equals(pat)(value)
         return Mismatch(value, reason, tuple(state.nodes)) if reason else state
+    if isinstance(pat, Lit):
+        return _match_lit(pat, value, state)
     bound = pat.bind is not None and pat.bind in state.bindings
     if bound:
         prev = state.bindings[pat.bind]
@@ -79,12 +81,6 @@ def match_tree(pat: Any, value: Any, state: State) -> State | Mismatch:
         res = _match_cast(pat, value, state)
     elif isinstance(pat, Var):
         res = _match_var(pat, value, state)
-    elif isinstance(pat, Lit):
-        if isinstance(value, fx.Node):
-            res = Mismatch(value, "expected a literal, got a graph value", tuple(state.nodes))
-        else:
-            reason = pat.check(value)
-            res = Mismatch(value, reason, tuple(state.nodes)) if reason else state
     elif isinstance(pat, Alt):
         res = _match_alt(pat.options, value, state)
     elif isinstance(pat, Item):
@@ -98,6 +94,24 @@ def match_tree(pat: Any, value: Any, state: State) -> State | Mismatch:
     if isinstance(res, State) and pat.bind is not None:
         res.bindings[pat.bind] = value
     return res
+
+
+def _match_lit(pat: Lit, value: Any, state: State) -> State | Mismatch:
+    """A literal argument. In a dynamic-shape graph a size may be a node computing a ``SymInt``
+    (alone or inside a list): the check sees, and the binding holds, its symbolic value
+    (:func:`ep_fuse.fx_utils.literal_value`), so guards compare sizes without adding a guard."""
+    lit = literal_value(value)
+    if lit is NOT_LITERAL:
+        return Mismatch(value, "expected a literal, got a graph value", tuple(state.nodes))
+    if pat.bind is not None and pat.bind in state.bindings:
+        reason = equals(state.bindings[pat.bind])(lit)
+        return Mismatch(value, f"{pat.bind}: {reason}", tuple(state.nodes)) if reason else state
+    reason = pat.check(lit)
+    if reason:
+        return Mismatch(value, reason, tuple(state.nodes))
+    if pat.bind is not None:
+        state.bindings[pat.bind] = lit
+    return state
 
 
 def _match_alt(options: tuple[Any, ...], value: Any, state: State) -> State | Mismatch:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from ep_fuse.symbolic import SYM_NUMBERS, sym_eq
+
 Check = Callable[[Any], "str | None"]
 """A predicate returning ``None`` when the value is acceptable, else the reason it is not."""
 
@@ -114,6 +116,8 @@ def check_item(v: Any, expected: Any) -> bool:
 
 def equals(expected: Any) -> Check:
     def check(v: Any) -> str | None:
+        if isinstance(v, SYM_NUMBERS) or isinstance(expected, SYM_NUMBERS):
+            return None if sym_eq(v, expected) else f"expected {expected!r}, got {v!r}"
         if isinstance(expected, (list, tuple)):
             same = isinstance(v, (list, tuple)) and len(v) == len(expected) and all(
                 check_item(a, b) for a, b in zip(v, expected))

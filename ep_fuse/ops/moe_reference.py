@@ -67,7 +67,8 @@ def moe_unpermute_ref(
     return out.to(out_dtype) if out_dtype is not None else out
 
 
-def _grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` runs ``x @ w[e].T`` here (otherwise the reference loops over experts on the host)."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return False  # torch._grouped_mm's fake kernel accepts bf16 only (traced-graphs.md §8)
     if (x.shape[-1] * 2) % 16 or (w.shape[1] * 2) % 16:
@@ -85,7 +86,7 @@ def _zero_tail(out: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
 
 def grouped_gemm_ref(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
     """Rows of expert ``e`` times ``w[e].T`` (``w`` [E, N, K], torch Linear layout); tail rows zero."""
-    if _grouped_mm_supported(x, w):
+    if grouped_mm_supported(x, w):
         offs = seg_indptr[1:].to(torch.int32)
         return _zero_tail(torch._grouped_mm(x, w.transpose(-2, -1), offs), seg_indptr)
     out = x.new_zeros(x.shape[0], w.shape[1])
@@ -103,7 +104,7 @@ def grouped_gemm_fake(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor
 
 def grouped_gemm_traceable(args: tuple) -> bool:
     """The reference traces to ATen ops (``_grouped_mm``) only for bf16; other dtypes keep the opaque op."""
-    return _grouped_mm_supported(args[0], args[1])
+    return grouped_mm_supported(args[0], args[1])
 
 
 def grouped_gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:

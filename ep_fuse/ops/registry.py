@@ -26,7 +26,19 @@ log = logging.getLogger("ep_fuse.ops")
 
 REFERENCE = "reference"
 Check = Callable[[tuple[Any, ...]], "str | None"]
-PerfCheck = Callable[[tuple[Any, ...], str], "str | None"]
+PerfCheck = Callable[[tuple[Any, ...], str], "str | AtRunTime | None"]
+
+
+@dataclasses.dataclass(frozen=True)
+class AtRunTime:
+    """A perf rule's answer when the faster choice depends on a size that is symbolic at compile time
+    (``dynamic=True``): lowering picks the provider's ``by_size`` op, which applies the provider's
+    ``run_time`` rule to the real arguments of every call and runs the reference where the rule says
+    the kernel is slower. Deciding at compile time would need the size: reading a ``SymInt`` adds a
+    guard (a recompile per size) and declining would lose the sizes where the kernel is faster."""
+
+    rule: str
+    """The choice made per call, for the report (``"the kernel up to 32 rows, the reference ... above"``)."""
 
 
 @dataclasses.dataclass
@@ -61,7 +73,11 @@ class Provider:
         available: ``None`` when its runtime (triton, torch_npu) can be used, else why not.
         supports: ``None`` when it can run these arguments (fake or real tensors), else why not.
         prefers: ``(args, executor) -> None`` when it measured at least as fast as what that executor
-            would run without it (Inductor's code, or eager ATen ops), else why not (``perf_guard``).
+            would run without it (Inductor's code, or eager ATen ops), else why not (``perf_guard``);
+            :class:`AtRunTime` when that depends on a symbolic size.
+        run_time: ``args -> None`` when the kernel should run these real arguments, else why the
+            reference is faster (used by ``by_size``; ``None``: no size-dependent choice).
+        by_size: the op that applies ``run_time`` per call (same schema, ``<op>_by_size``).
     """
 
     name: str
@@ -71,6 +87,8 @@ class Provider:
     available: Callable[[], str | None]
     supports: Check
     prefers: PerfCheck | None = None
+    run_time: Check | None = None
+    by_size: torch._ops.OpOverload | None = None
 
 
 _OPS: dict[str, CanonicalOp] = {}
@@ -126,8 +144,10 @@ def register_provider(
     available: Callable[[], str | None],
     supports: Check,
     prefers: PerfCheck | None = None,
+    run_time: Check | None = None,
 ) -> Provider:
-    """Define ``torch.ops.ep_fuse_<name>.<op>`` running ``kernel`` with a guarded fallback to the reference."""
+    """Define ``torch.ops.ep_fuse_<name>.<op>`` running ``kernel`` with a guarded fallback to the reference
+    (and, with a ``run_time`` rule, ``<op>_by_size``, which also runs the reference where the rule says so)."""
     if name in canonical.providers:
         return canonical.providers[name]
     if name not in _PROVIDER_NAMES:
@@ -146,7 +166,18 @@ def register_provider(
         return reference(*args)
 
     op = define_op(f"ep_fuse_{name}", canonical.name, canonical.schema, guarded, canonical.fake or reference)
-    prov = Provider(name, canonical, op, devices, available, supports, prefers)
+    by_size = None
+    if run_time is not None:
+        def sized(*args: Any) -> Any:
+            reason = run_time(args)
+            if reason is None:
+                return guarded(*args)
+            log.debug("ep_fuse: %s %s: the reference at run time: %s", name, canonical.name, reason)
+            return reference(*args)
+
+        by_size = define_op(f"ep_fuse_{name}", f"{canonical.name}_by_size", canonical.schema, sized,
+                            canonical.fake or reference)
+    prov = Provider(name, canonical, op, devices, available, supports, prefers, run_time, by_size)
     canonical.providers[name] = prov
     return prov
 
@@ -183,6 +214,8 @@ class Choice:
     op: torch._ops.OpOverload
     declined: tuple[tuple[str, str], ...] = ()
     """(provider, reason) for every provider tried before the chosen one."""
+    run_time: str | None = None
+    """Set when ``op`` is the provider's ``by_size`` op: the choice it makes per call."""
 
 
 def choose(
@@ -211,6 +244,10 @@ def choose(
             reason = prov.supports(args)
         if reason is None and executor is not None and prov.prefers is not None:
             reason = prov.prefers(args, executor)
+        if isinstance(reason, AtRunTime):
+            if prov.by_size is not None:
+                return Choice(name, prov.by_size, tuple(declined), reason.rule)
+            reason = f"{reason.rule} (no run-time choice registered)"
         if reason is not None:
             declined.append((name, reason))
             continue

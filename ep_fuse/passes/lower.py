@@ -5,6 +5,9 @@
   inlined back into the graph, so Inductor generates the code it would have generated anyway
   (this is how a provider "declines" a shape where it is not faster); under the eager executor the
   canonical op runs its reference kernel.
+* Where the faster choice depends on a size that is symbolic (``dynamic=True``), the provider's perf rule
+  answers :class:`~ep_fuse.ops.registry.AtRunTime` and the node gets the provider's ``<op>_by_size`` op,
+  which makes the choice per call on the real sizes.
 """
 
 from __future__ import annotations
@@ -40,9 +43,12 @@ class Lower(GraphPass):
             device = ctx.device
             choice = choose(canon, fake_args, device, ctx.config.provider_order(device), perf_executor)
             for record in ctx.match_by_node.get(node.name, []):
-                record.set_provider(canon.name, choice.provider, choice.declined)
+                record.set_provider(canon.name, choice.provider, choice.declined, choice.run_time)
             for prov, reason in choice.declined:
                 log.info("ep_fuse: %s at %s: provider %s declined: %s", canon.name, node.name, prov, reason)
+            if choice.run_time:
+                log.info("ep_fuse: %s at %s: provider %s chooses per call: %s", canon.name, node.name,
+                         choice.provider, choice.run_time)
             if choice.provider != REFERENCE:
                 node.target = choice.op
                 changes += 1

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ep_fuse.fx_utils import val
+from ep_fuse.fx_utils import literal_value, val
 from ep_fuse.matching import PairRule
 from ep_fuse.passes.base import GraphPass, PassContext
 
@@ -69,9 +69,17 @@ VIEW_OPS = {
 
 
 def structural_key(arg: Any) -> Any:
-    """Identity of a value up to pure view ops: ``unsqueeze(c, 1)`` computed twice is one value."""
+    """Identity of a value up to pure view ops: ``unsqueeze(c, 1)`` computed twice is one value.
+
+    Lists (view sizes) are keyed element-wise; a size node of a dynamic-shape graph by its symbolic
+    expression (two nodes computing ``s27*s52`` are one size)."""
+    if isinstance(arg, (list, tuple)):
+        return ("list", *(structural_key(a) for a in arg))
     if not isinstance(arg, fx.Node):
         return arg
+    size = literal_value(arg)
+    if isinstance(size, torch.SymInt):
+        return ("sym", str(size.node.expr))
     if arg.op == "call_function" and arg.target in VIEW_OPS:
         return (arg.target, *(structural_key(a) for a in arg.args),
                 tuple(sorted((k, structural_key(v)) for k, v in arg.kwargs.items())))

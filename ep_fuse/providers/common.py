@@ -8,6 +8,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ep_fuse.ops.reference import RMS_NORM_MODES
+from ep_fuse.symbolic import same_shape
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -110,7 +111,7 @@ def check_norm_call(args: tuple[Any, ...]) -> str | None:
     if row_stride(x) is None:
         return "input rows are not unit-stride rows with one row stride"
     if residual is not None:
-        if residual.dtype != x.dtype or residual.shape != x.shape:
+        if residual.dtype != x.dtype or not same_shape(residual.shape, x.shape):
             return "residual differs from the input in dtype or shape"
         if row_stride(residual) is None:
             return "residual rows are not unit-stride rows with one row stride"

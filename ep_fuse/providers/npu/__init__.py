@@ -37,6 +37,7 @@ from ep_fuse.providers.common import (
     rms_norm_out_dtype,
     unpack_norm_args,
 )
+from ep_fuse.symbolic import known, same_shape
 
 _available = npu_runtime.available
 _npu = npu_runtime.torch_npu
@@ -53,7 +54,7 @@ def supports(args: tuple[Any, ...]) -> str | None:
     x, residual, (weight, _eps, _eps_t, mode, upcast, out_dtype) = unpack_norm_args(args)
     if not 1 <= x.dim() <= 8:
         return "npu_rms_norm takes 1-D to 8-D inputs"
-    if x.numel() == 0:
+    if known(x.numel() == 0):  # a symbolic size may be empty at run time: re-checked per call
         return "npu_(add_)rms_norm rejects empty tensors"
     if rms_norm_out_dtype(x, weight, mode, upcast, out_dtype) != x.dtype:
         return "the NPU ops return the input dtype; this call produces another"
@@ -257,9 +258,9 @@ def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
     x, w_gate, w_up = args
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or w_gate.dtype != x.dtype:
         return f"dtype {x.dtype} / {w_gate.dtype}"
-    if w_gate.dim() != 2 or w_up.shape != w_gate.shape:
+    if w_gate.dim() != 2 or not same_shape(w_up.shape, w_gate.shape):
         return "weights are not two [I, H] matrices of one shape"
-    if x.numel() == 0:
+    if known(x.numel() == 0):
         return "npu_swiglu rejects empty tensors"
     return None
 

@@ -61,6 +61,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import CanonicalOp, register_provider
 from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.symbolic import known, sym_eq
 
 log = logging.getLogger("ep_fuse.providers.npu.moe")
 
@@ -159,11 +160,11 @@ def permute_supports(args: tuple[Any, ...]) -> str | None:
         return f"npu_moe_init_routing_v2 takes a 2-D x, got {x.dim()}-D"
     if x.dtype not in FLOATS:
         return f"x dtype {x.dtype} (unquantised routing takes float16/bfloat16/float32)"
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+    if topk_ids.dim() != 2 or not sym_eq(topk_ids.shape[0], x.shape[0]):
         return "topk_ids is not [T, K] for x [T, H]"
     if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
         return f"topk_ids dtype {topk_ids.dtype} is not an integer type"
-    if x.numel() == 0 or topk_ids.numel() == 0:
+    if known(x.numel() == 0) or known(topk_ids.numel() == 0):  # symbolic: re-checked per call
         return "empty input"
     if not 1 <= num_experts <= MAX_EXPERTS_ROUTING:
         return f"{num_experts} experts (npu_moe_init_routing_v2 takes 1..{MAX_EXPERTS_ROUTING})"
@@ -191,16 +192,16 @@ def _gemm_reason(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> 
         return "npu_grouped_matmul (single tensors) takes a 2-D x and a 3-D weight"
     if x.dtype not in FLOATS or w.dtype != x.dtype:
         return f"dtypes x {x.dtype} / weight {w.dtype} (unquantised: one of float16/bfloat16/float32)"
-    if w.shape[2] != x.shape[1]:
+    if not sym_eq(w.shape[2], x.shape[1]):
         return f"weight {tuple(w.shape)} is not [E, N, H] for x [S, {x.shape[1]}]"
     e = w.shape[0]
     if not 1 <= e <= MAX_GROUPS:
         return f"{e} experts (npu_grouped_matmul takes at most {MAX_GROUPS} groups)"
     if seg_indptr.dim() != 1 or seg_indptr.shape[0] != e + 1 or seg_indptr.dtype.is_floating_point:
         return "seg_indptr is not an integer [E+1] tensor"
-    if x.shape[0] == 0 or x.shape[1] == 0 or w.shape[1] == 0:
+    if known(x.shape[0] == 0) or known(x.shape[1] == 0) or known(w.shape[1] == 0):
         return "empty input"
-    if max(x.shape[1], w.shape[1]) >= INNER_LIMIT:
+    if not (known(x.shape[1] < INNER_LIMIT) and known(w.shape[1] < INNER_LIMIT)):
         return f"inner dim >= {INNER_LIMIT} (npu_grouped_matmul InnerLimit)"
     return None
 
@@ -250,13 +251,13 @@ def unpermute_supports(args: tuple[Any, ...]) -> str | None:
     s = src2dst.numel()
     if src2dst.dim() != 1 or src2dst.dtype.is_floating_point:
         return "src2dst is not a 1-D integer tensor"
-    if top_k < 1 or s == 0 or s % top_k:
+    if top_k < 1 or known(s == 0) or not known(s % top_k == 0):
         return f"{s} slots do not make [T, {top_k}] with T >= 1"
-    if y.shape[0] != s:
+    if not sym_eq(y.shape[0], s):
         return f"rows {y.shape[0]} != T*K = {s} (dropless finalize takes [T*K, H] rows)"
-    if y.shape[1] == 0:
+    if known(y.shape[1] == 0):
         return "empty hidden dim"
-    if w is not None and (w.numel() != s or not w.dtype.is_floating_point):
+    if w is not None and (not sym_eq(w.numel(), s) or not w.dtype.is_floating_point):
         return "topk_weights is not a float [T, K] tensor"
     rows, result = _unpermute_dtypes(y, w, out_dtype)
     if rows not in FLOATS or result not in FLOATS:

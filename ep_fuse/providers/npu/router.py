@@ -29,6 +29,7 @@ from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.ops.router_reference import check_gating_args, finish_weights
 from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.symbolic import concrete_int
 
 MAX_EXPERTS = 2048
 GROUP_SELECT_MODES = {"max": 0, "sum_top2": 1, "none": 0}
@@ -42,7 +43,9 @@ def gating_supports(args: tuple[Any, ...]) -> str | None:
         check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
     except ValueError as exc:
         return str(exc)
-    e = int(logits.shape[1])
+    e = concrete_int(logits.shape[1])
+    if e is None:
+        return f"a symbolic expert count {logits.shape[1]}"
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"logits dtype {logits.dtype}"
     if e > MAX_EXPERTS:

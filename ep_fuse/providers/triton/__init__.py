@@ -7,6 +7,10 @@ Two ways a lowered call runs:
 * inlined by Inductor: when Inductor's AOT pass functionalizes the op on CUDA tensors with static
   shapes, the launch is traced through ``wrap_triton`` so Inductor emits the kernel call in its own
   generated code (no Python dispatch per call).
+
+With symbolic sizes (``dynamic=True``) the ops stay opaque: the launch picks its tile config from the
+real sizes of each call, and the ``<op>_by_size`` ops of ``gemm_swiglu`` and the grouped GEMMs choose
+between the kernel and the reference per call (:mod:`ep_fuse.providers.triton.perf`).
 """
 
 from __future__ import annotations
@@ -85,9 +89,9 @@ def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check) 
 
 
 def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, prefers: Check | None,
-              inline_ok: Check) -> None:
+              inline_ok: Check, run_time: Check | None = None) -> None:
     prov = register_provider(canon, "triton", kernel, devices=_devices, available=_available,
-                             supports=supports, prefers=prefers)
+                             supports=supports, prefers=prefers, run_time=run_time)
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
     torch.library.register_torch_dispatch(prov.op, FunctionalTensorMode, _inline_rule(kernel, supports, inline_ok))
@@ -108,10 +112,12 @@ _register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _alwa
 _register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always)
 _register(canonical.rope_cache, rope_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always)
 _register(canonical.rope_qk_cache, rope_qk_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always)
-_register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, perf.gemm_swiglu_prefers, _always)
-_register(canonical.grouped_gemm, grouped_gemm_kernel, check_grouped_gemm_call, perf.grouped_gemm_prefers, _always)
+_register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, perf.gemm_swiglu_prefers, _always,
+          perf.gemm_swiglu_at_run_time)
+_register(canonical.grouped_gemm, grouped_gemm_kernel, check_grouped_gemm_call, perf.grouped_gemm_prefers, _always,
+          perf.grouped_gemm_at_run_time)
 _register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, check_grouped_gemm_swiglu_call,
-          perf.grouped_gemm_prefers, _always)
+          perf.grouped_gemm_prefers, _always, perf.grouped_gemm_at_run_time)
 _register(canonical.moe_permute, moe_permute_kernel, check_moe_permute_call, None, _always)
 _register(canonical.moe_unpermute, moe_unpermute_kernel, check_moe_unpermute_call, None, _always)
 

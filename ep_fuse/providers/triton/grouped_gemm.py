@@ -12,23 +12,24 @@ from typing import Any
 import torch
 
 from ep_fuse.providers.common import KERNEL_DTYPES
+from ep_fuse.symbolic import known, sym_eq
 
 INT32_MAX = 2**31 - 1
 
 
 def unit_last(t: torch.Tensor) -> bool:
-    """Unit stride along the last (K) dim."""
-    return int(t.shape[-1]) <= 1 or int(t.stride(-1)) == 1
+    """Unit stride along the last (K) dim (known for every value of symbolic sizes)."""
+    return known(t.shape[-1] <= 1) or known(t.stride(-1) == 1)
 
 
 def expert_weight_limits(w: torch.Tensor) -> str | None:
     """What the grouped-GEMM kernels (bf16 and int8) address: ``MAX_EXPERTS`` experts, int32 offsets
-    inside one expert's [N, K] weight (raises on symbolic sizes)."""
+    inside one expert's [N, K] weight (expert weights are parameters: static sizes)."""
     from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
 
-    if int(w.shape[0]) > MAX_EXPERTS:
+    if not known(w.shape[0] <= MAX_EXPERTS):
         return f"more than {MAX_EXPERTS} experts"
-    if int(w.shape[1]) * int(w.stride(1)) > INT32_MAX:
+    if not known(w.shape[1] * w.stride(1) <= INT32_MAX):
         return "one expert's weight spans more than 2**31 elements"
     return None
 
@@ -38,24 +39,21 @@ def check_grouped_gemm_call(args: tuple[Any, ...]) -> str | None:
     x, w, seg = args
     if x.dtype not in KERNEL_DTYPES or w.dtype != x.dtype:
         return f"dtypes {x.dtype}/{w.dtype} (the kernel takes one of fp16/bf16/fp32 for both)"
-    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1]:
+    if x.dim() != 2 or w.dim() != 3 or not sym_eq(w.shape[2], x.shape[1]):
         return f"shapes x {tuple(x.shape)} / w {tuple(w.shape)} are not [M, K] / [E, N, K]"
-    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or seg.shape[0] != w.shape[0] + 1:
+    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or not sym_eq(seg.shape[0], w.shape[0] + 1):
         return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
     if seg.device != x.device or w.device != x.device:
         return "operands on different devices"
-    try:
-        if not (unit_last(x) and unit_last(w)):
-            return "x or w is not unit-stride along K"
-        return expert_weight_limits(w)
-    except Exception:  # symbolic sizes or strides that cannot be decided
-        return "symbolic strides"
+    if not (unit_last(x) and unit_last(w)):
+        return "x or w is not unit-stride along K"
+    return expert_weight_limits(w)
 
 
 def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows)."""
     reason = check_grouped_gemm_call(args)
-    if reason is None and args[1].shape[1] % 2:
+    if reason is None and not known(args[1].shape[1] % 2 == 0):
         return "w13 has an odd number of rows (not gate|up halves)"
     return reason
 

@@ -8,7 +8,8 @@ H200 runs (GPU time from CUDA-graph replays, 2026-11-29):
 * ``add_rms_norm``: faster at 16384x7168 (1.03x, 95.6% of copy bandwidth), 16384x4096 (1.01x),
   4096x7168 (1.01x), 4096x2048 (1.02x), 64x7168 (1.17x) and 1x7168 (1.29x); slower at 512x7168
   (0.91x) and 64x4096 (0.94x). So batches under 4096 rows keep Inductor's kernel, except very small
-  batches (< 128 rows) of rows at least 7168 wide. With a symbolic row count the kernel is used.
+  batches (< 128 rows) of rows at least 7168 wide. With a symbolic row count the kernel is used: the
+  only run-time alternative, the unfused ATen ops, is slower than the kernel at every size.
 * ``rms_norm`` (no residual): Inductor's kernel was as fast or faster at every size measured
   (16384x7168: 114.6 vs 167.8 us; 16384x4096: 78.5 vs 79.7 us; 262144x128: 37.1 vs 39.2 us), so
   the provider always declines it under Inductor. It is still used by the eager executor.
@@ -19,6 +20,22 @@ H200 runs (GPU time from CUDA-graph replays, 2026-11-29):
   on four shapes), so declined above that under both executors (:data:`GEMM_SWIGLU_MAX_ROWS`).
 
 Every rule takes ``(args, executor)``; the eager executor's baseline is the unfused ATen ops.
+
+**Symbolic sizes** (``dynamic=True``, automatic dynamic): a rule never reads a ``SymInt`` (``int()``
+would add a guard and recompile the graph per size). Where the faster choice depends on the row count,
+the rule answers :class:`~ep_fuse.ops.registry.AtRunTime` and the node runs the provider's
+``<op>_by_size`` op, which applies the ``*_at_run_time`` rule below to the real sizes of each call:
+
+* ``gemm_swiglu``: the kernel up to :data:`GEMM_SWIGLU_MAX_ROWS` rows, the reference (two cuBLAS GEMMs,
+  silu, mul) above;
+* ``grouped_gemm`` / ``grouped_gemm_swiglu`` (Inductor executor): the kernel up to
+  :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert, ``torch._grouped_mm`` (the reference, bf16)
+  above; where ``torch._grouped_mm`` does not run (fp16/fp32) the kernel at every size (the reference
+  would loop over the experts on the host).
+
+``moe_gating`` and ``add_rms_norm`` with a symbolic token count use the kernel: below their thresholds the
+faster code is Inductor's, which a run-time choice cannot call, and the reference is slower than the
+kernel at every measured size.
 """
 
 from __future__ import annotations
@@ -28,7 +45,10 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from ep_fuse.ops.moe_reference import grouped_mm_supported
+from ep_fuse.ops.registry import AtRunTime
 from ep_fuse.providers.common import unpack_norm_args
+from ep_fuse.symbolic import concrete_int
 
 LARGE_BATCH_ROWS = 4096
 SMALL_BATCH_ROWS = 128
@@ -47,8 +67,8 @@ def add_rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if executor != "inductor":
         return None
     x, _res, _rest = unpack_norm_args(args)
-    rows, width = _static_rows(x), int(x.shape[-1])
-    if rows is None or rows >= LARGE_BATCH_ROWS:
+    rows, width = _static_rows(x), concrete_int(x.shape[-1])
+    if rows is None or width is None or rows >= LARGE_BATCH_ROWS:
         return None
     if rows < SMALL_BATCH_ROWS and width >= WIDE_ROW:
         return None
@@ -92,15 +112,22 @@ and 32 rows on all four measured shapes (H4096/I11008, H7168/I18432, H7168/I2048
 (0.77-0.87x at 1024 and 8192). Eager cuBLAS was 1-8% slower than Inductor at these sizes."""
 
 
-def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
     x, w_gate, _w_up = args
     rows = _static_rows(x)
     if rows is None:
-        return "a symbolic row count (unmeasured)"
+        return AtRunTime(f"the kernel up to {GEMM_SWIGLU_MAX_ROWS} rows, the reference (cuBLAS + SwiGLU) above")
     if rows > GEMM_SWIGLU_MAX_ROWS:
-        return (f"{rows} rows (H={int(x.shape[-1])} I={int(w_gate.shape[0])}): cuBLAS + the unfused SwiGLU "
+        return (f"{rows} rows (H={x.shape[-1]} I={w_gate.shape[0]}): cuBLAS + the unfused SwiGLU "
                 f"measured faster above {GEMM_SWIGLU_MAX_ROWS} rows")
     return None
+
+
+def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
+    """Per call of ``gemm_swiglu_by_size`` (real tensors): the kernel up to 32 rows."""
+    x = args[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+    return f"{rows} rows > {GEMM_SWIGLU_MAX_ROWS}" if rows > GEMM_SWIGLU_MAX_ROWS else None
 
 
 # --------------------------------------------------------------------------- MoE (H200, 2026-11-29)
@@ -112,18 +139,29 @@ Above 256 rows per expert (unmeasured between 128 and 1536) the provider decline
 ``torch._grouped_mm`` was slower than the kernel at every size (3475 vs 3410 us at 1536 rows per expert)."""
 
 
-def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
+def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
     if executor != "inductor":  # eager torch._grouped_mm measured slower than the kernel at every size
         return None
     x, w = args[0], args[1]
-    if not (is_concrete_int(x.shape[0]) and is_concrete_int(w.shape[0])):  # int() would specialize
-        return "a symbolic row count (unmeasured)"
-    rows, experts = int(x.shape[0]), int(w.shape[0])
+    rows, experts = concrete_int(x.shape[0]), concrete_int(w.shape[0])
+    if rows is None or experts is None:  # int() would specialize the graph on this row count
+        return AtRunTime(f"the kernel up to {GROUPED_GEMM_MAX_ROWS_PER_EXPERT} rows per expert, "
+                         "torch._grouped_mm above (bf16)")
     per_expert = rows / max(experts, 1)
     if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT:
         return (f"{per_expert:.0f} rows per expert: torch._grouped_mm measured faster above "
                 f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.90x at 1536)")
     return None
+
+
+def grouped_gemm_at_run_time(args: tuple[Any, ...]) -> str | None:
+    """Per call of ``grouped_gemm[_swiglu]_by_size`` (real tensors): the kernel up to 256 rows per expert,
+    then the reference (``torch._grouped_mm``) where it runs."""
+    x, w = args[0], args[1]
+    per_expert = x.shape[0] / max(w.shape[0], 1)
+    if per_expert <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT or not grouped_mm_supported(x, w):
+        return None
+    return f"{per_expert:.0f} rows per expert > {GROUPED_GEMM_MAX_ROWS_PER_EXPERT}: torch._grouped_mm"
 
 
 GATING_MIN_TOKENS = 2048
@@ -137,8 +175,8 @@ def gating_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if executor != "inductor":  # the eager router ops measured slower at every size (64.3 vs 51.2 us at T128)
         return None
     rows = _static_rows(args[0])
-    if rows is None:
-        return "a symbolic token count (unmeasured)"
+    if rows is None:  # no run-time alternative is faster than the kernel (see the module docstring)
+        return None
     if rows < GATING_MIN_TOKENS:
         return f"{rows} tokens: Inductor's router code measured faster at decode sizes (0.75x at 128)"
     return None

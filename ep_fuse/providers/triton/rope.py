@@ -15,7 +15,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _unit_last_stride(t: torch.Tensor) -> bool:
-    return t.shape[-1] == 1 or statically_known_true(t.stride(-1) == 1)
+    return statically_known_true(t.shape[-1] == 1) or statically_known_true(t.stride(-1) == 1)
 
 
 def _broadcasts(t: torch.Tensor, x: torch.Tensor, width: Any) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from ep_fuse.providers.common import KERNEL_DTYPES
 from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, unit_last
+from ep_fuse.symbolic import known, same_shape, sym_eq
 
 
 def check_quant_call(args: tuple[Any, ...]) -> str | None:
@@ -23,11 +24,8 @@ def check_quant_call(args: tuple[Any, ...]) -> str | None:
         return f"x dtype {x.dtype} (the kernel takes fp16/bf16/fp32)"
     if x.dim() != 2:
         return f"x is {x.dim()}-D, not [M, K]"
-    try:
-        if not unit_last(x):
-            return "x is not unit-stride along K"
-    except Exception:
-        return "symbolic strides"
+    if not unit_last(x):
+        return "x is not unit-stride along K"
     return None
 
 
@@ -38,24 +36,21 @@ def check_w8a8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | N
         return f"codes {xq.dtype}/{wq.dtype} are not int8"
     if xs.dtype != torch.float32 or ws.dtype != torch.float32:
         return f"scales {xs.dtype}/{ws.dtype} are not fp32"
-    if xq.dim() != 2 or wq.dim() != 3 or wq.shape[2] != xq.shape[1]:
+    if xq.dim() != 2 or wq.dim() != 3 or not sym_eq(wq.shape[2], xq.shape[1]):
         return f"shapes xq {tuple(xq.shape)} / w_q {tuple(wq.shape)} are not [M, K] / [E, N, K]"
-    if tuple(xs.shape) != (xq.shape[0],) or tuple(ws.shape) != tuple(wq.shape[:2]):
+    if not same_shape(xs.shape, [xq.shape[0]]) or not same_shape(ws.shape, wq.shape[:2]):
         return "scales are not x_scale [M] / w_scale [E, N]"
-    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or seg.shape[0] != wq.shape[0] + 1:
+    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or not sym_eq(seg.shape[0], wq.shape[0] + 1):
         return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
     if len({t.device for t in (xq, xs, wq, ws, seg)}) != 1:
         return "operands on different devices"
-    if swiglu and wq.shape[1] % 2:
+    if swiglu and not known(wq.shape[1] % 2 == 0):
         return "w13 has an odd number of rows (not gate|up halves)"
     if not swiglu and args[5] not in KERNEL_DTYPES:
         return f"out_dtype {args[5]} (the kernel writes fp16/bf16/fp32)"
-    try:
-        if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
-            return "operands are not unit-stride along their last dim"
-        return expert_weight_limits(wq)
-    except Exception:  # symbolic sizes or strides that cannot be decided
-        return "symbolic strides"
+    if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
+        return "operands are not unit-stride along their last dim"
+    return expert_weight_limits(wq)
 
 
 def check_w8a8_swiglu_call(args: tuple[Any, ...]) -> str | None:

@@ -293,7 +293,7 @@ def run_e2e(iters: int, device: torch.device, cases: list[str]) -> list[dict[str
                        one_gpu_tokens_s=round(b * s / t_one), pair_tokens_s=round(world * b * s / t_ep),
                        speedup=round(world * t_one / t_ep, 2), one_gpu_ms=round(t_one * 1e3, 2),
                        ep_ms=round(t_ep * 1e3, 2))
-            del full, ep_model, one, ep
+            full = ep_model = one = ep = None  # free the weights before the next case
         except Exception as exc:
             row["failed"] = f"{type(exc).__name__}: {exc}"[:300]
         log(row)

@@ -474,27 +474,32 @@ SCENARIOS_4 = [sc_structured_dispatch, sc_block_data_dependent_and_capacity, sc_
 
 
 # =========================================================================== process management
-def _worker(rank: int, world: int, port: int, names: list[str], out_dir: str) -> None:
+NO_BARRIER = ("sc_timeout", "sc_unequal_batches")
+"""Scenarios after which a rank may be left waiting: no barrier after them."""
+
+
+def _worker(rank: int, world: int, port: int, module: str, names: list[str], out_dir: str) -> None:
+    import importlib
     import warnings
 
     warnings.filterwarnings("ignore")
-    import ep_fuse.ops.canonical
+    import ep_fuse.ops.canonical  # noqa: F401
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
-    table = {f.__name__: f for f in SCENARIOS_2 + SCENARIOS_4}
+    mod = importlib.import_module(module)
     results: dict[str, str] = {}
     for name in names:
         torch._dynamo.reset()
         ep_fuse.reset_reports()
         t0 = time.perf_counter()
         try:
-            table[name](world)
+            getattr(mod, name)(world)
             results[name] = "ok"
         except BaseException:  # noqa: BLE001 - reported per scenario
             results[name] = traceback.format_exc()
         results[name + ":seconds"] = f"{time.perf_counter() - t0:.1f}"
-        if name not in ("sc_timeout", "sc_unequal_batches"):
+        if name not in NO_BARRIER:
             with contextlib.suppress(Exception):
                 dist.barrier()
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -509,11 +514,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, scenarios: list, timeout_s: float = 400.0) -> list[dict[str, str]]:
-    """Run ``scenarios`` on ``world`` gloo ranks; per-rank ``{scenario: "ok" | traceback}``."""
+def run_ranks(world: int, scenarios: list, timeout_s: float = 400.0, module: str | None = None) -> list[dict[str, str]]:
+    """Run ``scenarios`` (functions of ``module``, default: their own) on ``world`` gloo ranks, in order,
+    in one group of processes; per-rank ``{scenario: "ok" | traceback}`` (a missing entry: hang or crash)."""
+    module = module or scenarios[0].__module__
     out_dir = tempfile.mkdtemp(prefix=f"ep_fuse_ep{world}_")
     names = [f.__name__ for f in scenarios]
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), names, out_dir), nprocs=world, join=False,
+    ctx = mp.start_processes(_worker, args=(world, _free_port(), module, names, out_dir), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:

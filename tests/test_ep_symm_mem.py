@@ -9,19 +9,12 @@ One group of processes per world size runs a list of scenarios (``test_ep.py`` p
 from __future__ import annotations
 
 import contextlib
-import datetime
-import json
 import os
-import socket
 import sys
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ep_fuse
 from ep_fuse.config import EpFuseConfig
@@ -332,76 +325,18 @@ SCENARIOS_2 = [sc_double_contract, sc_roundtrip_vs_reference, sc_buffers_and_ord
 SCENARIOS_4 = [sc_roundtrip_vs_reference, sc_blocks]
 
 
-# =========================================================================== process management
-def _worker(rank: int, world: int, port: int, names: list[str], out_dir: str) -> None:
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    import ep_fuse.ops.canonical  # noqa: F401
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    table = {f.__name__: f for f in SCENARIOS_2 + SCENARIOS_4}
-    results: dict[str, str] = {}
-    for name in names:
-        torch._dynamo.reset()
-        ep_fuse.reset_reports()
-        t0 = time.perf_counter()
-        try:
-            table[name](world)
-            results[name] = "ok"
-        except BaseException:  # noqa: BLE001 - reported per scenario
-            results[name] = traceback.format_exc()
-        results[name + ":seconds"] = f"{time.perf_counter() - t0:.1f}"
-        with contextlib.suppress(Exception):
-            dist.barrier()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world: int, scenarios: list, timeout_s: float = 300.0) -> list[dict[str, str]]:
-    out_dir = tempfile.mkdtemp(prefix=f"ep_fuse_symm{world}_")
-    names = [f.__name__ for f in scenarios]
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), names, out_dir), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                break
-    except Exception as exc:  # a worker died: report what it wrote
-        print(f"worker failure: {exc}", file=sys.stderr)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = []
-    for r in range(world):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        with contextlib.suppress(FileNotFoundError), open(path) as f:
-            results.append(json.load(f))
-            continue
-        results.append({})
-    return results
-
-
 @pytest.fixture(scope="module")
 def symm2():
-    return run_ranks(2, SCENARIOS_2)
+    import test_ep
+
+    return test_ep.run_ranks(2, SCENARIOS_2, timeout_s=300.0)
 
 
 @pytest.fixture(scope="module")
 def symm4():
-    return run_ranks(4, SCENARIOS_4)
+    import test_ep
+
+    return test_ep.run_ranks(4, SCENARIOS_4, timeout_s=300.0)
 
 
 def _check(results, name):

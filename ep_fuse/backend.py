@@ -12,6 +12,7 @@ Matching happens on the functionalized ATen graph *before* any decomposition (``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -161,18 +162,41 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
     from torch._inductor.compile_fx import compile_fx
 
     patches = _inductor_patches(config)
+    tag = torch.compiler.config.cache_key_tag
+    cache_tag = f"{tag}|{ep_fuse_cache_tag()}" if tag else ep_fuse_cache_tag()
     why = _not_direct(captured, example_inputs)
     report.inductor = _handoff(captured, why)
     if not report.inductor.cudagraph_safe_mutations:
         log.info("ep_fuse: graph %s mutates inputs %s that are not static addresses %s: Inductor skips CUDA "
                  "graphs for it (as backend='inductor' would)", report.graph, report.inductor.mutated_inputs,
                  report.inductor.static_inputs)
-    if why is None:
-        _copy_dynamo_metadata(gm, aten_gm)
-        return compile_fx(aten_gm, captured["inputs"], config_patches=patches)
-    log.info("ep_fuse: graph %s: Inductor compiles behind ep_fuse's AOT wrapper: %s", report.graph, why)
-    impl.append(compile_fx(aten_gm, captured["inputs"], config_patches=patches))
+    with torch.compiler.config.patch(cache_key_tag=cache_tag):  # no cached graph of another ep_fuse
+        if why is None:
+            _copy_dynamo_metadata(gm, aten_gm)
+            return compile_fx(aten_gm, captured["inputs"], config_patches=patches)
+        log.info("ep_fuse: graph %s: Inductor compiles behind ep_fuse's AOT wrapper: %s", report.graph, why)
+        impl.append(compile_fx(aten_gm, captured["inputs"], config_patches=patches))
     return wrapped
+
+
+@functools.lru_cache(maxsize=1)
+def ep_fuse_cache_tag() -> str:
+    """``ep_fuse-<version>-<hash of its sources>``, added to ``torch.compiler.config.cache_key_tag`` while
+    Inductor compiles a rewritten graph: Inductor's FX-graph and AOTAutograd caches key a graph on its
+    code, not on the fake (meta) functions of the custom ops in it, so a graph cached by another
+    ep_fuse (other output strides of an op, say) would otherwise be reused and fail, or be wrong."""
+    import hashlib
+    from pathlib import Path
+
+    import ep_fuse
+    import ep_fuse.patterns as patterns
+
+    digest = hashlib.sha256()
+    for root in {Path(ep_fuse.__file__).parent, Path(patterns.__file__).parent}:
+        for path in sorted(root.rglob("*.py")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return f"ep_fuse-{getattr(ep_fuse, '__version__', '0')}-{digest.hexdigest()[:16]}"
 
 
 def _handoff(captured: dict[str, Any], why: str | None) -> InductorHandoff:

@@ -82,6 +82,27 @@ def test_inductor_alone_sees_the_same_static_inputs():
     assert ep_fuse.last_report().inductor.static_inputs == seen["static"][0]
 
 
+def test_inductor_caches_are_keyed_on_this_ep_fuse(monkeypatch):
+    """A graph cached by another ep_fuse (other fake-impl strides, say) must not be reused: ep_fuse adds
+    a hash of its sources to torch.compiler.config.cache_key_tag while Inductor compiles."""
+    from torch._inductor import compile_fx as cfx
+
+    from ep_fuse.backend import ep_fuse_cache_tag
+
+    seen = []
+    orig = cfx.compile_fx
+
+    def spy(*a, **k):
+        seen.append(torch.compiler.config.cache_key_tag)
+        return orig(*a, **k)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    tag = ep_fuse_cache_tag()
+    assert tag.startswith("ep_fuse-") and len(tag.split("-")[-1]) == 16
+    _run(StaticCacheStep(), dict(backend="ep_fuse", options={"executor": "inductor"}), steps=1)
+    assert seen == [tag] and torch.compiler.config.cache_key_tag == ""
+
+
 class ReturnsAView(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x.t(), x * 2

@@ -19,6 +19,7 @@ timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -38,16 +39,41 @@ COMBINE_SCHEMA = (
     "str backend, str layout, int capacity, float timeout_s, ScalarType? out_dtype) -> Tensor"
 )
 
-_PROVIDERS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {}
+@dataclasses.dataclass(frozen=True)
+class EpProvider:
+    """One dispatch/combine engine: its kernels, the receive layout it produces, and the compile-time
+    checks the EP pass asks before choosing it (decided from static shapes and options, alike on every rank)."""
+
+    name: str
+    dispatch: Callable[..., Any]
+    """``(x, ids, w, E, group_name, layout, capacity, timeout_s) -> (recv_x, recv_ids, recv_w, handle)``."""
+    combine: Callable[..., Any]
+    """``(y, handle, ids, w, E, group_name, layout, capacity, timeout_s, out_dtype) -> out``."""
+    layout: str
+    """``rank`` or ``expert`` (:mod:`ep_fuse.ep.layout`)."""
+    available: Callable[[], str | None]
+    """``None`` when its runtime (deep_ep, NVSHMEM, torch_npu) can be used here, else why not."""
+    supports: Callable[[Any, Any, Any, int, int, int], str | None]
+    """``(x, topk_ids, block_dtype, world, num_experts, capacity)``: ``None`` when it can run the block."""
 
 
-def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any]) -> None:
-    """``dispatch(x, ids, w, E, group_name, layout, capacity, timeout_s)`` and
-    ``combine(y, handle, ids, w, E, group_name, layout, capacity, timeout_s, out_dtype)`` for ``backend=name``."""
-    _PROVIDERS[name] = (dispatch, combine)
+_PROVIDERS: dict[str, EpProvider] = {}
 
 
-def _provider(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _nothing(*_args: Any) -> None:
+    return None
+
+
+def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any], *, layout: str,
+                         available: Callable[[], str | None] = _nothing,
+                         supports: Callable[..., str | None] = _nothing) -> EpProvider:
+    """Make ``ep_backend=name`` run ``dispatch`` / ``combine`` (signatures on :class:`EpProvider`)."""
+    prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports)
+    return prov
+
+
+def ep_provider(backend: str) -> EpProvider:
+    """The provider registered as ``backend`` (:class:`~ep_fuse.ep.groups.EpError` when there is none)."""
     _load_providers()
     if backend not in _PROVIDERS:
         raise groups.EpError(f"ep_fuse: unknown EP backend {backend!r}; known: {', '.join(sorted(_PROVIDERS))}")
@@ -56,13 +82,14 @@ def _provider(backend: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
 
 def ep_dispatch_impl(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s):
     """The kernel of ``ep_fuse::ep_dispatch``: the provider named by ``backend``."""
-    return _provider(backend)[0](x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s)
+    return ep_provider(backend).dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
+                                        timeout_s)
 
 
 def ep_combine_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
                     timeout_s, out_dtype):
     """The kernel of ``ep_fuse::ep_combine``."""
-    return _provider(backend)[1](y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
+    return ep_provider(backend).combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
                                  timeout_s, out_dtype)
 
 
@@ -108,9 +135,20 @@ def _load_providers() -> None:
         return
     from ep_fuse.ep import all_to_all, deepep, npu, symm_mem
 
-    register_ep_provider("all_to_all", all_to_all.dispatch, all_to_all.combine)
-    register_ep_provider("deepep", deepep.dispatch_normal, deepep.combine_normal)
-    register_ep_provider("deepep_low_latency", deepep.dispatch_low_latency, deepep.combine_low_latency)
-    register_ep_provider("npu", npu.dispatch, npu.combine)
-    register_ep_provider("symm_mem", symm_mem.dispatch, symm_mem.combine)
+    # module attributes are looked up per call (tests swap runtimes and limits in and out)
+    register_ep_provider("all_to_all", all_to_all.dispatch, all_to_all.combine, layout="rank")
+    register_ep_provider(
+        "deepep", deepep.dispatch_normal, deepep.combine_normal, layout="rank",
+        available=lambda: deepep.available(),
+        supports=lambda x, ids, dt, world, e, cap: deepep.supports("normal", x, ids, dt, world, cap, e))
+    register_ep_provider(
+        "deepep_low_latency", deepep.dispatch_low_latency, deepep.combine_low_latency, layout="expert",
+        available=lambda: deepep.available(),
+        supports=lambda x, ids, dt, world, e, cap: deepep.supports("low_latency", x, ids, dt, world, cap, e))
+    register_ep_provider(
+        "npu", npu.dispatch, npu.combine, layout="expert", available=lambda: npu.available(),
+        supports=lambda x, ids, dt, world, e, cap: npu.supports(x, ids, e, world, cap))
+    register_ep_provider(
+        "symm_mem", symm_mem.dispatch, symm_mem.combine, layout="rank", available=lambda: symm_mem.available(),
+        supports=lambda x, ids, dt, world, e, cap: symm_mem.supports(x, ids, dt, world, cap))
     _loaded = True

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from ep_fuse.ep import deepep, groups, npu, symm_mem
+from ep_fuse.ep import groups
 from ep_fuse.ep.groups import EpError
-from ep_fuse.ep.ops import ep_combine, ep_dispatch
+from ep_fuse.ep.ops import ep_combine, ep_dispatch, ep_provider
 from ep_fuse.fx_utils import module_path, val
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import canonical_ops
@@ -71,10 +71,6 @@ def router_width(ids: Any) -> int | None:
     return None
 
 
-LAYOUTS = {"all_to_all": "rank", "deepep": "rank", "deepep_low_latency": "expert", "npu": "expert",
-           "symm_mem": "rank"}
-"""Receive layout of each provider (``ep_fuse/ep/layout.py``)."""
-
 FALLBACKS = {
     "deepep_low_latency": ("deepep_low_latency", "deepep", "all_to_all"),
     "deepep": ("deepep", "all_to_all"),
@@ -115,29 +111,6 @@ def auto_order(device: str, capacity: int, world: int = 0) -> tuple[str, ...]:
     return ("all_to_all",)
 
 
-def _available(name: str) -> str | None:
-    if name in ("deepep", "deepep_low_latency"):
-        return deepep.available()
-    if name == "symm_mem":
-        return symm_mem.available()
-    if name == "npu":
-        return npu.available()
-    return None
-
-
-def _supports(name: str, x: Any, ids: Any, block_dtype: Any, world: int, num_experts: int, capacity: int
-              ) -> str | None:
-    if name == "deepep":
-        return deepep.supports("normal", x, ids, block_dtype, world, capacity, num_experts)
-    if name == "deepep_low_latency":
-        return deepep.supports("low_latency", x, ids, block_dtype, world, capacity, num_experts)
-    if name == "npu":
-        return npu.supports(x, ids, num_experts, world, capacity)
-    if name == "symm_mem":
-        return symm_mem.supports(x, ids, block_dtype, world, capacity)
-    return None
-
-
 def choose_backend(
     requested: str, device: str, x: Any, ids: Any, block_dtype: Any, world: int, num_experts: int, capacity: int
 ) -> tuple[str, str, list[tuple[str, str]]]:
@@ -146,18 +119,19 @@ def choose_backend(
     if requested == "auto":
         order = auto_order(device, capacity, world)
     else:
-        why = _available(requested)
+        why = ep_provider(requested).available()
         if why:
             raise EpError(f"ep_fuse: ep_backend={requested!r} but {why}. Install it, or use ep_backend="
                           "'all_to_all' / 'auto'.")
         order = FALLBACKS[requested]
     declined: list[tuple[str, str]] = []
     for name in order:
-        why = _available(name) or _supports(name, x, ids, block_dtype, world, num_experts, capacity)
+        prov = ep_provider(name)
+        why = prov.available() or prov.supports(x, ids, block_dtype, world, num_experts, capacity)
         if why is None:
             if requested != "auto" and declined:
                 log.warning("ep_fuse: %s cannot run this MoE block (%s); using %s", requested, declined[0][1], name)
-            return name, LAYOUTS[name], declined
+            return name, prov.layout, declined
         declined.append((name, why))
     raise EpError(f"ep_fuse: no EP provider can run this MoE block: {declined}")
 

@@ -369,7 +369,7 @@ def test_unavailable_without_cuda_and_guards():
     x, ids = torch.zeros(4, 16), torch.zeros(4, 2, dtype=torch.int64)
     assert "cpu" in symm_mem.supports(x, ids, torch.float32, 2, 0)
     assert [symm_mem_chunks(w) for w in (2, 4, 8, 16)] == [16, 16, 8, 1]
-    assert handle_len("rank", 2, 4, 5, 2, 0, "symm_mem") == 3 + 10 + 2 * 16
+    assert handle_len("rank", 2, 4, 5, 2, 0, "symm_mem") == 3 + 4 + 10 + 2 * 16  # the rank layout + splits
     assert handle_len("rank", 2, 4, 5, 2, 0) == 3 + 4 + 10
 
 

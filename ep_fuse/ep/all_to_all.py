@@ -137,7 +137,14 @@ def _combine_rank(y, handle, tokens, group, capacity, timeout_s, out_dtype):
         s, n = sum(send_counts), sum(recv_counts)
         back = torch.empty(max(s, 1), h, dtype=y.dtype, device=y.device)[:s]  # never a null pointer for Triton
         groups.all_to_all(back, y[:n], group, timeout_s, send_counts, recv_counts, "ep_combine")
-    out_dtype = out_dtype or y.dtype
+    return sum_rank_rows(back, handle, tokens, world, out_dtype or y.dtype)
+
+
+def sum_rank_rows(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: int,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """The local half of a rank-layout combine: ``out[t] = sum_r back[slot[t, r]]`` in fp32, rank order, one
+    cast, from the ``[T, W]`` slot table at ``handle[HEADER + 2W:]`` (the Triton kernel where it runs, else
+    the reference). Any provider whose combine returns the rows to their send slots shares it."""
     if _combine_kernels(back, tokens, out_dtype):
         return combine_rank(back, handle, tokens, world, out_dtype)
     return combine_rank_reference(back, handle, tokens, world, out_dtype)

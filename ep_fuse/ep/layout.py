@@ -58,13 +58,11 @@ def symm_mem_chunks(world: int) -> int:
 
 def handle_len(layout: str, world: int, num_experts: int, tokens: int, top_k: int, capacity: int,
                backend: str = ""):
-    """Length of the int64 dispatch handle. Rank layout: ``all_to_all`` (and DeepEP, whose payload is
-    unused) hold per-peer counts and the ``[T, W]`` slot table; ``symm_mem`` the slot of every
-    (token, rank) pair and the received splits."""
+    """Length of the int64 dispatch handle. Rank layout: ``[header, per-peer counts (2W), [T, W] slot
+    table]`` (DeepEP leaves the payload unused); ``symm_mem`` appends its received splits (W x chunks)."""
     if layout == "rank":
-        if backend == "symm_mem":
-            return HEADER + recv_rows(layout, world, num_experts, tokens, capacity) + world * symm_mem_chunks(world)
-        return HEADER + 2 * world + tokens * world
+        extra = world * symm_mem_chunks(world) if backend == "symm_mem" else 0
+        return HEADER + 2 * world + tokens * world + extra
     return HEADER + tokens * top_k
 
 

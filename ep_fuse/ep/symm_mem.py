@@ -38,7 +38,16 @@ import torch
 import torch.distributed as dist
 
 from ep_fuse.ep import groups
-from ep_fuse.ep.layout import CODES, HEADER, capacity_rows, handle_len, symm_mem_chunks, valid_slots
+from ep_fuse.ep.all_to_all import sum_rank_rows
+from ep_fuse.ep.layout import (
+    CODES,
+    HEADER,
+    capacity_rows,
+    dispatch_layout,
+    handle_len,
+    local_slots,
+    symm_mem_chunks,
+)
 
 log = logging.getLogger("ep_fuse.ep")
 CODE = CODES["symm_mem"]
@@ -328,19 +337,17 @@ def dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacit
     _order(state, "dispatch", group, x.device, timeout_s)
     dev = x.device
     # where every (token, rank) pair goes: rank-major blocks, token order inside (static shapes only)
-    per_rank = num_experts // world
-    ids = topk_ids.long()
-    ranks = torch.arange(world, device=dev)
-    dest = torch.where(valid_slots(ids, num_experts), ids // per_rank, world)
-    mine = dest.unsqueeze(1) == ranks.view(1, world, 1)  # [T, W, K]
-    in_rank = mine.any(-1)  # [T, W]
-    counts = in_rank.sum(0)
+    counts, _per_expert, in_rank = dispatch_layout(topk_ids, num_experts, world)
+    counts = counts.long()
     start = torch.cumsum(counts, 0) - counts
     slot = torch.where(in_rank, start + torch.cumsum(in_rank.long(), 0) - 1, rows)  # rows = spare row
+    token = torch.arange(t, device=dev).repeat_interleave(world)
+    ids, weights = local_slots(topk_ids[token], topk_weights[token], torch.arange(world, device=dev).repeat(t),
+                               num_experts, world)
     send_raw, sx, sw, sids = row.views(state.send, rows + 1)
     sx[slot] = x.unsqueeze(1).expand(t, world, h)
-    sw[slot] = torch.where(mine, topk_weights.unsqueeze(1), torch.zeros((), dtype=topk_weights.dtype, device=dev))
-    sids[slot] = torch.where(mine, ids.unsqueeze(1) - (ranks * per_rank).view(1, world, 1), -1).to(torch.int32)
+    sw[slot] = weights.view(t, world, k)
+    sids[slot] = ids.view(t, world, k).to(torch.int32)
     state.in_splits.copy_(_chunk_splits(counts, chunks).reshape(-1))
     recv_raw = row.views(state.recv, state.recv.numel() // row.width)[0]  # all of it: peers may hold more rows
     rt.ops.all_to_all_vdev_2d(send_raw, recv_raw, state.in_splits, state.out_so, group.group_name)
@@ -364,8 +371,9 @@ def dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacit
                         dtype=torch.int64, device=dev)
     handle[:1].fill_(CODE)  # a kernel, not a host-to-device copy (CUDA-graph capturable)
     handle[2] = total
-    handle[HEADER:HEADER + t * world] = torch.where(in_rank, slot, -1).reshape(-1)
-    handle[HEADER + rows:] = splits
+    slots0 = HEADER + 2 * world  # the rank layout's slot table (ep_fuse.ep.layout.handle_len)
+    handle[slots0:slots0 + t * world] = torch.where(in_rank, slot, -1).reshape(-1)
+    handle[slots0 + t * world:] = splits
     return recv_x, recv_ids, recv_w, handle
 
 
@@ -381,17 +389,15 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
     comb = (rows + 1) * h * _size(y.dtype)
     state = _buffers(rt, group, y.device, comb, comb, timeout_s)
     _order(state, "combine", group, y.device, timeout_s)
-    splits = handle[HEADER + rows:]
+    splits = handle[HEADER + 2 * world + t * world:]
     yin = _typed(state.recv, rows, h, y.dtype)
     yin.copy_(y)
     state.comb_in[0].copy_(splits)
     state.comb_in[1].copy_(torch.cumsum(splits, 0) - splits)
-    back = _typed(state.send, rows + 1, h, y.dtype)  # row `rows` stays zero: the target of unsent pairs
-    rt.ops.all_to_all_vdev_2d_offset(yin, back[:rows], state.comb_in, state.comb_out, group.group_name)
-    back[rows].zero_()
-    slot = handle[HEADER:HEADER + t * world].view(t, world)
-    rows_back = back[torch.where(slot >= 0, slot, rows)]  # [T, W, H]: this token's row from every rank
-    return rows_back.sum(1, dtype=torch.float32).to(out_dtype or y.dtype)  # unweighted fp32 sum, one cast
+    back = _typed(state.send, rows, h, y.dtype)
+    rt.ops.all_to_all_vdev_2d_offset(yin, back, state.comb_in, state.comb_out, group.group_name)
+    # every row is back at its send slot: the rank layout's fp32 sum over ranks (one cast) applies as is
+    return sum_rank_rows(back, handle, t, world, out_dtype or y.dtype)
 
 
 __all__ = ["Runtime", "available", "buffer_bytes", "destroy_buffers", "heap_bytes", "runtime", "supports"]

@@ -72,9 +72,10 @@ def literal_value(arg: Any) -> Any:
     if isinstance(arg, fx.Node):
         v = val(arg)
         if isinstance(v, torch.SymInt):
-            from torch.fx.experimental.symbolic_shapes import is_concrete_int
+            from ep_fuse.symbolic import concrete_int
 
-            return int(v) if is_concrete_int(v) else v  # a size Dynamo specialised is a plain int
+            c = concrete_int(v)
+            return v if c is None else c  # a size Dynamo specialised is a plain int
         if isinstance(v, SYM_SCALARS) or (isinstance(v, (int, float)) and not isinstance(v, bool)):
             return v
         return NOT_LITERAL

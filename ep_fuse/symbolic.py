@@ -44,12 +44,3 @@ def concrete_int(v: Any) -> int | None:
     if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)) or not is_concrete_int(v):
         return None
     return int(v)
-
-
-def concrete_shape(t: torch.Tensor) -> tuple[list[int], list[int]] | None:
-    """``(sizes, strides)`` of ``t`` as ints, or ``None`` when any of them is symbolic."""
-    sizes = [concrete_int(s) for s in t.shape]
-    strides = [concrete_int(s) for s in t.stride()]
-    if any(v is None for v in (*sizes, *strides)):
-        return None
-    return sizes, strides  # type: ignore[return-value]

@@ -12,22 +12,14 @@ Ascend providers run against test doubles of their documented contracts (``deepe
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import datetime
-import json
-import os
-import socket
 import sys
-import tempfile
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ep_fuse
 from ep_fuse.config import ConfigError, EpFuseConfig
@@ -478,70 +470,11 @@ NO_BARRIER = ("sc_timeout", "sc_unequal_batches")
 """Scenarios after which a rank may be left waiting: no barrier after them."""
 
 
-def _worker(rank: int, world: int, port: int, module: str, names: list[str], out_dir: str) -> None:
-    import importlib
-    import warnings
+def run_ranks(world: int, scenarios: list, timeout_s: float = 400.0) -> list[dict[str, str]]:
+    """Run ``scenarios`` (functions of one test module) on ``world`` gloo ranks (``dist_harness``)."""
+    from dist_harness import run_ranks as run
 
-    warnings.filterwarnings("ignore")
-    import ep_fuse.ops.canonical  # noqa: F401
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    mod = importlib.import_module(module)
-    results: dict[str, str] = {}
-    for name in names:
-        torch._dynamo.reset()
-        ep_fuse.reset_reports()
-        t0 = time.perf_counter()
-        try:
-            getattr(mod, name)(world)
-            results[name] = "ok"
-        except BaseException:  # noqa: BLE001 - reported per scenario
-            results[name] = traceback.format_exc()
-        results[name + ":seconds"] = f"{time.perf_counter() - t0:.1f}"
-        if name not in NO_BARRIER:
-            with contextlib.suppress(Exception):
-                dist.barrier()
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(results, f)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_ranks(world: int, scenarios: list, timeout_s: float = 400.0, module: str | None = None) -> list[dict[str, str]]:
-    """Run ``scenarios`` (functions of ``module``, default: their own) on ``world`` gloo ranks, in order,
-    in one group of processes; per-rank ``{scenario: "ok" | traceback}`` (a missing entry: hang or crash)."""
-    module = module or scenarios[0].__module__
-    out_dir = tempfile.mkdtemp(prefix=f"ep_fuse_ep{world}_")
-    names = [f.__name__ for f in scenarios]
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), module, names, out_dir), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                break
-    except Exception as exc:  # a worker died: report what it wrote
-        print(f"worker failure: {exc}", file=sys.stderr)
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    results = []
-    for r in range(world):
-        path = os.path.join(out_dir, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            results.append({})
-    return results
+    return run(scenarios[0].__module__, [f.__name__ for f in scenarios], world, "gloo", timeout_s, NO_BARRIER)
 
 
 @pytest.fixture(scope="module")
@@ -555,9 +488,9 @@ def ep4():
 
 
 def _check(results, name):
-    for rank, res in enumerate(results):
-        assert name in res, f"rank {rank} never finished {name} (hang or crash): {sorted(res)}"
-        assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
+    from dist_harness import check
+
+    check(results, name)
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS_2])

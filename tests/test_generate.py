@@ -14,11 +14,11 @@ class StaticCacheStep(nn.Module):
     """A decode step in the shape of HF's static cache: ``index_copy_`` into a static-address buffer,
     an in-place counter, an add+RMSNorm the backend fuses."""
 
-    def __init__(self, h: int = 64, slots: int = 16) -> None:
+    def __init__(self, h: int = 64, slots: int = 16, device: str = "cpu") -> None:
         super().__init__()
-        self.weight = nn.Parameter((torch.randn(h) * 0.1 + 1).to(BF16))
-        self.cache = torch.zeros(slots, h, dtype=BF16)
-        self.count = torch.zeros(1, dtype=torch.int64)
+        self.weight = nn.Parameter((torch.randn(h, device=device) * 0.1 + 1).to(BF16))
+        self.cache = torch.zeros(slots, h, dtype=BF16, device=device)
+        self.count = torch.zeros(1, dtype=torch.int64, device=device)
         torch._dynamo.mark_static_address(self.cache)
         torch._dynamo.mark_static_address(self.count)
 

@@ -157,7 +157,7 @@ def sc_teardown(world):
 def results():
     from dist_harness import run_ranks
 
-    return run_ranks("test_gpu_ep_deepep", SCENARIOS, world=2)
+    return run_ranks("test_gpu_ep_deepep", SCENARIOS, world=2, backend="nccl", timeout_s=600.0)
 
 
 @needs_two

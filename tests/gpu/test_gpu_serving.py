@@ -9,24 +9,10 @@ from ep_fuse import tiny_models
 BF16 = torch.bfloat16
 
 
-class StaticCacheStep(torch.nn.Module):
-    """A decode step in the shape of HF's static cache (``index_copy_`` into a static buffer, a counter)."""
+def _step():
+    from test_generate import StaticCacheStep  # HF's static-cache update in miniature (tests/test_generate.py)
 
-    def __init__(self, h: int = 256, slots: int = 32) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(h, device="cuda", dtype=BF16) * 0.1 + 1)
-        self.cache = torch.zeros(slots, h, dtype=BF16, device="cuda")
-        self.count = torch.zeros(1, dtype=torch.int64, device="cuda")
-        torch._dynamo.mark_static_address(self.cache)
-        torch._dynamo.mark_static_address(self.count)
-
-    def forward(self, x, r, pos):
-        s = x + r
-        hf = s.float()
-        n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.weight
-        self.cache.index_copy_(0, pos, n)
-        self.count.add_(1)
-        return self.cache.sum(0, keepdim=True) + n
+    return StaticCacheStep(h=256, slots=32, device="cuda")
 
 
 def _cudagraph_skips() -> int:
@@ -40,7 +26,7 @@ def test_mutating_graph_keeps_cuda_graphs_under_ep_fuse():
 
     counters.clear()
     torch.manual_seed(0)
-    ref, mod = StaticCacheStep(), StaticCacheStep()
+    ref, mod = _step(), _step()
     mod.load_state_dict(ref.state_dict())
     fn = torch.compile(mod, backend="ep_fuse", options={"mode": "reduce-overhead"})
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -9,17 +9,11 @@ splits.
 
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 import sys
-import tempfile
-import time
-import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -199,43 +193,17 @@ def _gloo_checks(rank: int, world: int) -> None:
         assert torch.equal(runs[0][4].float(), (x.float() * 2 * n_ranks).to(x_dtype).float())
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def sc_gloo_checks(world: int) -> None:
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        _gloo_checks(rank, world)
-        result = "ok"
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(result)
-    dist.destroy_process_group()
+    _gloo_checks(dist.get_rank(), world)
 
 
 def test_gloo_provider_kernels_equal_reference():
+    from dist_harness import check, run_ranks
+
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets the interpreter for the workers"
-    out_dir = tempfile.mkdtemp(prefix="ep_fuse_a2a_")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(2, port, out_dir), nprocs=2, join=False, start_method="spawn")
-    deadline = time.monotonic() + 240
-    try:
-        while not ctx.join(timeout=1.0) and time.monotonic() < deadline:
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    for r in range(2):
-        path = os.path.join(out_dir, f"rank{r}.txt")
-        assert os.path.exists(path), f"rank {r} did not finish"
-        with open(path) as f:
-            text = f.read()
-        assert text == "ok", f"rank {r}:\n{text}"
+    check(run_ranks(__name__, ["sc_gloo_checks"], world=2, timeout_s=240.0), "sc_gloo_checks")
 
 
 if __name__ == "__main__":

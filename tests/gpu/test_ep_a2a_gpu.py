@@ -11,22 +11,13 @@ NVLS / multicast are switched off in every process before the process group star
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
 import sys
-import tempfile
-import time
-import traceback
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-       "TRITON_INTERPRET": "0"}  # tests/conftest.py turns the interpreter on for CPU tests
 WORLD = 2
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 CASES = [  # (H, E, K, T, capacity, x dtype, weights dtype, routing)
@@ -141,42 +132,15 @@ def _checks(rank: int, device: torch.device) -> None:
             assert torch.equal(_bits(a), _bits(b)), f"graph replay (seed {seed}): {what} differs"
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(ENV)
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            device_id=device, timeout=datetime.timedelta(seconds=120))
-    try:
-        _checks(rank, device)
-        result = "ok"
-    except BaseException:  # noqa: BLE001 - reported to the test
-        result = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(result)
-    dist.destroy_process_group()
+def sc_checks(world: int) -> None:
+    rank = dist.get_rank()
+    _checks(rank, torch.device("cuda", rank))
 
 
 def test_a2a_kernels_on_two_gpus():
-    out_dir = tempfile.mkdtemp(prefix="ep_fuse_a2a_gpu_")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(_worker, args=(port, out_dir), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + 400
-    try:
-        while not ctx.join(timeout=1.0) and time.monotonic() < deadline:
-            pass
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    for r in range(WORLD):
-        path = os.path.join(out_dir, f"rank{r}.txt")
-        assert os.path.exists(path), f"rank {r} did not finish (crash or hang)"
-        with open(path) as f:
-            text = f.read()
-        assert text == "ok", f"rank {r}:\n{text}"
+    from dist_harness import check, run_ranks
+
+    check(run_ranks(__name__, ["sc_checks"], world=WORLD, backend="nccl", timeout_s=400.0), "sc_checks")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ reference. NCCL on CUDA (NVLS / multicast off), gloo on CPU. Writes ``$OUT/ep_a2
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import time
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,14 @@ from ep_fuse.ep import all_to_all as a2a  # noqa: E402
 from ep_fuse.ep import groups  # noqa: E402
 from ep_fuse.ep.layout import HEADER, packed_row  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ep import init, loop_seconds, routing  # noqa: E402
+
+
+def per_call(fn, iters: int, device: torch.device) -> float:
+    """Seconds per call of ``fn`` over back-to-back calls (no graph): :func:`bench_ep.loop_seconds`."""
+    return loop_seconds(fn, iters, device, graph=False)
+
 BF16 = torch.bfloat16
 SHAPES = [("DeepSeek-V3", 7168, 256, 8), ("Qwen3-30B-A3B", 2048, 128, 8)]  # (name, H, E, K)
 
@@ -46,43 +53,6 @@ SHAPES = [("DeepSeek-V3", 7168, 256, 8), ("Qwen3-30B-A3B", 2048, 128, 8)]  # (na
 def log(*a: Any) -> None:
     if dist.get_rank() == 0:
         print(*a, flush=True)
-
-
-def init() -> torch.device:
-    cuda = torch.cuda.is_available()
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    if cuda:
-        torch.cuda.set_device(local)
-    kw = {"device_id": torch.device("cuda", local)} if cuda else {}
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300), **kw)
-    return torch.device("cuda", local) if cuda else torch.device("cpu")
-
-
-def per_call(fn, iters: int, device: torch.device) -> float:
-    """Mean seconds of ``fn()`` over ``iters`` back-to-back calls (after 3 warm-up calls and one barrier)."""
-    for _ in range(3):
-        fn()
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            fn()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / 1e3 / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters
-
-
-def routing(t: int, e: int, k: int, h: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(1000 + dist.get_rank())
-    x = torch.randn(t, h, generator=g).to(device, BF16)
-    w, ids = torch.randn(t, e, generator=g).softmax(-1).topk(k)
-    return x, ids.to(device), w.to(device)
 
 
 def check(x, ids, w, e: int, cap: int, name: str) -> None:
@@ -156,7 +126,7 @@ def run_case(shape, t: int, cap: int, path: str, iters: int, device: torch.devic
     name, h, e, k = shape
     group = dist.group.WORLD
     gname = group.group_name
-    x, ids, w = routing(t, e, k, h, device)
+    x, ids, w = routing(t, h, e, k, device, seed=1000 + dist.get_rank())
     ops = torch.ops.ep_fuse
     a2a.USE_KERNELS = path == "kernels"
     try:
@@ -204,7 +174,7 @@ def main() -> None:
             continue
         for t in (int(v) for v in args.tokens.split(",")):
             for cap in (t, 0):
-                x, ids, w = routing(t, shape[2], shape[3], shape[1], device)
+                x, ids, w = routing(t, shape[1], shape[2], shape[3], device, seed=1000 + dist.get_rank())
                 check(x, ids, w, shape[2], cap, dist.group.WORLD.group_name)
                 for path in args.paths.split(","):
                     rows.append(run_case(shape, t, cap, path, args.iters, device, not args.no_stages))

@@ -66,6 +66,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="2 layers, shorter timing")
     p.add_argument("--no-time", action="store_true", help="skip the timing (graphs, sites and errors only)")
     p.add_argument("--device", default="cuda", help="cuda; cpu only for a smoke test of this script (with --no-time)")
+    p.add_argument("--tag", default="", help="suffix of the result files (check_dynamic_TAG.json/.md)")
     p.add_argument("--ep-options", type=json.loads, default={},
                    help='extra ep_fuse options as JSON for every ep_fuse compile, e.g. \'{"disable": ["moe_gating"]}\'')
     return p.parse_args()
@@ -202,8 +203,9 @@ def main() -> int:
         del model, refs
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-    write_json("check_dynamic.json", payload)
-    (out_dir() / "check_dynamic.md").write_text("\n".join(md) + "\n")
+    stem = f"check_dynamic_{args.tag}" if args.tag else "check_dynamic"
+    write_json(f"{stem}.json", payload)
+    (out_dir() / f"{stem}.md").write_text("\n".join(md) + "\n")
     for f in failures:
         log("FAIL:", f)
     log("OK" if not failures else f"{len(failures)} failure(s)")

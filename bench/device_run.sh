@@ -5,7 +5,8 @@
 # Steps: deepep (build from .deepep/, or reuse a carried .deepep_build/), deepep_test (DeepEP's own
 # intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
-# (bench_generate.py), accuracy (accuracy_decode.py), dynamic (check_dynamic.py, if present),
+# (bench_generate.py), accuracy (accuracy_decode.py), dynamic[:TAG] (check_dynamic.py with $DYN_ARGS or
+# $DYN_ARGS_TAG),
 # pack (tar every log and result into $OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -63,8 +64,11 @@ for s in "$@"; do
         ${models:+--models $models} ${batches:+--batches $batches} ${GEN_ARGS:-} ;;
     accuracy)
       step accuracy timeout 400 python3 "$repo/bench/accuracy_decode.py" ${ACC_ARGS:-} ;;
-    dynamic)
-      [ -f "$repo/bench/check_dynamic.py" ] && step dynamic timeout 400 python3 "$repo/bench/check_dynamic.py" ;;
+    dynamic*)  # dynamic[:TAG]: check_dynamic.py with $DYN_ARGS (or $DYN_ARGS_<TAG>), log dynamic[_TAG].log
+      IFS=: read -r _ tag <<<"$s"
+      var=DYN_ARGS${tag:+_$tag}
+      [ -f "$repo/bench/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
+        python3 "$repo/bench/check_dynamic.py" ${!var:-} ;;
     *) echo "unknown step $s" ;;
   esac
 done

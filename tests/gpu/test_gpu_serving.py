@@ -69,7 +69,10 @@ def test_generate_static_cache_keeps_cuda_graphs_and_matches_eager():
     assert reps[0].counts() == tiny_models.EXPECTED_SITES["qwen3_moe"][0]
     assert _cudagraph_skips() == 0, dict(counters["inductor"])
     errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out.logits, ref.logits)]
-    assert max(errs) < 2e-2, f"per-step logits relative L2 {errs}"  # bf16: an ulp flips an element here and there
+    # bf16 with random weights: an ulp difference can flip one token's top-k expert choice at a step, which
+    # moves that step's error to ~2e-2 (seen on H200); typical steps stay near 5e-3
+    errs_sorted = sorted(errs)
+    assert errs_sorted[len(errs) // 2] < 1e-2 and max(errs) < 5e-2, f"per-step logits relative L2 {errs}"
 
 
 @pytest.mark.parametrize("name", tiny_models.TINY_MODELS)

@@ -53,6 +53,7 @@ LIMITS = {
 
 available = npu_runtime.available
 _torch_npu = npu_runtime.torch_npu
+CONTRACTS = npu_runtime.contracts("npu_moe_distribute_dispatch", "npu_moe_distribute_combine")
 
 
 def soc() -> str | None:

@@ -41,6 +41,7 @@ from ep_fuse.symbolic import known, same_shape
 
 _available = npu_runtime.available
 _npu = npu_runtime.torch_npu
+contracts = npu_runtime.contracts
 
 
 def _devices() -> frozenset[str]:
@@ -99,9 +100,9 @@ def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype
 
 
 register_provider(canonical.rms_norm, "npu", rms_norm_kernel, devices=_devices, available=_available,
-                  supports=supports)
+                  supports=supports, contracts=contracts("npu_rms_norm"))
 register_provider(canonical.add_rms_norm, "npu", add_rms_norm_kernel, devices=_devices, available=_available,
-                  supports=supports)
+                  supports=supports, contracts=contracts("npu_add_rms_norm"))
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -156,9 +157,10 @@ def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype):  # noqa: ANN001, A
     return _rotary(q, cos, sin, form, out_dtype), _rotary(k, cos, sin, form, out_dtype)
 
 
-register_provider(canonical.rope, "npu", rope_kernel, devices=_devices, available=_available, supports=rope_supports)
+register_provider(canonical.rope, "npu", rope_kernel, devices=_devices, available=_available, supports=rope_supports,
+                  contracts=contracts("npu_rotary_mul"))
 register_provider(canonical.rope_qk, "npu", rope_qk_kernel, devices=_devices, available=_available,
-                  supports=rope_supports)
+                  supports=rope_supports, contracts=contracts("npu_rotary_mul"))
 
 
 # --------------------------------------------------------------------------- RoPE, cos/sin-cache form
@@ -228,9 +230,9 @@ def rope_qk_cache_kernel(q, k, cos_sin_cache, positions, form, rot_dim):  # noqa
 
 
 register_provider(canonical.rope_cache, "npu", rope_cache_kernel, devices=_devices, available=_available,
-                  supports=rope_cache_supports)
+                  supports=rope_cache_supports, contracts=contracts("npu_mrope"))
 register_provider(canonical.rope_qk_cache, "npu", rope_qk_cache_kernel, devices=_devices, available=_available,
-                  supports=rope_cache_supports)
+                  supports=rope_cache_supports, contracts=contracts("npu_mrope"))
 
 
 # --------------------------------------------------------------------------- GEMM + SwiGLU
@@ -271,7 +273,7 @@ def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
 
 
 register_provider(canonical.gemm_swiglu, "npu", gemm_swiglu_kernel, devices=_devices, available=_available,
-                  supports=gemm_swiglu_supports)
+                  supports=gemm_swiglu_supports, contracts=contracts("npu_swiglu"))
 
 # registration side effects: MoE stages, moe_gating (npu_moe_gating_top_k), W8A8 expert stages
 from ep_fuse.providers.npu import moe, router, w8a8  # noqa: E402,F401

@@ -60,7 +60,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import CanonicalOp, register_provider
-from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.providers.npu import _available, _devices, _npu, contracts
 from ep_fuse.symbolic import known, sym_eq
 
 log = logging.getLogger("ep_fuse.providers.npu.moe")
@@ -283,11 +283,14 @@ def moe_unpermute_kernel(
 
 
 # --------------------------------------------------------------------------- registration
-def _register(op: CanonicalOp, kernel: Callable[..., Any], supports: Callable[[tuple[Any, ...]], str | None]) -> None:
-    register_provider(op, "npu", kernel, devices=_devices, available=_available, supports=supports)
+def _register(op: CanonicalOp, kernel: Callable[..., Any], supports: Callable[[tuple[Any, ...]], str | None],
+              *calls: str) -> None:
+    register_provider(op, "npu", kernel, devices=_devices, available=_available, supports=supports,
+                      contracts=contracts(*calls))
 
 
-_register(canonical.moe_permute, moe_permute_kernel, permute_supports)
-_register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, gemm_swiglu_supports)
-_register(canonical.grouped_gemm, grouped_gemm_kernel, gemm_supports)
-_register(canonical.moe_unpermute, moe_unpermute_kernel, unpermute_supports)
+_register(canonical.moe_permute, moe_permute_kernel, permute_supports, "npu_moe_init_routing_v2")
+_register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, gemm_swiglu_supports, "npu_grouped_matmul",
+          "npu_swiglu")
+_register(canonical.grouped_gemm, grouped_gemm_kernel, gemm_supports, "npu_grouped_matmul")
+_register(canonical.moe_unpermute, moe_unpermute_kernel, unpermute_supports, "npu_moe_finalize_routing")

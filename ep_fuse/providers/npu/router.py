@@ -28,7 +28,7 @@ import torch
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.ops.router_reference import check_gating_args, finish_weights
-from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.providers.npu import _available, _devices, _npu, contracts
 from ep_fuse.symbolic import concrete_int
 
 MAX_EXPERTS = 2048
@@ -76,4 +76,4 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
 
 
 register_provider(canonical.moe_gating, "npu", moe_gating_kernel, devices=_devices, available=_available,
-                  supports=gating_supports)
+                  supports=gating_supports, contracts=contracts("npu_moe_gating_top_k"))

@@ -107,7 +107,7 @@ def wheel() -> Path:
 
 
 # --------------------------------------------------------------------------- reading it
-@dataclasses.dataclass
+@dataclasses.dataclass(repr=False)
 class Contracts:
     version: str
     """``__version__`` from the wheel's ``torch_npu/version.py``."""
@@ -119,6 +119,10 @@ class Contracts:
     """Top-level statements of the meta file that could not run here -> why (``"line N (what)"``)."""
     docs: dict[str, str]
     """Op name -> its documentation text."""
+
+    def __repr__(self) -> str:
+        return (f"Contracts(torch_npu {self.version}: {len(self.schemas)} schemas, {len(self.meta)} meta functions, "
+                f"{len(self.meta_failures)} statements not loaded)")
 
     def schema(self, op: str) -> str:
         if op not in self.schemas:

@@ -153,9 +153,11 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
     world, me = group.size(), group.rank()
     st = handles.pop(handle)
     live, src = st["live"], st["src"]
-    per_rank = num_experts // world
-    expand_y = y.new_zeros(st["rows"], y.shape[1])
-    expand_y[src[live]] = y.view(per_rank, -1, y.shape[1])[live]
+    rows, h = st["rows"], y.shape[1]
+    # y's rows follow live [E_r, W*C]: live ones go back to their expand_x row, the rest to a spare row
+    # (dropped) -- a scatter of static size, no host sync (a boolean mask index would need one)
+    dest = torch.where(live, src, rows).reshape(-1)
+    expand_y = y.new_zeros(rows + 1, h).index_copy_(0, dest, y.reshape(-1, h))[:rows]
     scales = torch.where(st["valid"], topk_weights.float(), torch.zeros((), device=y.device))
     out = npu.npu_moe_distribute_combine(expand_y, st["ids"], st["expand_idx"], st["ep_recv_counts"], scales,
                                          st["comm"], world, me, num_experts, global_bs=st["global_bs"])

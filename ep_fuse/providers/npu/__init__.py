@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ep_fuse import npu_runtime
 from ep_fuse.ops import canonical
@@ -237,23 +238,36 @@ register_provider(canonical.rope_qk_cache, "npu", rope_qk_cache_kernel, devices=
 
 # --------------------------------------------------------------------------- GEMM + SwiGLU
 # One GEMM over the concatenated [2I, H] gate|up weight, then npu_swiglu(y, dim=-1) = silu(y[:I]) * y[I:].
-# The concatenation is made once per pair of weight tensors (and remade if either is modified in place).
-_CONCAT: collections.OrderedDict[tuple[Any, ...], torch.Tensor] = collections.OrderedDict()
+# The concatenation is made once per pair of weight tensors (and remade if either is modified in place). Keyed
+# on the weights' storages by weak reference (a freed weight's address is never mistaken for a new weight's),
+# offsets, shapes, strides and dtype; inference tensors track no version and count as never modified.
+_CONCAT: collections.OrderedDict[tuple[Any, ...], tuple[tuple[int, int], torch.Tensor]] = collections.OrderedDict()
 _CONCAT_MAX = 256
 
 
+def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
+    return (StorageWeakRef(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.stride(), w.dtype)
+
+
+def _version(w: torch.Tensor) -> int:
+    return -1 if w.is_inference() else w._version
+
+
 def concat_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    key = (w_gate.data_ptr(), w_up.data_ptr(), w_gate._version, w_up._version, tuple(w_gate.shape),
-           w_gate.dtype, str(w_gate.device))
+    key = (_weight_key(w_gate), _weight_key(w_up))
+    version = (_version(w_gate), _version(w_up))
     hit = _CONCAT.get(key)
-    if hit is None:
-        hit = torch.cat((w_gate, w_up), dim=0)
-        _CONCAT[key] = hit
-        while len(_CONCAT) > _CONCAT_MAX:
-            _CONCAT.popitem(last=False)
-    else:
+    if hit is not None and hit[0] == version:
         _CONCAT.move_to_end(key)
-    return hit
+        return hit[1]
+    cat = torch.cat((w_gate, w_up), dim=0)
+    _CONCAT[key] = (version, cat)
+    _CONCAT.move_to_end(key)
+    for stale in [k for k in _CONCAT if k[0][0].expired() or k[1][0].expired()]:
+        del _CONCAT[stale]
+    while len(_CONCAT) > _CONCAT_MAX:
+        _CONCAT.popitem(last=False)
+    return cat
 
 
 def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:

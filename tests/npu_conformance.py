@@ -92,7 +92,8 @@ def wheel() -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
                f"torch_npu=={VERSION}", *PIP_PLATFORM, "-d", str(tmp)]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S,
+                                  check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise _explain(f"pip download failed: {exc}") from exc
         got = sorted(tmp.glob("torch_npu-*.whl"))
@@ -144,7 +145,7 @@ class Contracts:
 def _schemas(text: str) -> dict[str, str]:
     """``func:`` entries of the codegen YAML (one per line); a name listed twice must carry one schema."""
     out: dict[str, str] = {}
-    for m in re.finditer(r"^\s*-?\s*func:\s*(\S.*?)\s*$", text, re.M):
+    for m in re.finditer(r"^\s*-?\s*func:\s*(\S.*?)\s*$", text, re.MULTILINE):
         schema = m.group(1)
         name = schema.split("(", 1)[0]
         if out.setdefault(name, schema) != schema:
@@ -215,7 +216,7 @@ def _load_meta(source: str) -> tuple[dict[str, Callable[..., Any]], dict[str, st
     for node in ast.parse(source).body:
         try:
             exec(compile(ast.Module([node], []), META_FILE, "exec"), scope)  # noqa: S102 - torch_npu's own file
-        except Exception as exc:  # one statement: the rest still loads
+        except Exception as exc:  # noqa: BLE001 - one statement: the rest still loads
             what = getattr(node, "name", type(node).__name__)
             failures[f"line {node.lineno} ({what})"] = f"{type(exc).__name__}: {exc}"
     for enum, name in scope.get("TORCH_NPU_DTYPE_TO_STRING_MAP", {}).items():  # torch_npu.hifloat8 == 290, ...

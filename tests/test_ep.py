@@ -381,6 +381,8 @@ def sc_npu_double(world):
         npu_ep_double.calls.clear()
         _block_case(world, backend="npu", invalid=0.3, seed_extra=1)  # -1 slots: replaced, weight 0
         assert npu_ep_double.calls == ["dispatch", "combine"]
+        contracts = ep_fuse.last_report().contracts  # the report names the torch_npu ops and their contract
+        assert contracts["npu_moe_distribute_dispatch"] == contracts["npu_moe_distribute_combine"] == "torch_npu 2.14.0"
         torch._dynamo.reset()
         _block_case(world, backend="npu", capacity=16, seed_extra=2)
         assert handles.pending() == 0

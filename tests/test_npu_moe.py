@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ep_fuse.config import EpFuseConfig
+from ep_fuse.npu_runtime import TORCH_NPU_CONTRACT_VERSION
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops import moe_reference as ref
 from ep_fuse.pipeline import run_passes
@@ -173,6 +174,9 @@ def test_block_expanded_to_npu_providers(spy, case):
     for op in ("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"):
         assert report.ops_after.get(f"ep_fuse_npu.{op}.default") == 1, report.ops_after
     assert not report.unlowered
+    # the report names every torch_npu op the graph calls with the release its contract was checked against
+    assert report.contracts == dict.fromkeys(NPU_OPS, f"torch_npu {TORCH_NPU_CONTRACT_VERSION}")
+    assert f"{', '.join(sorted(NPU_OPS))} (contracts checked against torch_npu 2.14.0)" in report.summary()
     with torch.no_grad():
         (out,) = gm(*example)
     expected = ref.moe_experts_ref(*inputs, BF16)

@@ -1,7 +1,8 @@
 """Ascend provider: ``npu_rms_norm`` / ``npu_add_rms_norm`` / ``npu_rotary_mul`` / ``npu_mrope`` (op-contracts.md
 §1-§3, §9).
 
-Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
+Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**; every call is checked
+against torch_npu 2.14.0's schema and meta function: ``docs/npu.md``):
 
 * ``npu_rms_norm(x, gamma, epsilon) -> (y, rstd)``: statistics in fp32, ``y = cast(x * rstd * gamma)``
   rounded once; (x, gamma) dtypes fp16/fp16, bf16/bf16, fp32/fp32, fp16/fp32, bf16/fp32.

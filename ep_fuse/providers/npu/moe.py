@@ -8,10 +8,11 @@ The routed-expert block runs as::
 one provider per canonical stage op (``moe_permute``, ``grouped_gemm_swiglu``, ``grouped_gemm``,
 ``moe_unpermute``), converting between ep_fuse's conventions (:mod:`ep_fuse.ops.moe_reference`) and
 the documented torch_npu ones (op-plugin ``docs/context/torch_npu-*.md``; **not run on Ascend
-hardware by this project** -- tested against ``tests/npu_double.py``):
+hardware by this project** -- calls checked against torch_npu 2.14.0's schemas and meta functions, numerics
+against ``tests/npu_double.py``: ``docs/npu.md``):
 
 * **permute** -- ``npu_moe_init_routing_v2`` dropless (``drop_pad_mode=0``), unquantised
-  (``quant_mode=-1``; the documented default 0 is unsupported), ``active_num = T*K`` (the only value
+  (``quant_mode=-1``, passed explicitly: the schema default, though older docs gave 0), ``active_num = T*K`` (the only value
   the op accepts), ``expert_num = E``, ``active_expert_range=[0, E]``, ``row_idx_type=0`` (gather
   index: slot ``t*K+k`` -> row, the layout of ``src2dst``), ``expert_tokens_num_type=1`` with
   ``expert_tokens_num_flag=True`` (int64 counts; ``seg_indptr = [0, cumsum(counts)]``). The docs

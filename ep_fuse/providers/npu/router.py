@@ -1,6 +1,7 @@
 """Ascend ``moe_gating`` through ``torch_npu.npu_moe_gating_top_k`` (op-contracts.md §5, §9).
 
-Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
+Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**; every call is checked
+against torch_npu 2.14.0's schema and meta function: ``docs/npu.md``):
 
 * ``npu_moe_gating_top_k(x, k, *, bias, k_group, group_count, group_select_mode, renorm, norm_type,
   out_flag, routed_scaling_factor, eps) -> (y, expert_idx int32, norm_out)``; ``norm_type`` 0 softmax /

@@ -224,9 +224,23 @@ def _load_meta(source: str) -> tuple[dict[str, Callable[..., Any]], dict[str, st
     return registered, failures
 
 
-@functools.lru_cache(maxsize=1)
+_FAILED: list[Unavailable] = []
+
+
 def contracts() -> Contracts:
-    """The schemas, meta functions and docs of the pinned wheel (raises :class:`Unavailable`)."""
+    """The schemas, meta functions and docs of the pinned wheel (raises :class:`Unavailable`; a failure is
+    remembered, so an offline run tries the download once, not once per test)."""
+    if _FAILED:
+        raise _FAILED[0]
+    try:
+        return _read()
+    except Unavailable as exc:
+        _FAILED.append(exc)
+        raise
+
+
+@functools.lru_cache(maxsize=1)
+def _read() -> Contracts:
     path = wheel()
     try:
         with zipfile.ZipFile(path) as z:

@@ -1,10 +1,24 @@
-"""Whether ``torch_npu`` can be used, asked once for every Ascend code path (op providers, EP)."""
+"""``torch_npu`` for every Ascend code path (op providers, EP): whether it can be used (asked once), and which
+torch_npu release the op contracts of those paths were checked against.
+
+No Ascend hardware runs in this project's tests. What is checked instead (``tests/test_npu_conformance.py``,
+``docs/npu.md``): every ``torch_npu.npu_*`` call the providers and the EP engine make is bound to the op's
+real schema (``npu_native_functions_by_codegen.yaml``) and run under ``FakeTensorMode`` through torch_npu's
+own meta function (``op_plugin/meta/_meta_registrations.py``), both read from the wheel of
+:data:`TORCH_NPU_CONTRACT_VERSION`. Compile reports list each torch_npu op a graph calls with that version
+(``GraphReport.contracts``).
+"""
 
 from __future__ import annotations
 
 import functools
 import importlib
 from typing import Any
+
+TORCH_NPU_CONTRACT_VERSION = "2.14.0"
+"""The torch_npu release whose schemas and meta functions the NPU calls were checked against."""
+
+CHECKED_AGAINST = f"torch_npu {TORCH_NPU_CONTRACT_VERSION}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -19,3 +33,8 @@ def available() -> str | None:
 
 def torch_npu() -> Any:
     return importlib.import_module("torch_npu")
+
+
+def contracts(*ops: str) -> dict[str, str]:
+    """``{op: "torch_npu X.Y.Z"}`` for the torch_npu ops one provider calls (the compile report shows them)."""
+    return dict.fromkeys(ops, CHECKED_AGAINST)

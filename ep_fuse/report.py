@@ -157,6 +157,10 @@ class GraphReport:
     shape_guards: list[str] = dataclasses.field(default_factory=list)
     """Shape guards the rewrite added to a dynamic-shape graph (expected: none; each one restricts the
     sizes the compiled graph accepts, so other sizes recompile). See :mod:`ep_fuse.shape_guards`."""
+    contracts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """External ops the lowered graph calls (the chosen providers' ``torch_npu.npu_*`` ops, EP included) ->
+    the release whose op contract they were checked against, e.g. ``{"npu_rms_norm": "torch_npu 2.14.0"}``
+    (schemas and meta functions, not execution on hardware: ``docs/npu.md``)."""
 
     def count(self, pattern: str | None = None, variant: str | None = None, provider: str | None = None) -> int:
         return sum(
@@ -213,6 +217,11 @@ class GraphReport:
             text += f"; {len(self.near_misses)} near miss(es)"
         if self.shape_guards:
             text += f"; {len(self.shape_guards)} shape guard(s) added"
+        by_release: dict[str, list[str]] = {}
+        for op, release in sorted(self.contracts.items()):
+            by_release.setdefault(release, []).append(op)
+        for release, ops in by_release.items():
+            text += f"; calls {', '.join(ops)} (contracts checked against {release})"
         return text
 
     def __str__(self) -> str:

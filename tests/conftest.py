@@ -27,13 +27,27 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def torch_npu_double(monkeypatch):
-    """``import torch_npu`` yields the test double of the documented op semantics (``npu_double.py``)."""
+    """``import torch_npu`` yields the test double of the documented op semantics (``npu_double.py``), bound to
+    torch_npu's real op schemas and meta functions (``npu_conformance.py``; skips when the pinned wheel is
+    unavailable). A provider kernel that raises fails the test instead of falling back to the reference."""
     import sys
 
+    import npu_conformance
     import npu_double
 
+    npu_conformance.require()
+
+    from ep_fuse.ops import registry
     from ep_fuse.providers import npu
 
+    warn_once = registry._warn_once
+
+    def no_silent_fallback(provider: str, op: str, error: str) -> None:
+        if provider == "npu":  # a call that does not bind to the schema must fail the test, not run the reference
+            raise AssertionError(f"the npu provider of {op} raised ({error}) and would fall back to the reference")
+        warn_once(provider, op, error)
+
+    monkeypatch.setattr(registry, "_warn_once", no_silent_fallback)
     monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
     npu._available.cache_clear()
     yield

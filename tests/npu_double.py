@@ -2,7 +2,10 @@
 
 Written from the op-plugin documentation summarised in ``op-contracts.md`` §1-§3, §9 -- not from
 running Ascend hardware. It checks the documented input constraints so a provider that passes an
-argument the real op rejects fails here too.
+argument the real op rejects fails here too. :func:`make_module` registers each function as the CPU
+kernel of ``npu::<op>`` defined from torch_npu's real schema (``npu_conformance.py``), so every call
+is bound to that schema first: each function takes exactly the schema's arguments (names, keyword-only
+ones, defaults; ``tests/test_npu_conformance.py`` checks) and returns its outputs.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import importlib.machinery
 import types
 
 import torch
+from npu_conformance import bound, scalar_type
 
 _RMS_DTYPES = {
     (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),
@@ -22,8 +26,9 @@ def _rstd(xf: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
+def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
     """(y, rstd): fp32 statistics, y = cast(x * rstd * gamma) rounded once to x's dtype."""
+    x = self
     if not 1 <= x.dim() <= 8:
         raise RuntimeError("npu_rms_norm: x must be 1-D to 8-D")
     if (x.dtype, gamma.dtype) not in _RMS_DTYPES:
@@ -74,29 +79,37 @@ def npu_moe_gating_top_k(x, k, *, bias=None, input_ids=None, tid2eid=None, k_gro
     if norm_type == 1:
         y = y / (y.sum(-1, keepdim=True) + eps)
     y = y * routed_scaling_factor
-    return y.to(x.dtype), ids.to(torch.int32), (p if out_flag else None)
+    return y.to(x.dtype), ids.to(torch.int32), p  # norm_out fp32 [T, E] is always returned (schema, meta)
+
+
+def kernels() -> dict[str, object]:
+    """``{op: double}`` for every op this double models."""
+    return {
+        "npu_rms_norm": npu_rms_norm, "npu_add_rms_norm": npu_add_rms_norm, "npu_rotary_mul": npu_rotary_mul,
+        "npu_swiglu": npu_swiglu, "npu_mrope": npu_mrope, "npu_moe_init_routing_v2": npu_moe_init_routing_v2,
+        "npu_grouped_matmul": npu_grouped_matmul, "npu_moe_finalize_routing": npu_moe_finalize_routing,
+        "npu_moe_gating_top_k": npu_moe_gating_top_k, "npu_dynamic_quant": npu_dynamic_quant,
+        "npu_dequant_swiglu_quant": npu_dequant_swiglu_quant,
+    }
 
 
 def make_module() -> types.ModuleType:
+    """A ``torch_npu`` stand-in whose ``npu_*`` are ``torch.ops.npu.*`` (as in torch_npu), with the doubles as
+    CPU kernels under the real schemas and torch_npu's meta functions for fake tensors."""
     mod = types.ModuleType("torch_npu")
-    mod.npu_rms_norm = npu_rms_norm
-    mod.npu_add_rms_norm = npu_add_rms_norm
-    mod.npu_rotary_mul = npu_rotary_mul
-    mod.npu_swiglu = npu_swiglu
-    mod.npu_mrope = npu_mrope
-    mod.npu_moe_init_routing_v2 = npu_moe_init_routing_v2
-    mod.npu_grouped_matmul = npu_grouped_matmul
-    mod.npu_moe_finalize_routing = npu_moe_finalize_routing
-    mod.npu_moe_gating_top_k = npu_moe_gating_top_k
-    mod.npu_dynamic_quant = npu_dynamic_quant
-    mod.npu_dequant_swiglu_quant = npu_dequant_swiglu_quant
+    for name, op in bound(kernels()).items():
+        setattr(mod, name, op)
     mod.__ep_fuse_test_double__ = True
     mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)  # find_spec() callers (transformers) expect one
     return mod
 
 
-def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"):
+def npu_rotary_mul(self: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half",
+                   rotate: torch.Tensor | None = None):
     """x·r1 + rotate(x)·r2 in fp32, rounded once; half: (−x2, x1); interleave: (−x[2i+1], x[2i])."""
+    x = self
+    if rotate is not None:
+        raise NotImplementedError("test double: the rotate matrix is not modelled")
     if x.dim() not in (3, 4) or x.shape[-1] % 2 or x.shape[-1] >= 896:
         raise RuntimeError("npu_rotary_mul: 3-D/4-D input with an even head dim < 896")
     if not (r1.dtype == r2.dtype == x.dtype):
@@ -157,8 +170,9 @@ def npu_mrope(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, c
     return apply(query), apply(key)
 
 
-def npu_swiglu(x: torch.Tensor, dim: int = -1):
+def npu_swiglu(self: torch.Tensor, dim: int = -1):
     """silu(A) * B over the two halves of ``dim`` (A first), in fp32, rounded once."""
+    x = self
     if x.shape[dim] % 2 or x.numel() == 0:
         raise RuntimeError("npu_swiglu: the split dim must be even and the input non-empty")
     a, b = x.float().chunk(2, dim=dim)
@@ -174,7 +188,7 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
                             expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0, expert_tokens_num_flag=False,
-                            quant_mode=0, active_expert_range=(), row_idx_type=0):
+                            quant_mode=-1, active_expert_range=(), row_idx_type=0, x_dtype=None):
     """(expanded_x, expanded_row_idx, expert_token_cumsum_or_count, expanded_scale), dropless, unquantised.
 
     Stable sort of the **row-major** flat ids (slot i = n*K + k, token i // K); ids outside
@@ -195,8 +209,8 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
         raise RuntimeError("npu_moe_init_routing_v2: only drop_pad_mode=0 (dropless) is supported")
     if quant_mode not in (-1, 1):
         raise RuntimeError("npu_moe_init_routing_v2: quant_mode must be -1 or 1 (static quant unsupported)")
-    if quant_mode == 1 or scale is not None or offset is not None:
-        raise NotImplementedError("test double: quantisation / scale not modelled")
+    if quant_mode == 1 or scale is not None or offset is not None or x_dtype is not None:
+        raise NotImplementedError("test double: quantisation / scale / x_dtype not modelled")
     if expert_tokens_num_type not in (1, 2) or not expert_tokens_num_flag:
         raise RuntimeError("npu_moe_init_routing_v2: expert_tokens_num_type 1/2 with expert_tokens_num_flag=True")
     if expert_tokens_num_type == 2:
@@ -233,7 +247,8 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
 def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
                        antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
                        activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+                       group_list_type=0, act_type=0, tuning_config=None, output_dtype=None, x_dtype=None,
+                       weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
     """``[y]`` with ``y[rows of group g] = x[rows] @ weight[g]`` (weight **[E, K, N]**, i.e. [K, N] per group).
 
     Only the unquantised "single x, single weight, single y" M-split case (``group_type=0``,
@@ -242,6 +257,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     """
     if not isinstance(x, (list, tuple)) or not isinstance(weight, (list, tuple)):
         raise TypeError("npu_grouped_matmul: x and weight are lists of tensors")
+    output_dtype = scalar_type(output_dtype)  # the schema's ``int? output_dtype``: torch.bfloat16 arrives as 15
+    if any(d is not None for d in (x_dtype, weight_dtype, scale_dtype, per_token_scale_dtype)):
+        raise NotImplementedError("test double: x/weight/scale dtype overrides (hifloat8, fp4) not modelled")
     if len(x) == 1 and x[0].dtype == torch.int8:
         return _grouped_matmul_int8(x, weight, scale, per_token_scale, group_list, split_item, group_type,
                                     group_list_type, output_dtype, (bias, offset, antiquant_scale, antiquant_offset,
@@ -299,7 +317,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
 
 
 def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
-                             export_for_source_row, drop_pad_mode=0):
+                             export_for_source_row, drop_pad_mode=0, k=1):
     """out[n] = skip1[n] + skip2[n] + sum_k scales[n,k] * (rows[idx(n,k)] + bias[expert[n,k]]), fp32, rounded once.
 
     ``idx(n,k)`` = ``expanded_src_to_dst_row[k*N + n]`` (column-major, modes 0/1) or ``[n*K + k]``
@@ -307,6 +325,9 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     rows, -1 contributes 0) are not modelled. ``scales`` None counts as 1.
     """
     rows = expanded_permuted_rows
+    drop_pad_mode = 0 if drop_pad_mode is None else drop_pad_mode  # ``int? drop_pad_mode=0``
+    if scales is None and export_for_source_row is None and k != 1:
+        raise NotImplementedError("test double: the row count from k (no scales) is not modelled")
     if drop_pad_mode not in (0, 1, 2, 3):
         raise RuntimeError("npu_moe_finalize_routing: drop_pad_mode must be in [0, 3]")
     if drop_pad_mode in (1, 3):
@@ -356,8 +377,13 @@ def _quant_rows(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(xf * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8), amax / 127.0
 
 
-def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                      dst_type_max=0.0):
     """(int8 y, fp32 scale [x.shape[:-1]]): per-token symmetric, scale = rowmax(|x|) / 127."""
+    x = input
+    if quant_mode != "pertoken" or dst_type_max != 0.0:
+        raise NotImplementedError("test double: only per-token quantisation to the full int8 range")
+    dst_type = scalar_type(dst_type)
     if x.dtype not in (torch.float16, torch.bfloat16) and x.dtype != torch.float32:
         raise RuntimeError("npu_dynamic_quant: x must be float16/bfloat16")
     if smooth_scales is not None or group_index is not None or dst_type not in (None, torch.int8):
@@ -368,7 +394,9 @@ def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None)
 
 
 def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bias=None, quant_scale=None,
-                             quant_offset=None, group_index=None, activate_left=False, quant_mode=0):
+                             quant_offset=None, group_index=None, activate_left=False, quant_mode=0, dst_type=None,
+                             round_mode=None, activate_dim=None, swiglu_mode=0, clamp_limit=7.0, glu_alpha=1.702,
+                             glu_bias=1.0):
     """(int8 y [M, H], fp32 scale [M]) from int32 x [M, 2H]: x * weight_scale[group] * activation_scale[m] in
     fp32 -> SwiGLU (silu on the left half when ``activate_left``) -> dynamic per-token quant (quant_mode=1).
     Rows past sum(group_index) are undefined (filled with garbage here)."""
@@ -376,6 +404,9 @@ def npu_dequant_swiglu_quant(x, *, weight_scale=None, activation_scale=None, bia
         raise RuntimeError("npu_dequant_swiglu_quant: x must be int32 [M, 2H]")
     if quant_mode != 1 or bias is not None or quant_scale is not None or quant_offset is not None:
         raise NotImplementedError("test double: only dynamic quant (quant_mode=1) without bias/static scales")
+    if (scalar_type(dst_type) not in (None, torch.int8) or round_mode not in (None, 0) or activate_dim not in (None, -1)
+            or swiglu_mode != 0):
+        raise NotImplementedError("test double: int8 output, rint rounding, last-dim SwiGLU (swiglu_mode 0) only")
     if group_index is None or group_index.dtype != torch.int64 or group_index.dim() != 1:
         raise RuntimeError("npu_dequant_swiglu_quant: group_index must be int64 counts [E]")
     e = group_index.numel()

@@ -9,7 +9,9 @@ Written from the op-plugin documentation summarised in ``op-contracts.md`` §8.1
 rules (int32 ids, **no -1**, no duplicate expert in a row, fp32 scales, bf16/fp16 tokens, the group
 name and sizes), not the per-SoC EP-size/hidden limits (the adapter checks those at compile time).
 The group is looked up by ``torch.distributed`` group name instead of an HCCL communicator name.
-Rows of ``expand_x`` past the received count are NaN (uninitialised).
+Rows of ``expand_x`` past the received count are NaN (uninitialised), as is ``dynamic_scales`` (unquantised).
+:func:`make_module` registers both functions as the CPU kernels of ``npu::<op>`` under torch_npu's real
+schemas (``npu_conformance.py``), so every call is bound to the schema first.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from dist_exchange import exchange
+from npu_conformance import bound
 
 DEVICE_NAME = "Ascend910B3"
 calls: list[str] = []
@@ -85,8 +88,9 @@ def npu_moe_distribute_dispatch(x, expert_ids, group_ep, ep_world_size, ep_rank_
     order = torch.cat([(flat // per_rank == r).nonzero().flatten()[
         torch.argsort(flat[(flat // per_rank == r)] * bs + tok[(flat // per_rank == r)], stable=True)] for r in range(w)])
     expand_idx = order.int()
-    return (expand_x, torch.empty(0), expand_idx, token_nums, ep_recv_counts, torch.zeros(0, dtype=torch.int32),
-            torch.empty(0))
+    dynamic_scales = torch.full((a,), float("nan"))  # [A] fp32 (meta); meaningless without quantisation
+    return (expand_x, dynamic_scales, expand_idx, token_nums, ep_recv_counts,
+            torch.zeros(tp_world_size, dtype=torch.int32), torch.empty(0))
 
 
 def npu_moe_distribute_combine(expand_x, expert_ids, expand_idx, ep_send_counts, expert_scales, group_ep,
@@ -122,11 +126,17 @@ def npu_moe_distribute_combine(expand_x, expert_ids, expand_idx, ep_send_counts,
     return out.to(expand_x.dtype)
 
 
+def kernels() -> dict[str, Any]:
+    return {"npu_moe_distribute_dispatch": npu_moe_distribute_dispatch,
+            "npu_moe_distribute_combine": npu_moe_distribute_combine}
+
+
 def make_module() -> types.ModuleType:
-    """A ``torch_npu`` module object with the distribute ops and ``npu.get_device_name``."""
+    """A ``torch_npu`` module object with the distribute ops (``torch.ops.npu.*`` under the real schemas, the
+    doubles as CPU kernels) and ``npu.get_device_name``."""
     mod = types.ModuleType("torch_npu")
-    mod.npu_moe_distribute_dispatch = npu_moe_distribute_dispatch
-    mod.npu_moe_distribute_combine = npu_moe_distribute_combine
+    for name, op in bound(kernels()).items():
+        setattr(mod, name, op)
     mod.npu = types.SimpleNamespace(get_device_name=lambda *a: DEVICE_NAME)
     mod.__ep_fuse_test_double__ = True
     return mod

@@ -11,11 +11,11 @@ import functools
 import sys
 from typing import Any
 
-import npu_double
 import pytest
 import torch
 
 from ep_fuse.config import EpFuseConfig
+from ep_fuse.npu_runtime import TORCH_NPU_CONTRACT_VERSION
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops import moe_reference as ref
 from ep_fuse.pipeline import run_passes
@@ -174,6 +174,9 @@ def test_block_expanded_to_npu_providers(spy, case):
     for op in ("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"):
         assert report.ops_after.get(f"ep_fuse_npu.{op}.default") == 1, report.ops_after
     assert not report.unlowered
+    # the report names every torch_npu op the graph calls with the release its contract was checked against
+    assert report.contracts == dict.fromkeys(NPU_OPS, f"torch_npu {TORCH_NPU_CONTRACT_VERSION}")
+    assert f"{', '.join(sorted(NPU_OPS))} (contracts checked against torch_npu 2.14.0)" in report.summary()
     with torch.no_grad():
         (out,) = gm(*example)
     expected = ref.moe_experts_ref(*inputs, BF16)
@@ -279,14 +282,14 @@ def test_transposed_view_mode(spy, monkeypatch):
     assert w.data_ptr() == c["w13"].data_ptr() and not w.is_contiguous()
 
 
-# --------------------------------------------------------------------------- the double's documented semantics
-def test_double_init_routing_gather_and_scatter_indices_are_inverse():
+# --------------------------------------------------------------------------- the double (under the real schemas)
+def test_double_init_routing_gather_and_scatter_indices_are_inverse(torch_npu_double):
     ids = torch.tensor([[2, -1], [0, 2], [1, 0]], dtype=torch.int32)
     x = torch.arange(3.0).unsqueeze(1).expand(3, 4).contiguous()
     kw = {"active_num": 6, "expert_num": 3, "expert_tokens_num_type": 1, "expert_tokens_num_flag": True, "quant_mode": -1,
               "active_expert_range": [0, 3]}
-    ex, gather, counts, _ = npu_double.npu_moe_init_routing_v2(x, ids, row_idx_type=0, **kw)
-    _, scatter, _, _ = npu_double.npu_moe_init_routing_v2(x, ids, row_idx_type=1, **kw)
+    ex, gather, counts, _ = torch.ops.npu.npu_moe_init_routing_v2(x, ids, row_idx_type=0, **kw)
+    _, scatter, _, _ = torch.ops.npu.npu_moe_init_routing_v2(x, ids, row_idx_type=1, **kw)
     # row-major slots 0..5 = (t0:2, t0:-1, t1:0, t1:2, t2:1, t2:0); stable expert-major order: 2, 5, 4, 0, 3
     assert scatter.tolist() == [2, 5, 4, 0, 3, -1]
     assert gather.tolist() == [3, -1, 0, 4, 2, 1]
@@ -294,36 +297,36 @@ def test_double_init_routing_gather_and_scatter_indices_are_inverse():
     assert ex[:5, 0].tolist() == [1.0, 2.0, 2.0, 0.0, 1.0] and ex[5].isnan().all()
 
 
-def test_double_rejects_what_the_docs_forbid():
+def test_double_rejects_what_the_docs_forbid(torch_npu_double):
     x, ids = torch.randn(2, 8), torch.tensor([[0, 1], [1, 0]], dtype=torch.int32)
     kw = {"active_num": 4, "expert_num": 2, "expert_tokens_num_type": 1, "expert_tokens_num_flag": True}
     with pytest.raises(RuntimeError, match="quant_mode"):
-        npu_double.npu_moe_init_routing_v2(x, ids, **kw)  # documented default quant_mode=0 is unsupported
+        torch.ops.npu.npu_moe_init_routing_v2(x, ids, quant_mode=0, **kw)  # static quant: documented unsupported
     with pytest.raises(RuntimeError, match="exceed"):
-        npu_double.npu_moe_init_routing_v2(x, ids + 1, quant_mode=-1, **kw)
+        torch.ops.npu.npu_moe_init_routing_v2(x, ids + 1, quant_mode=-1, **kw)
     w = torch.randn(2, 8, 4)
     with pytest.raises(RuntimeError, match="cover"):
-        npu_double.npu_grouped_matmul([torch.randn(4, 8)], [w], group_list=torch.tensor([1, 2]), group_list_type=1,
+        torch.ops.npu.npu_grouped_matmul([torch.randn(4, 8)], [w], group_list=torch.tensor([1, 2]), group_list_type=1,
                                       group_type=0, split_item=2)
     with pytest.raises(RuntimeError, match=r"\[E, K, N\]"):
-        npu_double.npu_grouped_matmul([torch.randn(4, 8)], [w.transpose(1, 2).contiguous()],
+        torch.ops.npu.npu_grouped_matmul([torch.randn(4, 8)], [w.transpose(1, 2).contiguous()],
                                       group_list=torch.tensor([1, 3]), group_list_type=1, group_type=0, split_item=2)
     rows, scales = torch.randn(4, 8), torch.ones(2, 2)
     with pytest.raises(RuntimeError, match=r"\[0, NUM_ROWS\*K-1\]"):
-        npu_double.npu_moe_finalize_routing(rows, None, None, None, scales, torch.tensor([0, -1, 2, 3],
+        torch.ops.npu.npu_moe_finalize_routing(rows, None, None, None, scales, torch.tensor([0, -1, 2, 3],
                                             dtype=torch.int32), None, 2)
     with pytest.raises(RuntimeError, match="scales dtype"):
-        npu_double.npu_moe_finalize_routing(rows.to(BF16), None, None, None, scales, torch.arange(4, dtype=torch.int32),
+        torch.ops.npu.npu_moe_finalize_routing(rows.to(BF16), None, None, None, scales, torch.arange(4, dtype=torch.int32),
                                             None, 2)
 
 
-def test_double_finalize_column_and_row_major_agree():
+def test_double_finalize_column_and_row_major_agree(torch_npu_double):
     n, k, h = 3, 2, 4
     rows, scales = torch.randn(n * k, h), torch.rand(n, k)
     row_major = torch.randperm(n * k).to(torch.int32)  # index of slot (n, k) at n*K + k
     col_major = row_major.reshape(n, k).t().contiguous().reshape(-1)  # ... at k*N + n
-    a = npu_double.npu_moe_finalize_routing(rows, None, None, None, scales, row_major, None, 2)
-    b = npu_double.npu_moe_finalize_routing(rows, None, None, None, scales, col_major, None, 0)
+    a = torch.ops.npu.npu_moe_finalize_routing(rows, None, None, None, scales, row_major, None, 2)
+    b = torch.ops.npu.npu_moe_finalize_routing(rows, None, None, None, scales, col_major, None, 0)
     expected = (rows[row_major.long()].reshape(n, k, h) * scales.unsqueeze(-1)).sum(1)
     torch.testing.assert_close(a, expected)
     torch.testing.assert_close(b, expected)

@@ -85,6 +85,8 @@ def test_lowering_for_an_npu_graph_emits_npu_ops(torch_npu_double):
     assert report.ops_after.get("ep_fuse_npu.add_rms_norm.default") == 1
     assert report.ops_after.get("ep_fuse_npu.rms_norm.default") == 1
     assert {m.provider for m in report.matches} == {"npu"}
+    assert report.contracts == {"npu_add_rms_norm": "torch_npu 2.14.0", "npu_rms_norm": "torch_npu 2.14.0"}
+    assert "calls npu_add_rms_norm, npu_rms_norm (contracts checked against torch_npu 2.14.0)" in str(report)
     with torch.no_grad():
         ref = mod(x, r)
         out = gm(*inputs)
@@ -96,3 +98,17 @@ def test_choose_prefers_npu_on_npu(torch_npu_double):
     args = norm_args(4, 32, BF16, "llama", True)
     assert choose(canonical.add_rms_norm, args, "npu").provider == "npu"
     assert choose(canonical.add_rms_norm, args, "cuda").provider == "triton"
+
+
+def test_gemm_swiglu_concat_cache_takes_inference_weights(torch_npu_double):
+    """Inference tensors have no version counter: the gate|up concatenation is still made once (not a raise,
+    which used to send every call to the reference)."""
+    with torch.inference_mode():
+        wg, wu = torch.randn(40, 32).to(BF16), torch.randn(40, 32).to(BF16)
+        first = npu.concat_weights(wg, wu)
+        assert npu.concat_weights(wg, wu) is first
+        assert npu.concat_weights(wg, wu.clone()) is not first  # another weight
+        x = torch.randn(3, 32).to(BF16)
+        out = torch.ops.ep_fuse_npu.gemm_swiglu(x, wg, wu)  # the provider op: a raise would fail (conftest)
+    assert torch.equal(first, torch.cat((wg, wu)))
+    assert out.shape == (3, 40)

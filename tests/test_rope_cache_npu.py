@@ -1,6 +1,5 @@
 """Ascend ``npu_mrope`` provider of rope_cache / rope_qk_cache against the torch_npu test double (no Ascend here)."""
 
-import npu_double
 import pytest
 import torch
 from _norm_cases import ulp_close
@@ -103,15 +102,15 @@ def test_npu_rope_cache_declines(torch_npu_double):
     assert "form" in _declined(canonical.rope_cache, (q, cache, pos, "half", rot))
 
 
-def test_double_enforces_documented_limits():
+def test_double_enforces_documented_limits(torch_npu_double):
     t, d = 4, 32
     q, k, pos = torch.zeros(t, 2 * d, dtype=BF16), torch.zeros(t, d, dtype=BF16), torch.arange(t)
     cache = _cache(d, BF16)
-    npu_double.npu_mrope(pos, q, k, cache, d, mrope_section=[0, 0, 0])
+    torch.ops.npu.npu_mrope(pos, q, k, cache, d, mrope_section=[0, 0, 0])
     with pytest.raises(RuntimeError, match="share a dtype"):
-        npu_double.npu_mrope(pos, q, k, cache.float(), d, mrope_section=[0, 0, 0])
+        torch.ops.npu.npu_mrope(pos, q, k, cache.float(), d, mrope_section=[0, 0, 0])
     with pytest.raises(RuntimeError, match="<= 4096"):
         wide = torch.zeros(t, 4096 + d, dtype=BF16)
-        npu_double.npu_mrope(pos, wide, k, cache, d, mrope_section=[0, 0, 0])
+        torch.ops.npu.npu_mrope(pos, wide, k, cache, d, mrope_section=[0, 0, 0])
     with pytest.raises(RuntimeError, match="1-D integer positions"):
-        npu_double.npu_mrope(pos.view(1, t), q, k, cache, d, mrope_section=[0, 0, 0])
+        torch.ops.npu.npu_mrope(pos.view(1, t), q, k, cache, d, mrope_section=[0, 0, 0])

@@ -1,6 +1,7 @@
 """Ascend provider: ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``
 (``op-contracts.md`` §8.11, §9), ``expert`` layout. **Not run on Ascend hardware**: tested on CPU
-against ``tests/npu_ep_double.py``, a double of the documented contract.
+against ``tests/npu_ep_double.py``, a double of the documented contract, bound to torch_npu 2.14.0's schemas
+and run through its meta functions (``docs/npu.md``).
 
 * dispatch sends every (token, expert) copy; ``expand_x`` ``[A, H]`` comes grouped by local expert with
   ``expert_token_nums`` counts (``expert_token_nums_type=1``), copied into the canonical expert-major
@@ -53,6 +54,7 @@ LIMITS = {
 
 available = npu_runtime.available
 _torch_npu = npu_runtime.torch_npu
+CONTRACTS = npu_runtime.contracts("npu_moe_distribute_dispatch", "npu_moe_distribute_combine")
 
 
 def soc() -> str | None:
@@ -152,9 +154,11 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
     world, me = group.size(), group.rank()
     st = handles.pop(handle)
     live, src = st["live"], st["src"]
-    per_rank = num_experts // world
-    expand_y = y.new_zeros(st["rows"], y.shape[1])
-    expand_y[src[live]] = y.view(per_rank, -1, y.shape[1])[live]
+    rows, h = st["rows"], y.shape[1]
+    # y's rows follow live [E_r, W*C]: live ones go back to their expand_x row, the rest to a spare row
+    # (dropped) -- a scatter of static size, no host sync (a boolean mask index would need one)
+    dest = torch.where(live, src, rows).reshape(-1)
+    expand_y = y.new_zeros(rows + 1, h).index_copy_(0, dest, y.reshape(-1, h))[:rows]
     scales = torch.where(st["valid"], topk_weights.float(), torch.zeros((), device=y.device))
     out = npu.npu_moe_distribute_combine(expand_y, st["ids"], st["expand_idx"], st["ep_recv_counts"], scales,
                                          st["comm"], world, me, num_experts, global_bs=st["global_bs"])

@@ -55,6 +55,8 @@ class EpProvider:
     """``None`` when its runtime (deep_ep, NVSHMEM, torch_npu) can be used here, else why not."""
     supports: Callable[[Any, Any, Any, int, int, int], str | None]
     """``(x, topk_ids, block_dtype, world, num_experts, capacity)``: ``None`` when it can run the block."""
+    contracts: dict[str, str] = dataclasses.field(default_factory=dict)
+    """External ops its kernels call -> the release whose contract they were checked against (the report)."""
 
 
 _PROVIDERS: dict[str, EpProvider] = {}
@@ -66,9 +68,10 @@ def _nothing(*_args: Any) -> None:
 
 def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any], *, layout: str,
                          available: Callable[[], str | None] = _nothing,
-                         supports: Callable[..., str | None] = _nothing) -> EpProvider:
+                         supports: Callable[..., str | None] = _nothing,
+                         contracts: dict[str, str] | None = None) -> EpProvider:
     """Make ``ep_backend=name`` run ``dispatch`` / ``combine`` (signatures on :class:`EpProvider`)."""
-    prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports)
+    prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports, dict(contracts or {}))
     return prov
 
 
@@ -147,7 +150,7 @@ def _load_providers() -> None:
         supports=lambda x, ids, dt, world, e, cap: deepep.supports("low_latency", x, ids, dt, world, cap, e))
     register_ep_provider(
         "npu", npu.dispatch, npu.combine, layout="expert", available=lambda: npu.available(),
-        supports=lambda x, ids, dt, world, e, cap: npu.supports(x, ids, e, world, cap))
+        supports=lambda x, ids, dt, world, e, cap: npu.supports(x, ids, e, world, cap), contracts=npu.CONTRACTS)
     register_ep_provider(
         "symm_mem", symm_mem.dispatch, symm_mem.combine, layout="rank", available=lambda: symm_mem.available(),
         supports=lambda x, ids, dt, world, e, cap: symm_mem.supports(x, ids, dt, world, cap))

@@ -78,6 +78,8 @@ class Provider:
         run_time: ``args -> None`` when the kernel should run these real arguments, else why the
             reference is faster (used by ``by_size``; ``None``: no size-dependent choice).
         by_size: the op that applies ``run_time`` per call (same schema, ``<op>_by_size``).
+        contracts: the external ops its kernel calls, each with the release whose contract it was checked
+            against (``{"npu_rms_norm": "torch_npu 2.14.0"}``); shown in the compile report.
     """
 
     name: str
@@ -89,6 +91,7 @@ class Provider:
     prefers: PerfCheck | None = None
     run_time: Check | None = None
     by_size: torch._ops.OpOverload | None = None
+    contracts: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 _OPS: dict[str, CanonicalOp] = {}
@@ -145,6 +148,7 @@ def register_provider(
     supports: Check,
     prefers: PerfCheck | None = None,
     run_time: Check | None = None,
+    contracts: dict[str, str] | None = None,
 ) -> Provider:
     """Define ``torch.ops.ep_fuse_<name>.<op>`` running ``kernel`` with a guarded fallback to the reference
     (and, with a ``run_time`` rule, ``<op>_by_size``, which also runs the reference where the rule says so)."""
@@ -177,7 +181,7 @@ def register_provider(
 
         by_size = define_op(f"ep_fuse_{name}", f"{canonical.name}_by_size", canonical.schema, sized,
                             canonical.fake or reference)
-    prov = Provider(name, canonical, op, devices, available, supports, prefers, run_time, by_size)
+    prov = Provider(name, canonical, op, devices, available, supports, prefers, run_time, by_size, dict(contracts or {}))
     canonical.providers[name] = prov
     return prov
 

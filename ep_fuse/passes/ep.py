@@ -210,6 +210,7 @@ class ExpertParallel(GraphPass):
                        requested=cfg.ep_backend, num_experts=num_experts, local_experts=local, world=world,
                        capacity=cap, declined=declined)
         ctx.report.ep.append(rec)
+        ctx.report.contracts.update(ep_provider(backend).contracts)
         log.info("ep_fuse: EP at %s: %s (%s layout), %d of %d experts per rank x %d ranks, capacity %s",
                  rec.module_path or rec.block, backend, layout, local, num_experts, world, cap or "data-dependent")
 

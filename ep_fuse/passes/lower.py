@@ -51,6 +51,7 @@ class Lower(GraphPass):
                          choice.provider, choice.run_time)
             if choice.provider != REFERENCE:
                 node.target = choice.op
+                ctx.report.contracts.update(canon.providers[choice.provider].contracts)
                 changes += 1
             elif ctx.executor == "inductor" and inlinable(canon, fake_args):
                 inline_reference(gm, node, canon.reference, ctx.fake_mode)

@@ -1,7 +1,8 @@
 """Ascend provider: ``npu_rms_norm`` / ``npu_add_rms_norm`` / ``npu_rotary_mul`` / ``npu_mrope`` (op-contracts.md
 §1-§3, §9).
 
-Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
+Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**; every call is checked
+against torch_npu 2.14.0's schema and meta function: ``docs/npu.md``):
 
 * ``npu_rms_norm(x, gamma, epsilon) -> (y, rstd)``: statistics in fp32, ``y = cast(x * rstd * gamma)``
   rounded once; (x, gamma) dtypes fp16/fp16, bf16/bf16, fp32/fp32, fp16/fp32, bf16/fp32.
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ep_fuse import npu_runtime
 from ep_fuse.ops import canonical
@@ -41,6 +43,7 @@ from ep_fuse.symbolic import known, same_shape
 
 _available = npu_runtime.available
 _npu = npu_runtime.torch_npu
+contracts = npu_runtime.contracts
 
 
 def _devices() -> frozenset[str]:
@@ -99,9 +102,9 @@ def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype
 
 
 register_provider(canonical.rms_norm, "npu", rms_norm_kernel, devices=_devices, available=_available,
-                  supports=supports)
+                  supports=supports, contracts=contracts("npu_rms_norm"))
 register_provider(canonical.add_rms_norm, "npu", add_rms_norm_kernel, devices=_devices, available=_available,
-                  supports=supports)
+                  supports=supports, contracts=contracts("npu_add_rms_norm"))
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -156,9 +159,10 @@ def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype):  # noqa: ANN001, A
     return _rotary(q, cos, sin, form, out_dtype), _rotary(k, cos, sin, form, out_dtype)
 
 
-register_provider(canonical.rope, "npu", rope_kernel, devices=_devices, available=_available, supports=rope_supports)
+register_provider(canonical.rope, "npu", rope_kernel, devices=_devices, available=_available, supports=rope_supports,
+                  contracts=contracts("npu_rotary_mul"))
 register_provider(canonical.rope_qk, "npu", rope_qk_kernel, devices=_devices, available=_available,
-                  supports=rope_supports)
+                  supports=rope_supports, contracts=contracts("npu_rotary_mul"))
 
 
 # --------------------------------------------------------------------------- RoPE, cos/sin-cache form
@@ -228,30 +232,43 @@ def rope_qk_cache_kernel(q, k, cos_sin_cache, positions, form, rot_dim):  # noqa
 
 
 register_provider(canonical.rope_cache, "npu", rope_cache_kernel, devices=_devices, available=_available,
-                  supports=rope_cache_supports)
+                  supports=rope_cache_supports, contracts=contracts("npu_mrope"))
 register_provider(canonical.rope_qk_cache, "npu", rope_qk_cache_kernel, devices=_devices, available=_available,
-                  supports=rope_cache_supports)
+                  supports=rope_cache_supports, contracts=contracts("npu_mrope"))
 
 
 # --------------------------------------------------------------------------- GEMM + SwiGLU
 # One GEMM over the concatenated [2I, H] gate|up weight, then npu_swiglu(y, dim=-1) = silu(y[:I]) * y[I:].
-# The concatenation is made once per pair of weight tensors (and remade if either is modified in place).
-_CONCAT: collections.OrderedDict[tuple[Any, ...], torch.Tensor] = collections.OrderedDict()
+# The concatenation is made once per pair of weight tensors (and remade if either is modified in place). Keyed
+# on the weights' storages by weak reference (a freed weight's address is never mistaken for a new weight's),
+# offsets, shapes, strides and dtype; inference tensors track no version and count as never modified.
+_CONCAT: collections.OrderedDict[tuple[Any, ...], tuple[tuple[int, int], torch.Tensor]] = collections.OrderedDict()
 _CONCAT_MAX = 256
 
 
+def _weight_key(w: torch.Tensor) -> tuple[Any, ...]:
+    return (StorageWeakRef(w.untyped_storage()), w.storage_offset(), tuple(w.shape), w.stride(), w.dtype)
+
+
+def _version(w: torch.Tensor) -> int:
+    return -1 if w.is_inference() else w._version
+
+
 def concat_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    key = (w_gate.data_ptr(), w_up.data_ptr(), w_gate._version, w_up._version, tuple(w_gate.shape),
-           w_gate.dtype, str(w_gate.device))
+    key = (_weight_key(w_gate), _weight_key(w_up))
+    version = (_version(w_gate), _version(w_up))
     hit = _CONCAT.get(key)
-    if hit is None:
-        hit = torch.cat((w_gate, w_up), dim=0)
-        _CONCAT[key] = hit
-        while len(_CONCAT) > _CONCAT_MAX:
-            _CONCAT.popitem(last=False)
-    else:
+    if hit is not None and hit[0] == version:
         _CONCAT.move_to_end(key)
-    return hit
+        return hit[1]
+    cat = torch.cat((w_gate, w_up), dim=0)
+    _CONCAT[key] = (version, cat)
+    _CONCAT.move_to_end(key)
+    for stale in [k for k in _CONCAT if k[0][0].expired() or k[1][0].expired()]:
+        del _CONCAT[stale]
+    while len(_CONCAT) > _CONCAT_MAX:
+        _CONCAT.popitem(last=False)
+    return cat
 
 
 def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
@@ -271,7 +288,7 @@ def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
 
 
 register_provider(canonical.gemm_swiglu, "npu", gemm_swiglu_kernel, devices=_devices, available=_available,
-                  supports=gemm_swiglu_supports)
+                  supports=gemm_swiglu_supports, contracts=contracts("npu_swiglu"))
 
 # registration side effects: MoE stages, moe_gating (npu_moe_gating_top_k), W8A8 expert stages
 from ep_fuse.providers.npu import moe, router, w8a8  # noqa: E402,F401

@@ -8,10 +8,11 @@ The routed-expert block runs as::
 one provider per canonical stage op (``moe_permute``, ``grouped_gemm_swiglu``, ``grouped_gemm``,
 ``moe_unpermute``), converting between ep_fuse's conventions (:mod:`ep_fuse.ops.moe_reference`) and
 the documented torch_npu ones (op-plugin ``docs/context/torch_npu-*.md``; **not run on Ascend
-hardware by this project** -- tested against ``tests/npu_double.py``):
+hardware by this project** -- calls checked against torch_npu 2.14.0's schemas and meta functions, numerics
+against ``tests/npu_double.py``: ``docs/npu.md``):
 
 * **permute** -- ``npu_moe_init_routing_v2`` dropless (``drop_pad_mode=0``), unquantised
-  (``quant_mode=-1``; the documented default 0 is unsupported), ``active_num = T*K`` (the only value
+  (``quant_mode=-1``, passed explicitly: the schema default, though older docs gave 0), ``active_num = T*K`` (the only value
   the op accepts), ``expert_num = E``, ``active_expert_range=[0, E]``, ``row_idx_type=0`` (gather
   index: slot ``t*K+k`` -> row, the layout of ``src2dst``), ``expert_tokens_num_type=1`` with
   ``expert_tokens_num_flag=True`` (int64 counts; ``seg_indptr = [0, cumsum(counts)]``). The docs
@@ -60,7 +61,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import CanonicalOp, register_provider
-from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.providers.npu import _available, _devices, _npu, contracts
 from ep_fuse.symbolic import known, sym_eq
 
 log = logging.getLogger("ep_fuse.providers.npu.moe")
@@ -283,11 +284,14 @@ def moe_unpermute_kernel(
 
 
 # --------------------------------------------------------------------------- registration
-def _register(op: CanonicalOp, kernel: Callable[..., Any], supports: Callable[[tuple[Any, ...]], str | None]) -> None:
-    register_provider(op, "npu", kernel, devices=_devices, available=_available, supports=supports)
+def _register(op: CanonicalOp, kernel: Callable[..., Any], supports: Callable[[tuple[Any, ...]], str | None],
+              *calls: str) -> None:
+    register_provider(op, "npu", kernel, devices=_devices, available=_available, supports=supports,
+                      contracts=contracts(*calls))
 
 
-_register(canonical.moe_permute, moe_permute_kernel, permute_supports)
-_register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, gemm_swiglu_supports)
-_register(canonical.grouped_gemm, grouped_gemm_kernel, gemm_supports)
-_register(canonical.moe_unpermute, moe_unpermute_kernel, unpermute_supports)
+_register(canonical.moe_permute, moe_permute_kernel, permute_supports, "npu_moe_init_routing_v2")
+_register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, gemm_swiglu_supports, "npu_grouped_matmul",
+          "npu_swiglu")
+_register(canonical.grouped_gemm, grouped_gemm_kernel, gemm_supports, "npu_grouped_matmul")
+_register(canonical.moe_unpermute, moe_unpermute_kernel, unpermute_supports, "npu_moe_finalize_routing")

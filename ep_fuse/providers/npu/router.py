@@ -1,6 +1,7 @@
 """Ascend ``moe_gating`` through ``torch_npu.npu_moe_gating_top_k`` (op-contracts.md §5, §9).
 
-Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**):
+Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**; every call is checked
+against torch_npu 2.14.0's schema and meta function: ``docs/npu.md``):
 
 * ``npu_moe_gating_top_k(x, k, *, bias, k_group, group_count, group_select_mode, renorm, norm_type,
   out_flag, routed_scaling_factor, eps) -> (y, expert_idx int32, norm_out)``; ``norm_type`` 0 softmax /
@@ -28,7 +29,7 @@ import torch
 from ep_fuse.ops import canonical
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.ops.router_reference import check_gating_args, finish_weights
-from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.providers.npu import _available, _devices, _npu, contracts
 from ep_fuse.symbolic import concrete_int
 
 MAX_EXPERTS = 2048
@@ -76,4 +77,4 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
 
 
 register_provider(canonical.moe_gating, "npu", moe_gating_kernel, devices=_devices, available=_available,
-                  supports=gating_supports)
+                  supports=gating_supports, contracts=contracts("npu_moe_gating_top_k"))

@@ -5,7 +5,7 @@ op-contracts.md §7, §9)::
         -> npu_grouped_matmul (int8, scale + per_token_scale, bf16/fp16 out)
 
 Conventions used (documented semantics; **not run on Ascend hardware by this project**, tested against
-``tests/npu_double.py``):
+``tests/npu_double.py`` under torch_npu 2.14.0's schemas and meta functions: ``docs/npu.md``):
 
 * ``npu_dynamic_quant(x) -> (int8 y, fp32 scale [M])``: per-token, ``scale = rowmax|x| / 127``.
 * ``npu_grouped_matmul`` with int8 x / int8 weight [E, K, N] (the cached transposed copy of the
@@ -29,7 +29,7 @@ import torch
 
 from ep_fuse.ops import quant_ops as Q
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.providers.npu import _available, _devices, _npu
+from ep_fuse.providers.npu import _available, _devices, _npu, contracts
 from ep_fuse.providers.npu.moe import (
     INNER_LIMIT,
     MAX_GROUPS,
@@ -111,8 +111,10 @@ def grouped_gemm_w8a8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, out_dtype):
     return _tail_zero(y, seg_indptr)
 
 
-for _op, _kernel, _supports in ((Q.quant_per_token, quant_per_token_kernel, quant_supports),
-                                (Q.grouped_gemm_w8a8_swiglu_quant, grouped_gemm_w8a8_swiglu_quant_kernel,
-                                 swiglu_quant_supports),
-                                (Q.grouped_gemm_w8a8, grouped_gemm_w8a8_kernel, gemm_supports)):
-    register_provider(_op, "npu", _kernel, devices=_devices, available=_available, supports=_supports)
+for _op, _kernel, _supports, _calls in (
+        (Q.quant_per_token, quant_per_token_kernel, quant_supports, ("npu_dynamic_quant",)),
+        (Q.grouped_gemm_w8a8_swiglu_quant, grouped_gemm_w8a8_swiglu_quant_kernel, swiglu_quant_supports,
+         ("npu_grouped_matmul", "npu_dequant_swiglu_quant")),
+        (Q.grouped_gemm_w8a8, grouped_gemm_w8a8_kernel, gemm_supports, ("npu_grouped_matmul",))):
+    register_provider(_op, "npu", _kernel, devices=_devices, available=_available, supports=_supports,
+                      contracts=contracts(*_calls))

@@ -329,7 +329,11 @@ def _check_expert(expert: nn.Module, stacked: StackedExperts, hidden: int) -> No
     w = stacked.gate_up_proj
     x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
-        ref, got = expert(x), stacked[0](x)
+        try:
+            ref = expert(x)
+        except Exception as e:
+            raise LoopRefused(f"experts[0] does not run on rows [T, H] ({type(e).__name__}: {e})") from e
+        got = stacked[0](x)
     diff = _max_rel_diff(got, ref)
     if not diff <= _tolerance(w.dtype):
         raise LoopRefused(f"experts[0] does not compute down(silu(gate(x)) * up(x)) with its "
@@ -362,7 +366,6 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
     layout, hidden, _ = analyze_experts(experts)
     form = _form(block, len(experts))
     stacked = stack_experts(experts, layout, implementation)
-    _check_expert(experts[0], stacked, hidden)
     flags = _training_flags(block)
     block.eval()
     g = torch.Generator().manual_seed(0)
@@ -370,6 +373,7 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
                                                              dtype=stacked.gate_up_proj.dtype)
     swap = _Swap(block, list_name)
     try:
+        _check_expert(experts[0], stacked, hidden)
         with torch.no_grad():
             try:
                 ref = block(x.clone())
@@ -391,7 +395,7 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
             if not diff <= _tolerance(x.dtype):
                 raise LoopRefused(f"the converted block differs from the loop on random tokens (max relative "
                                   f"difference {diff:.2e}): its routing is not the {form} form")
-    except LoopRefused:
+    except BaseException:
         swap.restore()
         raise
     finally:

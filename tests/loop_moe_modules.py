@@ -24,11 +24,11 @@ from torch import nn
 
 
 def config(**overrides) -> SimpleNamespace:
-    cfg = dict(hidden_size=32, moe_intermediate_size=16, intermediate_size=16, n_routed_experts=8,
-               num_local_experts=8, num_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
-               topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, hidden_act="silu",
-               shared_expert_intermediate_size=24, router_jitter_noise=0.0, topk_method="noaux_tc",
-               scoring_func="sigmoid", mlp_bias=False)
+    cfg = {"hidden_size": 32, "moe_intermediate_size": 16, "intermediate_size": 16, "n_routed_experts": 8,
+           "num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+           "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "hidden_act": "silu",
+           "shared_expert_intermediate_size": 24, "router_jitter_noise": 0.0, "topk_method": "noaux_tc",
+           "scoring_func": "sigmoid", "mlp_bias": False}
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
 

@@ -50,7 +50,8 @@ def test_loop_blocks_convert_and_fuse(name, caplog):
     with caplog.at_level(logging.INFO, logger="ep_fuse"):
         ep_fuse.prepare(model)
     converted = [r.getMessage() for r in caplog.records if "stacked into" in r.getMessage()]
-    assert len(converted) == 2 and all(layout in m for m in converted), caplog.text
+    replaced = "moe_infer replaced" if form == "moe_infer" else "forward (softmax top-k) replaced"
+    assert len(converted) == 2 and all(layout in m and replaced in m for m in converted), caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert all(isinstance(layer.experts, StackedExperts) for layer in model.layers)
     assert list(model.state_dict()) == keys

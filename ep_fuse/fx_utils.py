@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import re
 from typing import Any
 
 import torch
@@ -103,8 +104,11 @@ def module_class(node: fx.Node) -> str:
 
 
 def clean_module_path(path: str) -> str:
-    """``L['self'].model.layers[0].norm`` / ``L['self'].model.layers.0.norm`` -> ``model.layers.0.norm``."""
-    p = path
+    """``L['self'].model.layers[0].norm`` / ``L['self'].model.layers.0.norm`` -> ``model.layers.0.norm``.
+
+    A method bound on the instance (``layers.0.forward.__self__.experts``: a forward swapped in by
+    ``ep_fuse.prepare`` or by hooks) is its owner: ``layers.0.experts``."""
+    p = re.sub(r"\.[A-Za-z_]\w*\.__self__\b", "", path)
     for prefix in ("L['self'].", "L['self']", "self."):
         if p.startswith(prefix):
             p = p[len(prefix):]

@@ -10,25 +10,38 @@ log = logging.getLogger("ep_fuse")
 TRACEABLE_EXPERTS = ("grouped_mm", "batched_mm")
 
 
-def prepare(model: Any, experts_implementation: str = "grouped_mm") -> Any:
-    """Make an HF transformers MoE model traceable as one graph; returns the model.
+def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool = False) -> Any:
+    """Make an HF transformers MoE model traceable as one graph; returns the model (changed in place).
 
-    The default per-expert loop (``experts_implementation="eager"``) breaks the graph 10+ times and
-    hides the expert GEMMs from any backend (``traced-graphs.md`` §0); ``grouped_mm`` (default) or
-    ``batched_mm`` trace to one graph. Models without experts are returned unchanged.
+    * transformers 5.x models: the default per-expert loop (``experts_implementation="eager"``) breaks
+      the graph 10+ times and hides the expert GEMMs from any backend (``traced-graphs.md`` §0);
+      ``grouped_mm`` (default) or ``batched_mm`` trace to one graph.
+    * MoE blocks that hold their experts as an ``nn.ModuleList`` of SwiGLU MLPs and loop over them in
+      Python (remote code such as DeepSeek-V3's ``modeling_deepseek.py``, Mixtral / Qwen2-MoE of
+      transformers 4.x): the experts are stacked once into 3-D weights run by the same
+      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.expert_loops`); the state
+      dict keeps its per-expert keys. Each conversion is logged at INFO; a block that cannot be
+      converted is left as it is with a WARNING giving the reason, or, with ``strict=True``, raises
+      ``ValueError``.
+
+    Models without experts are returned unchanged.
     """
     if experts_implementation not in TRACEABLE_EXPERTS:
         raise ValueError(
             f"ep_fuse.prepare: experts_implementation={experts_implementation!r}; use one of {TRACEABLE_EXPERTS} "
             "(the eager per-expert loop cannot be captured as one graph)"
         )
+    from ep_fuse.expert_loops import convert_expert_loops
+
     setter = getattr(model, "set_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", None)
-    if setter is None or (callable(can_set) and not _safe(can_set)):
-        log.info("ep_fuse.prepare: %s has no switchable experts; unchanged", type(model).__name__)
-        return model
-    setter(experts_implementation)
-    log.info("ep_fuse.prepare: %s uses experts_implementation=%s", type(model).__name__, experts_implementation)
+    switched = setter is not None and not (callable(can_set) and not _safe(can_set))
+    if switched:
+        setter(experts_implementation)
+        log.info("ep_fuse.prepare: %s uses experts_implementation=%s", type(model).__name__, experts_implementation)
+    if not convert_expert_loops(model, experts_implementation, strict) and not switched:
+        log.info("ep_fuse.prepare: %s has no switchable experts and no per-expert loops; unchanged",
+                 type(model).__name__)
     return model
 
 

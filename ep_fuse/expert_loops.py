@@ -1,0 +1,440 @@
+"""Per-expert Python loops made traceable (used by :func:`ep_fuse.prepare`).
+
+MoE blocks written before transformers 5 -- DeepSeek-V2/V3's ``modeling_deepseek.py`` (remote code),
+Mixtral / Qwen2-MoE / OLMoE in transformers 4.x, many vendor models -- hold their experts as an
+``nn.ModuleList`` of SwiGLU MLPs and loop over it in Python. Dynamo breaks the graph in that loop
+(data-dependent expert counts, ``.cpu().numpy()``), so no backend ever sees the expert GEMMs.
+
+:func:`convert_expert_loops` replaces the list by :class:`StackedExperts` -- the same weights stacked
+once into ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` -- run by transformers' own
+``grouped_mm`` / ``batched_mm`` experts function (the form the ``moe_experts`` pattern matches), and
+swaps the loop for a call of it:
+
+* ``moe_infer`` blocks (DeepSeek remote code): the block's ``forward`` and its gate run unchanged;
+  only ``moe_infer(x, topk_ids, topk_weight)`` is replaced;
+* softmax top-k blocks (Mixtral / Qwen2-MoE style: an ``nn.Linear`` gate, ``top_k``, optional
+  ``norm_topk_prob``, optional ``shared_expert`` with a sigmoid ``shared_expert_gate``): ``forward``
+  is replaced by one computing the same routing in the same order.
+
+Every conversion is checked before it is kept: expert 0 must compute ``down(silu(gate(x)) * up(x))``
+and the converted block must reproduce the loop on random tokens (eval mode); otherwise the block is
+restored and the reason reported. The state dict keeps the per-expert keys (``experts.3.w1.weight``):
+:class:`StackedExperts` writes them as slices of the stacked weights and stacks them again on load.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("ep_fuse")
+
+EXPERT_LIST_NAMES = ("experts",)
+"""Attribute names under which a block holds its per-expert ``nn.ModuleList``."""
+
+LAYOUTS: tuple[tuple[str, ...], ...] = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"),
+                                        ("gate_up_proj", "down_proj"))
+"""Expert MLP layouts, as the Linear names of (gate, up, down), or (gate|up fused, down)."""
+
+CHECK_TOKENS = (2, 16)
+"""Shape ``[B, S]`` of the random tokens the converted block is compared on."""
+
+
+class LoopRefused(Exception):
+    """A per-expert loop that cannot be converted; ``str()`` is the reason."""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What :func:`convert_expert_loops` did (or refused) for one block."""
+
+    path: str
+    block_class: str
+    form: str | None = None
+    num_experts: int = 0
+    layout: tuple[str, ...] = ()
+    reason: str | None = None
+
+    @property
+    def converted(self) -> bool:
+        return self.reason is None
+
+
+# --------------------------------------------------------------------------- stacked experts
+def _experts_function(implementation: str) -> Callable[..., torch.Tensor]:
+    try:
+        from transformers.integrations import moe
+    except ImportError as e:  # pragma: no cover - transformers is installed with the tests
+        raise LoopRefused(f"needs transformers >= 5 for its {implementation} experts function ({e})") from e
+    fn = {"grouped_mm": getattr(moe, "grouped_mm_experts_forward", None),
+          "batched_mm": getattr(moe, "batched_mm_experts_forward", None)}.get(implementation)
+    if fn is None:
+        raise LoopRefused(f"this transformers has no {implementation} experts function")
+    return fn
+
+
+class _ExpertView:
+    """Expert ``i`` of a :class:`StackedExperts` as a callable, for code that still indexes the list."""
+
+    def __init__(self, experts: StackedExperts, index: int) -> None:
+        self.experts, self.index = experts, index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.experts.gate_up_proj[self.index]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.experts.down_proj[self.index])
+
+
+class StackedExperts(nn.Module):
+    """``E`` SwiGLU experts as two stacked weights, run by transformers' ``grouped_mm``/``batched_mm``.
+
+    ``forward(hidden [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]`` is
+    ``sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = top_k_index[t, k]``, the
+    weighted sum in the promotion of the token and weight dtypes, cast to the token dtype.
+    The state dict holds the original per-expert keys (``<i>.<name>.weight``); indexing and iterating
+    give per-expert callables (slices of the stacked weights), so code that loops still runs.
+    """
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, layout: tuple[str, ...],
+                 implementation: str = "grouped_mm", key_order: tuple[str, ...] | None = None) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=gate_up_proj.requires_grad)
+        self.down_proj = nn.Parameter(down_proj, requires_grad=down_proj.requires_grad)
+        self.layout = layout
+        self.key_order = key_order or layout  # the order the original expert registered its Linears in
+        self.implementation = implementation
+        self._experts_forward = _experts_function(implementation)
+        # what transformers' experts functions read off their module
+        self.num_experts = gate_up_proj.shape[0]
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+        self.act_fn = F.silu
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self._experts_forward(self, hidden, top_k_index, top_k_weights)
+
+    def extra_repr(self) -> str:
+        e, two_i, h = self.gate_up_proj.shape
+        return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}, layout={'/'.join(self.layout)}, " \
+               f"implementation={self.implementation}"
+
+    # ---- list-like access (the original code's loops and len() keep working, eagerly)
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __getitem__(self, index: int) -> _ExpertView:
+        if not -self.num_experts <= index < self.num_experts:
+            raise IndexError(f"expert {index} of {self.num_experts}")
+        return _ExpertView(self, index % self.num_experts)
+
+    def __iter__(self) -> Iterator[_ExpertView]:
+        return (self[i] for i in range(self.num_experts))
+
+    # ---- per-expert state dict keys
+    def _per_expert(self, i: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Expert ``i``'s Linear weights by Linear name, as slices of the stacked tensors."""
+        if len(self.layout) == 2:  # one fused gate|up Linear
+            parts = {self.layout[0]: gate_up[i]}
+        else:
+            inter = down.shape[2]
+            parts = {self.layout[0]: gate_up[i, :inter], self.layout[1]: gate_up[i, inter:]}
+        parts[self.layout[-1]] = down[i]
+        return parts
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if not keep_vars:
+            gate_up, down = gate_up.detach(), down.detach()
+        for i in range(self.num_experts):
+            parts = self._per_expert(i, gate_up, down)
+            for name in self.key_order:
+                destination[f"{prefix}{i}.{name}.weight"] = parts[name]
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+                              strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                              error_msgs: list[str]) -> None:
+        for stacked, names in (("gate_up_proj", self.layout[:-1]), ("down_proj", self.layout[-1:])):
+            keys = [[f"{prefix}{i}.{n}.weight" for n in names] for i in range(self.num_experts)]
+            flat = [k for per_expert in keys for k in per_expert]
+            if prefix + stacked in state_dict or not all(k in state_dict for k in flat):
+                continue  # stacked keys (named_parameters()), or incomplete: the stacked key is reported missing
+            state_dict[prefix + stacked] = torch.stack([torch.cat([state_dict[k] for k in ks]) for ks in keys])
+            for k in flat:
+                del state_dict[k]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+
+# --------------------------------------------------------------------------- analysis
+def _find_layout(expert: nn.Module) -> tuple[str, ...]:
+    for layout in LAYOUTS:
+        if all(isinstance(getattr(expert, name, None), nn.Module) for name in layout):
+            return layout
+    raise LoopRefused(f"experts are {type(expert).__name__} without gate/up/down Linears "
+                      f"({', '.join('/'.join(names) for names in LAYOUTS)})")
+
+
+_ACT_NAMES = ("act_fn", "activation_fn", "act", "activation")
+
+
+def _check_activation(expert: nn.Module) -> None:
+    for name in _ACT_NAMES:
+        act = getattr(expert, name, None)
+        if act is None:
+            continue
+        silu = act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+        if not silu:
+            label = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
+            raise LoopRefused(f"expert activation {name}={label} is not SiLU (not a SwiGLU MLP)")
+        return
+
+
+def analyze_experts(experts: nn.ModuleList) -> tuple[tuple[str, ...], int, int]:
+    """The layout, hidden size and intermediate size of a list of SwiGLU experts; raises :class:`LoopRefused`."""
+    if len(experts) < 1:
+        raise LoopRefused("the expert list is empty")
+    if any(e is None for e in experts):
+        raise LoopRefused("some experts are None (expert-parallel remote code with ep_size > 1: load the model "
+                          "whole and use ep_fuse's expert parallelism instead)")
+    first = experts[0]
+    if any(type(e) is not type(first) for e in experts):
+        raise LoopRefused(f"experts of mixed classes {sorted({type(e).__name__ for e in experts})}")
+    layout = _find_layout(first)
+    _check_activation(first)
+    shapes = None
+    for i, expert in enumerate(experts):
+        linears = [getattr(expert, name, None) for name in layout]
+        for name, lin in zip(layout, linears):
+            if type(lin) is not nn.Linear:
+                raise LoopRefused(f"experts[{i}].{name} is {type(lin).__name__}, not torch.nn.Linear "
+                                  "(quantized or wrapped projections are not stacked)")
+            if lin.bias is not None:
+                raise LoopRefused(f"experts[{i}].{name} has a bias (the stacked experts have none)")
+            if getattr(lin, "_hf_hook", None) is not None or lin.weight.device.type == "meta":
+                raise LoopRefused(f"experts[{i}].{name} is offloaded or not loaded (device {lin.weight.device})")
+        these = [tuple(lin.weight.shape) for lin in linears] + [(lin.weight.dtype, lin.weight.device) for lin in linears]
+        if shapes is None:
+            shapes = these
+        elif these != shapes:
+            raise LoopRefused(f"experts[{i}] differs from experts[0] in shape, dtype or device")
+    state = {k for k, _ in first.named_parameters()} | {k for k, _ in first.named_buffers()}
+    others = sorted(state - {f"{name}.weight" for name in layout})
+    if others:
+        raise LoopRefused(f"experts hold more than their {'/'.join(layout)} weights: {', '.join(others)}")
+    weights = [getattr(first, name).weight for name in layout]
+    if len({(w.dtype, w.device) for w in weights}) != 1:
+        raise LoopRefused("expert projections of mixed dtypes or devices")
+    down = weights[-1]
+    hidden, inter = down.shape
+    gate_up_rows = sum(w.shape[0] for w in weights[:-1])
+    if any(w.shape[1] != hidden for w in weights[:-1]) or gate_up_rows != 2 * inter or \
+            (len(layout) == 3 and weights[0].shape != weights[1].shape):
+        raise LoopRefused(f"expert projections {'/'.join(layout)} of shapes {[list(w.shape) for w in weights]} "
+                          "are not a gate/up/down MLP")
+    return layout, hidden, inter
+
+
+def stack_experts(experts: nn.ModuleList, layout: tuple[str, ...], implementation: str) -> StackedExperts:
+    """One-time stacked copies of the experts' weights (the list's own tensors are not kept)."""
+    with torch.no_grad():
+        gate_up = torch.stack([torch.cat([getattr(e, n).weight for n in layout[:-1]], dim=0) for e in experts])
+        down = torch.stack([getattr(e, layout[-1]).weight for e in experts])
+    gate_up.requires_grad_(getattr(experts[0], layout[0]).weight.requires_grad)
+    down.requires_grad_(getattr(experts[0], layout[-1]).weight.requires_grad)
+    order = tuple(name for name, _ in experts[0].named_children() if name in layout)
+    return StackedExperts(gate_up, down, layout, implementation, order)
+
+
+# --------------------------------------------------------------------------- replacements
+def _moe_infer(self: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's ``moe_infer`` with the stacked experts: the weighted sum runs in the weights' dtype
+    (``.type(topk_weight.dtype).mul_(w).sum(1)``), which transformers' function reproduces when that is
+    the promotion of the two dtypes; otherwise the original loop runs (per-expert slices)."""
+    if torch.promote_types(x.dtype, topk_weight.dtype) != topk_weight.dtype:
+        return self._ep_fuse_loop_moe_infer(x, topk_ids, topk_weight)
+    return self.experts(x, topk_ids, topk_weight)
+
+
+def _softmax_topk_forward(self: nn.Module, hidden_states: torch.Tensor) -> Any:
+    """Mixtral / Qwen2-MoE (transformers 4.x): fp32 softmax, top-k, optional renormalisation, weights
+    cast to the tokens' dtype; Qwen2's shared expert scaled by ``sigmoid(shared_expert_gate(x))``."""
+    batch, seq, hidden = hidden_states.shape
+    jitter = getattr(self, "jitter_noise", 0)
+    if self.training and jitter:
+        hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - jitter, 1.0 + jitter)
+    x = hidden_states.view(-1, hidden)
+    router_logits = self.gate(x)
+    routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+    routing_weights, selected = torch.topk(routing_weights, self._ep_fuse_top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+    routing_weights = routing_weights.to(x.dtype)
+    out = self.experts(x, selected, routing_weights)
+    if getattr(self, "shared_expert", None) is not None:
+        out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+    out = out.reshape(batch, seq, hidden)
+    return (out, router_logits) if self._ep_fuse_returns_logits else out
+
+
+_SOFTMAX_CHILDREN = {"gate", "experts", "shared_expert", "shared_expert_gate"}
+
+
+def _form(block: nn.Module, num_experts: int) -> str:
+    """Which replacement fits ``block``; raises :class:`LoopRefused` for an unknown structure."""
+    if callable(getattr(block, "moe_infer", None)):
+        ep_size = getattr(block, "ep_size", 1)
+        if ep_size != 1:
+            raise LoopRefused(f"expert-parallel remote code (ep_size={ep_size}); load it with ep_size=1 and use "
+                              "ep_fuse's expert parallelism")
+        if not isinstance(getattr(block, "gate", None), nn.Module):
+            raise LoopRefused("moe_infer without a gate module")
+        return "moe_infer"
+    gate = getattr(block, "gate", None)
+    top_k = getattr(block, "top_k", getattr(block, "num_experts_per_tok", None))
+    children = {name for name, _ in block.named_children()}
+    if type(gate) is nn.Linear and gate.bias is None and gate.out_features == num_experts and isinstance(top_k, int) \
+            and children <= _SOFTMAX_CHILDREN and ("shared_expert" in children) == ("shared_expert_gate" in children):
+        return "softmax_topk"
+    raise LoopRefused(f"unknown forward structure of {type(block).__name__} (children {sorted(children)}; known: a "
+                      "moe_infer method, or an nn.Linear gate with top_k and optional shared_expert/shared_expert_gate)")
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+
+
+def _max_rel_diff(a: Any, b: Any) -> float:
+    """max |a - b| / max |b| over matching tensor outputs; inf when the structures differ."""
+    if isinstance(b, torch.Tensor):
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+            return float("inf")
+        scale = b.float().abs().max().item() or 1.0
+        return (a.float() - b.float()).abs().max().item() / scale
+    if isinstance(b, (tuple, list)) and isinstance(a, (tuple, list)) and len(a) == len(b):
+        return max((_max_rel_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    return 0.0 if a is b or a == b else float("inf")
+
+
+def _check_expert(expert: nn.Module, stacked: StackedExperts, hidden: int) -> None:
+    w = stacked.gate_up_proj
+    x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        try:
+            ref = expert(x)
+        except Exception as e:
+            raise LoopRefused(f"experts[0] does not run on rows [T, H] ({type(e).__name__}: {e})") from e
+        got = stacked[0](x)
+    diff = _max_rel_diff(got, ref)
+    if not diff <= _tolerance(w.dtype):
+        raise LoopRefused(f"experts[0] does not compute down(silu(gate(x)) * up(x)) with its "
+                          f"{'/'.join(stacked.layout)} (max relative difference {diff:.2e})")
+
+
+def _training_flags(block: nn.Module) -> list[tuple[nn.Module, bool]]:
+    return [(m, m.training) for m in block.modules()]
+
+
+class _Swap:
+    """The block's attributes before conversion, to restore them."""
+
+    def __init__(self, block: nn.Module, list_name: str) -> None:
+        self.block, self.list_name = block, list_name
+        self.experts = getattr(block, list_name)
+        self.instance_attrs = {k: block.__dict__[k] for k in ("forward", "moe_infer") if k in block.__dict__}
+
+    def restore(self) -> None:
+        setattr(self.block, self.list_name, self.experts)
+        for k in ("forward", "moe_infer", "_ep_fuse_loop_moe_infer", "_ep_fuse_top_k", "_ep_fuse_returns_logits"):
+            self.block.__dict__.pop(k, None)
+        self.block.__dict__.update(self.instance_attrs)
+
+
+def convert_block(block: nn.Module, list_name: str, implementation: str) -> tuple[str, int, tuple[str, ...]]:
+    """Convert one block in place; returns (form, experts, layout). Raises :class:`LoopRefused` and leaves
+    the block as it was when it cannot, or when the converted block does not reproduce the loop."""
+    experts = getattr(block, list_name)
+    layout, hidden, _ = analyze_experts(experts)
+    form = _form(block, len(experts))
+    stacked = stack_experts(experts, layout, implementation)
+    flags = _training_flags(block)
+    block.eval()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*CHECK_TOKENS, hidden, generator=g).to(device=stacked.gate_up_proj.device,
+                                                             dtype=stacked.gate_up_proj.dtype)
+    swap = _Swap(block, list_name)
+    try:
+        _check_expert(experts[0], stacked, hidden)
+        with torch.no_grad():
+            try:
+                ref = block(x.clone())
+            except Exception as e:
+                raise LoopRefused(f"the block does not run on tokens [B, S, H] ({type(e).__name__}: {e})") from e
+            setattr(block, list_name, stacked)
+            if form == "moe_infer":
+                block._ep_fuse_loop_moe_infer = swap.instance_attrs.get("moe_infer", block.moe_infer)
+                block.moe_infer = types.MethodType(_moe_infer, block)
+            else:
+                block._ep_fuse_top_k = getattr(block, "top_k", getattr(block, "num_experts_per_tok", None))
+                block._ep_fuse_returns_logits = isinstance(ref, tuple)
+                block.forward = types.MethodType(_softmax_topk_forward, block)
+            try:
+                got = block(x.clone())
+            except Exception as e:
+                raise LoopRefused(f"the converted block fails ({type(e).__name__}: {e})") from e
+            diff = _max_rel_diff(got, ref)
+            if not diff <= _tolerance(x.dtype):
+                raise LoopRefused(f"the converted block differs from the loop on random tokens (max relative "
+                                  f"difference {diff:.2e}): its routing is not the {form} form")
+    except BaseException:
+        swap.restore()
+        raise
+    finally:
+        for m, training in flags:
+            m.training = training
+    return form, len(stacked), layout
+
+
+def expert_loop_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``."""
+    found = []
+    for path, module in model.named_modules():
+        for name in EXPERT_LIST_NAMES:
+            if isinstance(module.__dict__.get("_modules", {}).get(name), nn.ModuleList):
+                found.append((path, module, name))
+    return found
+
+
+def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", strict: bool = False) -> list[Conversion]:
+    """Convert every per-expert loop of ``model`` in place (see the module docstring).
+
+    Logs each converted block at INFO and each refused one at WARNING with the reason; with
+    ``strict=True`` a refusal raises ``ValueError`` instead (blocks already converted stay converted:
+    each passed its check)."""
+    results = []
+    for path, block, name in expert_loop_blocks(model):
+        label = path or type(model).__name__
+        try:
+            form, n, layout = convert_block(block, name, implementation)
+        except LoopRefused as e:
+            results.append(Conversion(label, type(block).__name__, reason=str(e)))
+            msg = (f"ep_fuse.prepare: {label} ({type(block).__name__}) keeps its per-expert loop, which breaks the "
+                   f"graph and gets no MoE fusion: {e}")
+            if strict:
+                raise ValueError(msg + " (strict=True; pass strict=False to keep the loop)") from e
+            log.warning(msg)
+            continue
+        results.append(Conversion(label, type(block).__name__, form, n, layout))
+        log.info("ep_fuse.prepare: %s (%s): %d experts (%s) stacked into %s.gate_up_proj/down_proj, %s replaced, "
+                 "experts_implementation=%s", label, type(block).__name__, n, "/".join(layout), name,
+                 "moe_infer" if form == "moe_infer" else "forward (softmax top-k)", implementation)
+    return results

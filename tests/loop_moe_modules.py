@@ -1,0 +1,279 @@
+"""Hand-written MoE blocks whose experts are an ``nn.ModuleList`` looped over in Python, in the shapes
+of the code people load with ``trust_remote_code=True`` or from transformers 4.x (for ``ep_fuse.prepare``):
+
+* ``DeepseekV3MoE``: DeepSeek-V3's ``modeling_deepseek.py`` -- ``MoEGate`` with ``topk_method="noaux_tc"``
+  (sigmoid scores, ``e_score_correction_bias`` selects, group-limited top-k, ``norm_topk_prob``,
+  ``routed_scaling_factor``) returning ``(topk_idx, topk_weight)``; ``moe_infer`` sorts the slots with
+  ``argsort``, counts ``tokens_per_expert`` on the host and runs the experts one by one; shared experts;
+* ``MixtralSparseMoeBlock``: ``block_sparse_moe.experts[i].w1/w2/w3``, softmax top-k in ``forward``,
+  ``one_hot`` expert mask, ``index_add_``; returns ``(out, router_logits)``;
+* ``Qwen2MoeSparseMoeBlock``: the same loop with ``norm_topk_prob`` and a shared expert scaled by
+  ``sigmoid(shared_expert_gate(x))``.
+
+``LoopModel`` stacks blocks as residual layers (``x = x + block(norm(x))``), like a decoder without attention.
+Sizes are tiny; all parameters are seeded.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def config(**overrides) -> SimpleNamespace:
+    cfg = {"hidden_size": 32, "moe_intermediate_size": 16, "intermediate_size": 16, "n_routed_experts": 8,
+           "num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
+           "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "hidden_act": "silu",
+           "shared_expert_intermediate_size": 24, "router_jitter_noise": 0.0, "topk_method": "noaux_tc",
+           "scoring_func": "sigmoid", "mlp_bias": False}
+    cfg.update(overrides)
+    return SimpleNamespace(**cfg)
+
+
+ACT = {"silu": nn.SiLU, "gelu": nn.GELU}
+
+
+# --------------------------------------------------------------------------- DeepSeek-V3 remote code
+class DeepseekV3MLP(nn.Module):
+    def __init__(self, cfg, hidden_size=None, intermediate_size=None):
+        super().__init__()
+        self.hidden_size = hidden_size or cfg.hidden_size
+        self.intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(self.hidden_size, self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, self.hidden_size, bias=cfg.mlp_bias)
+        self.act_fn = ACT[cfg.hidden_act]()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoEGate(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.n_routed_experts = cfg.n_routed_experts
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.scoring_func = cfg.scoring_func
+        self.topk_method = cfg.topk_method
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.randn(self.n_routed_experts, cfg.hidden_size) / cfg.hidden_size**0.5)
+        self.e_score_correction_bias = nn.Parameter(0.1 * torch.randn(self.n_routed_experts))
+
+    def forward(self, hidden_states):
+        bsz, seq_len, h = hidden_states.shape
+        hidden_states = hidden_states.view(-1, h)
+        logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32), None)
+        scores = logits.sigmoid()
+        assert self.topk_method == "noaux_tc" and not self.training
+        choice = scores.view(bsz * seq_len, -1) + self.e_score_correction_bias.unsqueeze(0)
+        group_scores = choice.view(bsz * seq_len, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(
+            bsz * seq_len, self.n_group, self.n_routed_experts // self.n_group).reshape(bsz * seq_len, -1)
+        masked = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        _, topk_idx = torch.topk(masked, k=self.top_k, dim=-1, sorted=False)
+        topk_weight = scores.gather(1, topk_idx)
+        if self.top_k > 1 and self.norm_topk_prob:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
+        else:
+            topk_weight = topk_weight * self.routed_scaling_factor
+        return topk_idx, topk_weight
+
+
+class DeepseekV3MoE(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.num_experts_per_tok = cfg.num_experts_per_tok
+        self.ep_size, self.experts_per_rank, self.ep_rank = 1, cfg.n_routed_experts, 0
+        self.experts = nn.ModuleList([DeepseekV3MLP(cfg, intermediate_size=cfg.moe_intermediate_size)
+                                      for _ in range(cfg.n_routed_experts)])
+        self.gate = MoEGate(cfg)
+        if cfg.n_shared_experts is not None:
+            self.shared_experts = DeepseekV3MLP(cfg, intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, hidden_states):
+        identity = hidden_states
+        orig_shape = hidden_states.shape
+        topk_idx, topk_weight = self.gate(hidden_states)
+        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+        y = self.moe_infer(hidden_states, topk_idx, topk_weight).view(*orig_shape)
+        if self.config.n_shared_experts is not None:
+            y = y + self.shared_experts(identity)
+        return y
+
+    @torch.no_grad()
+    def moe_infer(self, x, topk_ids, topk_weight):
+        cnts = topk_ids.new_zeros((topk_ids.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_ids, 1)
+        tokens_per_expert = cnts.sum(dim=0)
+        idxs = topk_ids.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_ids.shape[1]]
+        tokens_per_expert = tokens_per_expert.cpu().numpy()
+        outputs, start = [], 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            end = start + num_tokens
+            if num_tokens == 0:
+                continue
+            expert = self.experts[i + self.ep_rank * self.experts_per_rank]
+            outputs.append(expert(sorted_tokens[start:end]))
+            start = end
+        outs = torch.cat(outputs, dim=0) if len(outputs) else sorted_tokens.new_empty(0)
+        new_x = torch.empty_like(outs)
+        new_x[idxs] = outs
+        return (new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1))
+                .sum(dim=1).type(new_x.dtype))
+
+
+# --------------------------------------------------------------------------- Mixtral / Qwen2-MoE (4.x)
+class MixtralBlockSparseTop2MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ffn_dim, self.hidden_dim = cfg.intermediate_size, cfg.hidden_size
+        self.w1 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=cfg.mlp_bias)
+        self.w2 = nn.Linear(self.ffn_dim, self.hidden_dim, bias=cfg.mlp_bias)
+        self.w3 = nn.Linear(self.hidden_dim, self.ffn_dim, bias=cfg.mlp_bias)
+        self.act_fn = ACT[cfg.hidden_act]()
+
+    def forward(self, hidden_states):
+        return self.w2(self.act_fn(self.w1(hidden_states)) * self.w3(hidden_states))
+
+
+def _loop_experts(experts, hidden_states, routing_weights, selected_experts, num_experts):
+    """The transformers 4.x expert loop: one_hot mask, ``where`` per expert, ``index_add_``."""
+    final = torch.zeros_like(hidden_states)
+    expert_mask = F.one_hot(selected_experts, num_classes=num_experts).permute(2, 1, 0)
+    for expert_idx in range(num_experts):
+        idx, top_x = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[None, top_x].reshape(-1, hidden_states.shape[-1])
+        current = experts[expert_idx](current_state) * routing_weights[top_x, idx, None]
+        final.index_add_(0, top_x, current.to(hidden_states.dtype))
+    return final
+
+
+class MixtralSparseMoeBlock(nn.Module):
+    def __init__(self, cfg, mlp=MixtralBlockSparseTop2MLP):
+        super().__init__()
+        self.hidden_dim, self.num_experts, self.top_k = cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok
+        self.gate = nn.Linear(self.hidden_dim, self.num_experts, bias=False)
+        self.experts = nn.ModuleList([mlp(cfg) for _ in range(self.num_experts)])
+        self.jitter_noise = cfg.router_jitter_noise
+
+    def routing(self, router_logits, dtype):
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        return routing_weights.to(dtype), selected_experts
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        if self.training and self.jitter_noise > 0:
+            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights, selected_experts = self.routing(router_logits, hidden_states.dtype)
+        final = _loop_experts(self.experts, hidden_states, routing_weights, selected_experts, self.num_experts)
+        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+class Qwen2MoeMLP(DeepseekV3MLP):
+    pass
+
+
+class Qwen2MoeSparseMoeBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList([Qwen2MoeMLP(cfg, intermediate_size=cfg.moe_intermediate_size)
+                                      for _ in range(self.num_experts)])
+        self.shared_expert = Qwen2MoeMLP(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = _loop_experts(self.experts, hidden_states, routing_weights, selected_experts, self.num_experts)
+        shared = self.shared_expert(hidden_states)
+        shared = F.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        final = final + shared
+        return final.reshape(batch_size, sequence_length, hidden_dim), router_logits
+
+
+# --------------------------------------------------------------------------- look-alikes
+class FusedGateUpMLP(nn.Module):
+    """Phi-3 style expert: one ``gate_up_proj`` Linear, chunked into gate and up."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.activation_fn = nn.SiLU()
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.activation_fn(gate) * up)
+
+
+class UpFirstFusedMLP(FusedGateUpMLP):
+    """The fused Linear's halves in the other order (``up, gate``): not the gate|up layout."""
+
+    def forward(self, x):
+        up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.activation_fn(gate) * up)
+
+
+class UnnormalisedMixtral(MixtralSparseMoeBlock):
+    """Top-k softmax weights not renormalised, and no ``norm_topk_prob`` flag saying so."""
+
+    def routing(self, router_logits, dtype):
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        return routing_weights.to(dtype), selected_experts
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LoopModel(nn.Module):
+    """``x = x + block(norm(x))`` per layer (the first output of blocks that return a tuple)."""
+
+    def __init__(self, block_cls, cfg, layers=2):
+        super().__init__()
+        self.norms = nn.ModuleList([RMSNorm(cfg.hidden_size) for _ in range(layers)])
+        self.layers = nn.ModuleList([block_cls(cfg) for _ in range(layers)])
+
+    def forward(self, x):
+        for norm, layer in zip(self.norms, self.layers):
+            out = layer(norm(x))
+            x = x + (out[0] if isinstance(out, tuple) else out)
+        return x
+
+
+def build(block_cls, seed=0, layers=2, dtype=torch.float32, **overrides) -> LoopModel:
+    torch.manual_seed(seed)
+    return LoopModel(block_cls, config(**overrides), layers).to(dtype).eval()

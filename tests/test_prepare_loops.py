@@ -1,0 +1,171 @@
+"""``ep_fuse.prepare`` on MoE blocks that loop over an ``nn.ModuleList`` of experts (``tests/loop_moe_modules.py``):
+stacked experts, the same outputs in eager and compiled, one graph with the expert block fused, the state
+dict unchanged; non-SwiGLU experts, biased Linears and routing it does not reproduce are refused."""
+
+import functools
+import logging
+
+import loop_moe_modules as L
+import pytest
+import torch
+
+import ep_fuse
+from ep_fuse.expert_loops import StackedExperts
+
+pytestmark = pytest.mark.hf  # the stacked experts run transformers' grouped_mm function
+
+REFERENCE = {"executor": "eager", "providers": {"cpu": ["reference"]}}
+NORMS = {"rms_norm": 1, "add_rms_norm": 1}  # LoopModel's two pre-block norms
+
+CASES = {
+    # name: block, (form, layout), fused sites in the one graph of the 2-layer model
+    "deepseek_v3": (L.DeepseekV3MoE, ("moe_infer", "gate_proj/up_proj/down_proj"),
+                    # the remote-code gate is not a moe_gating form (yet): its ``scores.view(T, -1) +
+                    # bias.unsqueeze(0)`` and ``view(T, G, -1)`` differ from transformers 5's router
+                    {"moe_experts": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared experts
+    "mixtral": (L.MixtralSparseMoeBlock, ("softmax_topk", "w1/w3/w2"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+    "qwen2_moe": (L.Qwen2MoeSparseMoeBlock, ("softmax_topk", "gate_proj/up_proj/down_proj"),
+                  {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared expert
+    "fused_gate_up": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.FusedGateUpMLP),
+                      ("softmax_topk", "gate_up_proj/down_proj"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+}
+
+
+def _tokens(seed=1, batch=2, seq=7, hidden=32, dtype=torch.float32):
+    return torch.randn(batch, seq, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _eager(model, x):
+    with torch.no_grad():
+        return model(x.clone())
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_loop_blocks_convert_and_fuse(name, caplog):
+    block, (form, layout), sites = CASES[name]
+    model = L.build(block)
+    x = _tokens()
+    ref = _eager(model, x)
+    keys, numel = list(model.state_dict()), sum(p.numel() for p in model.parameters())
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        ep_fuse.prepare(model)
+    converted = [r.getMessage() for r in caplog.records if "stacked into" in r.getMessage()]
+    replaced = "moe_infer replaced" if form == "moe_infer" else "forward (softmax top-k) replaced"
+    assert len(converted) == 2 and all(layout in m and replaced in m for m in converted), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert all(isinstance(layer.experts, StackedExperts) for layer in model.layers)
+    assert list(model.state_dict()) == keys
+    assert sum(p.numel() for p in model.parameters()) == numel, "stacked copies replace the per-expert weights"
+    torch.testing.assert_close(_eager(model, x), ref, rtol=1e-5, atol=1e-6)
+
+    with torch.no_grad():
+        out = torch.compile(model, backend="ep_fuse", options=REFERENCE)(x.clone())
+    assert len(ep_fuse.reports()) == 1, "the model is one graph"
+    rep = ep_fuse.last_report()
+    assert rep.counts() == sites, rep.summary()
+    blocks = [m for m in rep.matches if m.pattern == "moe_experts"]
+    assert [(m.module_path, m.variant) for m in blocks] == [("layers.0.experts", "grouped_mm"),
+                                                             ("layers.1.experts", "grouped_mm")]
+    assert not rep.near_misses, [m.explain() for m in rep.near_misses]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_loop_breaks_the_graph_before_prepare():
+    model = L.build(L.DeepseekV3MoE, layers=1)
+    before = torch._dynamo.explain(model)(_tokens())
+    assert before.graph_break_count > 0
+    ep_fuse.prepare(model)
+    torch._dynamo.reset()
+    after = torch._dynamo.explain(model)(_tokens())
+    assert (after.graph_count, after.graph_break_count) == (1, 0)
+
+
+def test_batched_mm_implementation():
+    model = L.build(L.MixtralSparseMoeBlock, layers=1)
+    x = _tokens()
+    ref = _eager(model, x)
+    ep_fuse.prepare(model, "batched_mm")
+    with torch.no_grad():
+        out = torch.compile(model, backend="ep_fuse", options=REFERENCE)(x.clone())
+    rep = ep_fuse.last_report()
+    assert [m.variant for m in rep.matches if m.pattern == "moe_experts"] == ["batched_mm"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_of_the_original_model_loads():
+    """Per-expert keys in, per-expert keys out: loading another model's weights changes the outputs to its."""
+    x = _tokens()
+    source = L.build(L.DeepseekV3MoE, seed=1)
+    expected, state = _eager(source, x), source.state_dict()
+    model = L.build(L.DeepseekV3MoE, seed=0)
+    ep_fuse.prepare(model)
+    assert not torch.allclose(_eager(model, x), expected)
+    assert list(model.state_dict()) == list(state)
+    model.load_state_dict(state)
+    torch.testing.assert_close(_eager(model, x), expected, rtol=1e-5, atol=1e-6)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    mixtral = L.build(L.MixtralSparseMoeBlock, layers=1)
+    ep_fuse.prepare(mixtral)
+    assert [k for k in mixtral.state_dict() if k.startswith("layers.0.experts.0.")] == \
+        ["layers.0.experts.0.w1.weight", "layers.0.experts.0.w2.weight", "layers.0.experts.0.w3.weight"]
+    partial = {k: v for k, v in state.items() if k != "layers.1.experts.3.up_proj.weight"}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\).*layers\.1\.experts\.gate_up_proj"):
+        model.load_state_dict(partial)
+
+
+def test_stacked_experts_still_index_like_the_list():
+    model = L.build(L.Qwen2MoeSparseMoeBlock, layers=1)
+    experts = list(model.layers[0].experts)
+    rows = _tokens().view(-1, 32)
+    expected = [_eager(e, rows) for e in experts]
+    ep_fuse.prepare(model)
+    stacked = model.layers[0].experts
+    assert len(stacked) == len(experts) == 8
+    for i, want in enumerate(expected):
+        torch.testing.assert_close(_eager(stacked[i], rows), want, rtol=1e-5, atol=1e-6)
+
+
+def test_weights_narrower_than_tokens_keep_the_loop_numerics():
+    """fp64 tokens, fp32 routing weights: DeepSeek's sum runs in fp32, which grouped_mm would not do;
+    the converted ``moe_infer`` runs the loop over stacked slices, bit for bit."""
+    model = L.build(L.DeepseekV3MoE, layers=1, dtype=torch.float64)
+    x = _tokens(dtype=torch.float64)
+    ref = _eager(model, x)
+    ep_fuse.prepare(model)
+    assert isinstance(model.layers[0].experts, StackedExperts)
+    assert torch.equal(_eager(model, x), ref)
+
+
+REFUSED = {
+    "gelu": (functools.partial(L.MixtralSparseMoeBlock), {"hidden_act": "gelu"}, "activation act_fn=GELU is not SiLU"),
+    "bias": (L.DeepseekV3MoE, {"mlp_bias": True}, "experts[0].gate_proj has a bias"),
+    "unnormalised": (L.UnnormalisedMixtral, {}, "differs from the loop on random tokens"),
+    "up_first": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.UpFirstFusedMLP), {},
+                 "experts[0] does not compute down(silu(gate(x)) * up(x))"),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unconvertible_loops_stay_with_a_warning(name, caplog):
+    block, overrides, reason = REFUSED[name]
+    model = L.build(block, layers=1, **overrides)
+    x = _tokens()
+    ref = _eager(model, x)
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        ep_fuse.prepare(model)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and reason in warnings[0] and "layers.0" in warnings[0], caplog.text
+    assert type(model.layers[0].experts) is torch.nn.ModuleList
+    assert "forward" not in vars(model.layers[0]) and "moe_infer" not in vars(model.layers[0])
+    assert torch.equal(_eager(model, x), ref)
+    with pytest.raises(ValueError, match="strict=True") as err:
+        ep_fuse.prepare(model, strict=True)
+    assert reason in str(err.value)
+    assert type(model.layers[0].experts) is torch.nn.ModuleList
+
+
+def test_models_without_loops_are_untouched(caplog):
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        ep_fuse.prepare(torch.nn.Linear(2, 2), strict=True)
+    assert "no per-expert loops; unchanged" in caplog.text

@@ -118,8 +118,9 @@ class Canonicalize(GraphPass):
             for pattern, miss in misses:
                 if pattern.name not in names:
                     continue
-                # the attempt reached the anchor, failed on it, or matched one of its users
-                if not (node in miss.matched or miss.node is node or any(u in miss.matched for u in node.users)):
+                # the attempt reached the anchor, failed on it, or reached (or failed at) one of its users
+                if not (node in miss.matched or miss.node is node
+                        or any(u in miss.matched or u is miss.node for u in node.users)):
                     continue
                 if pattern.key not in best or miss.depth > best[pattern.key].depth:
                     best[pattern.key] = miss

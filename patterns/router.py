@@ -18,14 +18,22 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
   (``e_score_correction_bias``; optional), group score ``sum(topk(view(sel), 2)[0], [-1])``, the same
   mask chain with ``masked_fill(sel, ·, -inf)`` (optional: no groups), ``ids = topk(·, K, sorted=False)[1]``,
   weights ``gather(s, 1, ids)`` -- the bias selects, it never weighs -- then the tail.
+* ``softmax_bias``: the same with ``_softmax`` scores and no groups (the softmax sibling of DeepSeek-V3's
+  selection bias).
+* ``topk_softmax`` (Granite-MoE, Cohere2-MoE): ``v, ids = topk(logits, K)`` on fp32 or bf16 logits,
+  ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; the softmax must run in fp32 (:func:`softmax_in_fp32`).
+  Its own score in the canonical op (see :mod:`ep_fuse.ops.router_reference` for why it is not
+  softmax -> top-k -> renormalise, ties included).
 
 The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
 in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
 tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no
 interior node of either may be used outside the two outputs.
 
-Not matched: GPT-OSS (``topk`` on the logits, then a bf16 softmax of the K values) and Llama4
-(``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): different functions.
+Declined with the reason in the near miss: scores computed in bf16 (GPT-OSS's bf16 softmax of the top-k
+values; a softmax of bf16 logits), whose bf16 rounding the fused providers do not reproduce bitwise.
+Not matched: Llama4 (``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): a different
+function.
 """
 
 from __future__ import annotations

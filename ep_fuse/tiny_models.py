@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "llama4")
+TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "llama4",
+               "granitemoe", "granitemoeshared", "cohere2_moe")
 
 EXPECTED_SITES = {
     # name: fused sites per pattern in the one inference graph of the 2-layer model, and the RoPE form
@@ -23,6 +24,14 @@ EXPECTED_SITES = {
     "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "partial"),  # + q/k-norm
     "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "chunk"),  # its GLU is not SwiGLU
     "llama4": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "complex"),  # + L2 q/k-norm
+    # router: top-k of the logits, softmax of the K values
+    "granitemoe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "moe_experts": 2, "moe_gating": 2}, "half"),
+    # + shared MLP: one gate|up projection of the 3-D input, chunked
+    "granitemoeshared": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "gemm_swiglu": 2, "moe_experts": 2,
+                          "moe_gating": 2}, "half"),
+    # parallel attention + MoE on one input norm per layer; GPT-J pairs (HF rotate_half), bf16 router logits
+    "cohere2_moe": ({"add_rms_norm": 2, "rms_norm": 1, "rope": 4, "gemm_swiglu": 2, "moe_experts": 2,
+                     "moe_gating": 2}, "rotate_pairs"),
 }
 """Each layer's q and k RoPE sites are paired into one ``rope_qk`` call (2 per model). ``moe_experts``:
 one block per MoE layer (DeepSeek/GLM4 layer 0 is dense); GPT-OSS's clamped GLU experts and Llama4's
@@ -30,6 +39,10 @@ dense all-experts ``bmm`` are not this block (``NOT_MOE_BLOCKS``)."""
 
 NOT_MOE_BLOCKS = {"gpt_oss": 2}
 """Models whose expert blocks are candidates (a ``sort`` of routed ids) that must not match: near misses."""
+
+DECLINED_ROUTERS = {"gpt_oss": 2}
+"""Models whose routers are candidates declined on purpose (near misses at their ``topk``): GPT-OSS takes a
+bf16 softmax of its top-k values, whose bf16 rounding the fused providers do not reproduce bitwise."""
 
 
 def _config(name: str, **overrides: Any) -> Any:
@@ -67,6 +80,14 @@ def _config(name: str, **overrides: Any) -> Any:
     elif name == "llama4":
         cfg = tf.Llama4TextConfig(**common, head_dim=16, intermediate_size=96, intermediate_size_mlp=96,
                                   num_local_experts=4, num_experts_per_tok=1)
+    elif name == "granitemoe":
+        cfg = tf.GraniteMoeConfig(**common, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+    elif name == "granitemoeshared":
+        cfg = tf.GraniteMoeSharedConfig(**common, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                        shared_intermediate_size=64)
+    elif name == "cohere2_moe":
+        cfg = tf.Cohere2MoeConfig(**common, head_dim=16, intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+                                  num_shared_experts=1)
     else:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODELS)}")
     for k, v in overrides.items():
@@ -96,6 +117,9 @@ def build(
         "glm4_moe": tf.Glm4MoeForCausalLM,
         "gpt_oss": tf.GptOssForCausalLM,
         "llama4": tf.Llama4ForCausalLM,
+        "granitemoe": tf.GraniteMoeForCausalLM,
+        "granitemoeshared": tf.GraniteMoeSharedForCausalLM,
+        "cohere2_moe": tf.Cohere2MoeForCausalLM,
     }[name]
     torch.manual_seed(seed)
     attn = "eager" if name == "gpt_oss" else "sdpa"  # GPT-OSS's sinks need eager attention

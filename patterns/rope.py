@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ep_fuse.fx_utils import literal_value, tensor_val
 from ep_fuse.matching import (
     Cast,
+    Derived,
     Item,
     Lit,
     Match,
@@ -43,6 +44,7 @@ from ep_fuse.matching import (
     op,
 )
 from ep_fuse.matching.checks import (
+    INT64_MAX,
     MODEL_FLOATS,
     VIEWS,
     concrete_int,
@@ -107,6 +109,14 @@ def _interleaved(x1: Any, x2: Any) -> Any:
     return op(VIEWS, self=stacked, size=Lit(is_shape), bind="flat")
 
 
+def _rotate_pairs(xr: Any, even: Any, odd: Any) -> Any:
+    """``xr·cos + stack((−x2, x1), -1).flatten(-2)·sin`` with full-width, pair-repeated cos/sin (HF GLM/Cohere)."""
+    rotated = op(VIEWS, self=op(aten.stack.default, tensors=[op(aten.neg.default, self=odd), even],
+                                dim=Lit(is_int, bind="stack_dim")), size=Lit(is_shape), bind="flat")
+    return op(aten.add.Tensor, self=_mul(xr, Var("cos_rep", _float_tensor)),
+              other=_mul(rotated, Var("sin_rep", _float_tensor)), commutative=("self", "other"))
+
+
 def _inner(x: Any) -> dict[str, Any]:
     """The rotation forms on ``x`` (the whole head or its rotated slice)."""
     split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
@@ -114,11 +124,14 @@ def _inner(x: Any) -> dict[str, Any]:
     even = _slice(x, Lit(equals(0)), Lit(is_end), 2, bind="xe")
     odd = _slice(x, Lit(equals(1)), Lit(is_end), 2, bind="xo")
     return {"half": _half(x), "chunk": _pairwise(Item(split, 0), Item(split, 1)),
-            "deinterleave": _pairwise(even, odd), "interleave": _interleaved(even, odd)}
+            "deinterleave": _pairwise(even, odd), "interleave": _interleaved(even, odd),
+            "rotate_pairs": _rotate_pairs(x, even, odd)}
 
 
-PARTIAL_FORMS = {"partial": "half", "partial_chunk": "chunk", "partial_interleave": "interleave"}
+PARTIAL_FORMS = {"partial": "half", "partial_chunk": "chunk", "partial_interleave": "interleave",
+                 "partial_rotate_pairs": "rotate_pairs"}
 """Partial-rotary variants (``cat([form(x[..., :R]), x[..., R:]], -1)``) and the form each rotates with."""
+
 
 
 def _trees() -> dict[str, Any]:
@@ -196,7 +209,11 @@ def cos_sin_broadcast(m: Match) -> str | None:
     x = tensor_val(m["x"])
     rot = _rot_dim(m)
     want = rot if m.pattern.variant in ("half", "partial") else rot // 2
-    for name in ("cos", "sin"):
+    if "cos_rep" in m.bindings:
+        if not same_shape(tensor_val(m["sin_rep"]).shape, tensor_val(m["cos_rep"]).shape):
+            return "cos and sin differ in shape"
+        want = rot
+    for name in ("cos", "sin", "cos_rep", "sin_rep"):
         if name not in m.bindings:
             continue
         t = tensor_val(m[name])
@@ -222,8 +239,87 @@ def complex_views_pair_channels(m: Match) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- pair-repeated cos/sin
+_ELEMENTWISE = {aten.cos.default, aten.sin.default, aten.neg.default}
+"""Unary ops that keep equal inputs equal (the cos/sin of repeated angles)."""
+_REPEAT_LIMIT = 16
+
+
+def _repeat_source(n: Any) -> fx.Node | None:
+    """``src`` when ``n`` is ``src.repeat_interleave(2, -1)`` as AOT traces it:
+    ``view|_unsafe_view(clone(expand(unsqueeze(src, -1), [..., R/2, 2])), [..., R])``."""
+    if not (isinstance(n, fx.Node) and n.target in VIEWS):
+        return None
+    inner = n.args[0]
+    if isinstance(inner, fx.Node) and inner.target == aten.clone.default:
+        inner = inner.args[0]
+    if not (isinstance(inner, fx.Node) and inner.target == aten.expand.default):
+        return None
+    unsq = inner.args[0]
+    if not (isinstance(unsq, fx.Node) and unsq.target == aten.unsqueeze.default):
+        return None
+    src = unsq.args[0]
+    s, e, out = tensor_val(src), tensor_val(inner), tensor_val(n)
+    if s is None or unsq.args[1] not in (-1, s.dim()) or e.dim() != s.dim() + 1:
+        return None
+    if not (statically_known_true(e.shape[-1] == 2) and same_shape(e.shape[:-1], s.shape)
+            and same_shape(out.shape, [*s.shape[:-1], s.shape[-1] * 2])):
+        return None
+    return src
+
+
+def _keeps_pairs(n: fx.Node) -> bool:
+    """``n`` maps equal neighbours of its first argument's last dim to equal neighbours."""
+    if n.target in (aten._to_copy.default, torch.ops.prims.convert_element_type.default, *_ELEMENTWISE):
+        return True
+    if n.target in (aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar):
+        return isinstance(n.args[1], (int, float))
+    return n.target == aten.unsqueeze.default and n.args[1] not in (-1, tensor_val(n).dim() - 1)
+
+
+def _pair_repeated(n: Any) -> tuple[fx.Node | None, str | None]:
+    """Whether ``n``'s last dim repeats each value twice (``c[2j] == c[2j+1]``), proven from the graph.
+
+    Returns ``(src, None)`` when ``n`` itself is ``src.repeat_interleave(2, -1)`` (its halves are
+    ``src``), ``(None, None)`` when the repeat sits further up behind ops that keep equal elements
+    equal (casts, cos/sin/neg, a product with a number, an unsqueeze before the last dim), else
+    ``(None, why not)``."""
+    direct = True
+    for _ in range(_REPEAT_LIMIT):
+        src = _repeat_source(n)
+        if src is not None:
+            return (src if direct else None), None
+        if not isinstance(n, fx.Node) or n.op != "call_function":
+            return None, f"{getattr(n, 'name', n)} is not computed in the graph"
+        if not _keeps_pairs(n):
+            return None, f"{n.name} ({n.target}) is not a repeat_interleave(2, -1) or an op that keeps pairs equal"
+        n = n.args[0]
+        direct = False
+    return None, "the repeat is too far up"
+
+
+def repeated_in_pairs(m: Match) -> tuple[Any, str] | None:
+    """The GPT-J pairs written with a rotated copy of the head (``stack((−x2, x1), -1).flatten(-2)``,
+    HF GLM/Cohere) equal ``interleave`` only when cos and sin repeat each value in pairs
+    (``cos[..., :R/2].repeat_interleave(2, -1)`` or ``cos(freqs.repeat_interleave(2, -1))``)."""
+    for name in ("cos_rep", "sin_rep"):
+        if name in m.bindings:
+            _src, why = _pair_repeated(m[name])
+            if why:
+                return m[name], f"{name.removesuffix('_rep')} is not provably repeated in pairs: {why}"
+    return None
+
+
+def _halves(m: Match, name: str) -> Any:
+    """cos/sin at the even channels: the repeat's source, or a step-2 slice of the repeated tensor."""
+    src, _why = _pair_repeated(m[f"{name}_rep"])
+    if src is not None:
+        return src
+    return Derived(aten.slice.Tensor, (m[f"{name}_rep"], -1, 0, INT64_MAX, 2))
+
+
 GUARDS = (static_head_dim, rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels,
-          interleaves_back)
+          interleaves_back, repeated_in_pairs)
 
 
 # --------------------------------------------------------------------------- cos/sin-cache form
@@ -294,6 +390,9 @@ def cache_gather(m: Match, rot: int) -> tuple[fx.Node, fx.Node] | None:
 def _build(form: str):
     def build(m: Match) -> Replacement:
         rot = _rot_dim(m)
+        if "cos_rep" in m.bindings:
+            cos, sin = _halves(m, "cos"), _halves(m, "sin")
+            return Replacement(canonical.rope.op, (m["x"], cos, sin, form, rot, None))
         cache = cache_gather(m, rot) if form in CACHE_FORMS else None
         if cache is not None:
             return Replacement(canonical.rope_cache.op, (m["x"], *cache, form, rot))

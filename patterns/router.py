@@ -18,14 +18,22 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
   (``e_score_correction_bias``; optional), group score ``sum(topk(view(sel), 2)[0], [-1])``, the same
   mask chain with ``masked_fill(sel, ·, -inf)`` (optional: no groups), ``ids = topk(·, K, sorted=False)[1]``,
   weights ``gather(s, 1, ids)`` -- the bias selects, it never weighs -- then the tail.
+* ``softmax_bias``: the same with ``_softmax`` scores and no groups (the softmax sibling of DeepSeek-V3's
+  selection bias).
+* ``topk_softmax`` (Granite-MoE, Cohere2-MoE): ``v, ids = topk(logits, K)`` on fp32 or bf16 logits,
+  ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; the softmax must run in fp32 (:func:`softmax_in_fp32`).
+  Its own score in the canonical op (see :mod:`ep_fuse.ops.router_reference` for why it is not
+  softmax -> top-k -> renormalise, ties included).
 
 The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
 in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
 tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no
 interior node of either may be used outside the two outputs.
 
-Not matched: GPT-OSS (``topk`` on the logits, then a bf16 softmax of the K values) and Llama4
-(``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): different functions.
+Declined with the reason in the near miss: scores computed in bf16 (GPT-OSS's bf16 softmax of the top-k
+values; a softmax of bf16 logits), whose bf16 rounding the fused providers do not reproduce bitwise.
+Not matched: Llama4 (``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): a different
+function.
 """
 
 from __future__ import annotations
@@ -62,6 +70,7 @@ from ep_fuse.matching.checks import (
     same_shape,
     sym_eq,
 )
+from ep_fuse.matching.matcher import CAST_TARGETS
 from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import canonical
 
@@ -79,8 +88,12 @@ def _f32_2d(v: Any) -> str | None:
     t = tensor_val(v)
     if t is None:
         return f"expected a tensor, got {v!r}"
-    if t.dtype != torch.float32 or t.dim() != 2:
-        return f"router logits must be a fp32 [T, E] tensor, got {t.dtype} of {t.dim()} dims"
+    if t.dim() != 2:
+        return f"router logits must be a [T, E] tensor, got {t.dim()} dims"
+    if t.dtype != torch.float32:
+        return (f"router scores computed in {t.dtype}: eager rounds the probabilities to {t.dtype} before the "
+                f"top-k, which the fused providers (fp32 math) do not reproduce bitwise, and bf16 rounding turns "
+                f"distinct scores into ties; upcast the logits (.float()) before the softmax/sigmoid to fuse")
     return None
 
 
@@ -88,6 +101,13 @@ def _f16_2d(v: Any) -> str | None:
     t = tensor_val(v)
     if t is None or t.dtype != torch.float16 or t.dim() != 2:
         return "logits of a half_to_float softmax must be a fp16 [T, E] tensor"
+    return None
+
+
+def _any_2d(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dtype not in MODEL_FLOATS or t.dim() != 2:
+        return "router logits must be a floating [T, E] tensor"
     return None
 
 
@@ -117,10 +137,11 @@ def _probs(kind: str) -> Any:
     if kind == "softmax":
         # ``F.softmax(fp16 logits, dtype=float32)`` traces on CUDA to one ``_softmax(x, dim, half_to_float=True)``
         # (fp32 math and output, as ``_softmax(_to_copy(x, f32))``; the CPU only has the cast form)
-        return alt(op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
-                      bind="probs"),
-                   op(aten._softmax.default, self=Var("logits", _f16_2d), dim=Lit(LAST_2D),
-                      half_to_float=Lit(equals(True)), bind="probs"))
+        # (the fp32 form last: on a mismatch of both, its reason is the one reported)
+        return alt(op(aten._softmax.default, self=Var("logits", _f16_2d), dim=Lit(LAST_2D),
+                      half_to_float=Lit(equals(True)), bind="probs"),
+                   op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
+                      bind="probs"))
     return op(aten.sigmoid.default, self=logits, bind="probs")
 
 
@@ -172,15 +193,33 @@ def _softmax_group_max() -> tuple[Any, Any]:
     return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
 
 
-def _sigmoid_group_sum_top2() -> tuple[Any, Any]:
-    probs = _probs("sigmoid")  # also read by the selection: the ids' tree, matched as a second output
+def _gathered(kind: str, grouped: bool) -> tuple[Any, Any]:
+    """Selection on ``probs [+ bias]`` (masked to the kept groups), weights gathered from ``probs``."""
+    probs = _probs(kind)  # also read by the selection: the ids' tree, matched as a second output
     gathered = op(aten.gather.default, self=probs, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor),
                   bind="weights_raw")
     sel = alt(op(aten.add.Tensor, self=probs, other=Var("bias", _bias_vector), commutative=("self", "other")),
               probs, bind="sel")
     masked = alt(op(aten.masked_fill.Scalar, self=sel, mask=_not_in_kept_groups(sel, "sum_top2"),
-                    value=Lit(_neg_inf)), sel)
+                    value=Lit(_neg_inf)), sel) if grouped else sel
     return _tail(gathered), Item(_topk(masked), 1)
+
+
+def _sigmoid_group_sum_top2() -> tuple[Any, Any]:
+    return _gathered("sigmoid", grouped=True)
+
+
+def _softmax_bias() -> tuple[Any, Any]:
+    return _gathered("softmax", grouped=False)
+
+
+def _topk_softmax() -> tuple[Any, Any]:
+    """``v, ids = topk(logits, K)``; ``[_to_copy](_softmax([_to_copy](v, f32), -1))`` (Granite-MoE, Cohere2-MoE)."""
+    topk = _topk(Var("logits", _any_2d), bind="topk")
+    values = Item(topk, 0, bind="weights_raw")
+    probs = op(aten._softmax.default, self=Opt(Cast(values, torch.float32)), dim=Lit(LAST_2D),
+               half_to_float=Lit(equals(False)), bind="probs")
+    return Opt(Cast(probs, dtype="weight_dtype")), Item(topk, 1)
 
 
 # --------------------------------------------------------------------------- guards
@@ -234,10 +273,23 @@ def whole_tail(m: Match) -> str | None:
     return None
 
 
+def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
+    """``topk_softmax``: the softmax of the K values runs in fp32 (fp32 logits, or a cast to fp32 first)."""
+    if m.pattern.variant != "topk_softmax":
+        return None
+    dtype = tensor_val(m["probs"]).dtype
+    if dtype != torch.float32:
+        return m["probs"], (f"softmax of the top-k values in {dtype}: eager rounds the weights to {dtype} inside "
+                            f"the softmax, which the fused providers (fp32 math) do not reproduce bitwise")
+    return None
+
+
 # --------------------------------------------------------------------------- replacement
 def _build(m: Match) -> Replacement:
     probs = m["probs"]
     score = "softmax" if probs.target is aten._softmax.default else "sigmoid"
+    if m.pattern.variant == "topk_softmax":
+        score = "topk_softmax"
     group_score, n_group, topk_group = "none", 1, 1
     if "gscore" in m.bindings:
         group_score = "sum_top2" if m["gscore"].target is aten.sum.dim_IntList else "max"
@@ -262,13 +314,29 @@ def _router_head(node: Any) -> bool:
     return False
 
 
-ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.default, _router_head))
+def _topk_then_softmax(node: Any) -> bool:
+    """A 2-D ``topk`` whose values feed a ``_softmax`` (directly or through a cast): a Granite-style router."""
+    t = tensor_val(node.args[0])
+    if t is None or t.dim() != 2:
+        return False
+    for item in node.users:
+        if item.args[1] == 0:
+            readers = [*item.users, *(u for c in item.users if c.target in CAST_TARGETS for u in c.users)]
+            if any(u.target is aten._softmax.default for u in readers):
+                return True
+    return False
+
+
+ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.default, _router_head),
+           Anchor(aten.topk.default, _topk_then_softmax))
 
 _FORMS = {
     "softmax_topk": (_softmax_topk, "softmax -> topk -> [renorm] [scale] [cast] (Mixtral, Qwen, DeepSeek-V2 greedy)"),
     "softmax_group_max": (_softmax_group_max, "softmax, group max, masked_fill 0.0, topk (DeepSeek-V2 group-limited)"),
     "sigmoid_group_sum_top2": (_sigmoid_group_sum_top2,
                                "sigmoid + bias, group sum of top-2, masked_fill -inf, topk, gather (DeepSeek-V3, GLM4)"),
+    "softmax_bias": (_softmax_bias, "softmax + selection bias, topk, gather from the unbiased softmax"),
+    "topk_softmax": (_topk_softmax, "topk of the logits, softmax of the K values (Granite-MoE, Cohere2-MoE)"),
 }
 
 
@@ -276,7 +344,7 @@ def _pattern(variant: str) -> Pattern:
     make, description = _FORMS[variant]
     weights, ids = make()
     return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
-                   guards=(router_shapes, whole_tail), anchors=ANCHORS, outputs=(("ids", ids),),
+                   guards=(router_shapes, whole_tail, softmax_in_fp32), anchors=ANCHORS, outputs=(("ids", ids),),
                    description=description, produces="ep_fuse::moe_gating")
 
 

@@ -6,7 +6,9 @@
       mul(silu(_unsafe_view(mm(view(x, [T, H]), t(Wg)), [..., I])), _unsafe_view(mm(view(x, [T, H]), t(Wu)), [..., I]))
 
   (without the views for 2-D inputs; ``up * silu(gate)`` too);
-* one GEMM over concatenated gate|up weights: ``silu(split(mm(x, t(Wgu)), I)[0]) * split(...)[1]``.
+* one GEMM over concatenated gate|up weights: ``silu(split(mm(x, t(Wgu)), I)[0]) * split(...)[1]``; on an
+  N-D input (Granite-MoE-Shared's ``shared_mlp``) the product is ``_unsafe_view(mm(view(x, [T, H]), t(Wgu)),
+  [..., 2I])`` before the ``chunk``.
 
 Both become ``ep_fuse::gemm_swiglu(x, w_gate, w_up)``. Only a ``silu`` whose input is a GEMM output
 matches: Qwen3-Next's ``RMSNormGated`` (``normed · silu(gate)``) and GPT-OSS's clamped
@@ -63,11 +65,17 @@ def _trees() -> dict[str, Any]:
         trees[form] = op(aten.mul.Tensor, self=op(aten.silu.default, self=gate), other=up,
                          commutative=("self", "other"))
     x = Var("x", _float_tensor)
-    mm = op(aten.mm.default, self=x, mat2=op(aten.t.default, self=Var("w_gate_up", _float_tensor)), bind="mm_w_gate_up")
-    split = op(aten.split.Tensor, self=mm, split_size=Lit(lambda v: None if isinstance(v, int) else "int", bind="inter"),
-               dim=Lit(lambda v: None if v in (-1, 1) else f"split over dim {v}"), bind="split")
-    trees["concat_gemm"] = op(aten.mul.Tensor, self=op(aten.silu.default, self=Item(split, 0)), other=Item(split, 1),
-                              commutative=("self", "other"))
+    weight = op(aten.t.default, self=Var("w_gate_up", _float_tensor))
+    mm = op(aten.mm.default, self=x, mat2=weight, bind="mm_w_gate_up")
+    # N-D input (Granite-MoE-Shared's shared_mlp): view -> mm -> _unsafe_view back to [..., 2I], then the chunk
+    mm_nd = op(VIEWS, self=op(aten.mm.default, self=op(VIEWS, self=x, size=Lit(is_shape), bind="flat_gu"), mat2=weight,
+                              bind="mm_w_gate_up"), size=Lit(is_shape), bind="gu_view")
+    for form, gu in {"concat_gemm": mm, "concat_gemm_nd": mm_nd}.items():
+        split = op(aten.split.Tensor, self=gu, split_size=Lit(lambda v: None if isinstance(v, int) else "int",
+                                                               bind="inter"),
+                   dim=Lit(lambda v: None if isinstance(v, int) else "int", bind="split_dim"), bind="split")
+        trees[form] = op(aten.mul.Tensor, self=op(aten.silu.default, self=Item(split, 0)), other=Item(split, 1),
+                         commutative=("self", "other"))
     return trees
 
 
@@ -99,12 +107,25 @@ def views_flatten_tokens(m: Match) -> str | None:
             v = tensor_val(m[name])
             if v.dim() != 2 or not statically_known_true(v.shape[1] == x.shape[-1]):
                 return f"{name} reshapes the input to {list(v.shape)}, not [tokens, {x.shape[-1]}]"
-    if "flat_g" not in m.bindings and tensor_val(m["x"]).dim() != 2:
+    if "flat_g" not in m.bindings and "flat_gu" not in m.bindings and x.dim() != 2:
         return "mm of a non-2-D input"
+    if "flat_gu" in m.bindings:
+        v, out = tensor_val(m["flat_gu"]), tensor_val(m["gu_view"])
+        if v.dim() != 2 or not statically_known_true(v.shape[1] == x.shape[-1]):
+            return f"flat_gu reshapes the input to {list(v.shape)}, not [tokens, {x.shape[-1]}]"
+        if not same_shape(out.shape, [*x.shape[:-1], tensor_val(m["mm_w_gate_up"]).shape[-1]]):
+            return f"the gate|up product is viewed as {list(out.shape)}, not x's tokens by 2I"
     return None
 
 
-GUARDS = (weights_match_input, views_flatten_tokens)
+def splits_the_last_dim(m: Match) -> str | None:
+    """The chunk of the gate|up product runs over its last dim (the features)."""
+    if "split_dim" in m.bindings and m["split_dim"] not in (-1, tensor_val(m["split"].args[0]).dim() - 1):
+        return f"split over dim {m['split_dim']}, not the features"
+    return None
+
+
+GUARDS = (splits_the_last_dim, views_flatten_tokens, weights_match_input)
 
 
 def _build(m: Match) -> Replacement:

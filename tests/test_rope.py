@@ -23,6 +23,11 @@ def rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def rotate_pairs(x):
+    """HF GLM / Cohere ``rotate_half``: the GPT-J pairs as a rotated copy of the head."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
 class Attn(nn.Module):
     """q/k projections viewed as [B, S, H, D] and transposed to [B, H, S, D], then one RoPE form."""
 
@@ -62,6 +67,13 @@ class Attn(nn.Module):
             return torch.stack((te * cos - to * sin, to * cos + te * sin), dim=-1).flatten(-2)
         if self.form == "complex":
             return self._complex(t, cos)
+        if self.form.endswith("rotate_pairs"):  # HF GLM: cos[..., :R/2].repeat_interleave(2, -1)
+            c = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            s = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            if self.form == "rotate_pairs":
+                return t * c + rotate_pairs(t) * s
+            tr, tp = t[..., : c.shape[-1]], t[..., c.shape[-1]:]
+            return torch.cat((tr * c + rotate_pairs(tr) * s, tp), dim=-1)
         raise ValueError(self.form)
 
 
@@ -71,16 +83,18 @@ def _trig(form, s=7, d=16, rot=None, dtype=BF16):
     if form.startswith("complex"):
         freqs = torch.randn(1, s, d // 2, generator=g)
         return torch.polar(torch.ones_like(freqs), freqs), None
-    width = rot if form in ("half", "partial") else rot // 2
-    ang = torch.randn(1, s, width // 2 if form in ("half", "partial") else width, generator=g)
-    if form in ("half", "partial"):
+    full = form in ("half", "partial", "rotate_pairs", "partial_rotate_pairs")  # cat((f, f), -1) layout
+    width = rot if full else rot // 2
+    ang = torch.randn(1, s, width // 2 if full else width, generator=g)
+    if full:
         ang = torch.cat((ang, ang), -1)
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
 FORMS = [("half", "half", None), ("partial", "partial", 8), ("chunk", "chunk", None),
          ("deinterleave", "deinterleave", None), ("interleave", "interleave", None), ("complex", "complex", None),
-         ("complex_bshd", "complex", None)]
+         ("complex_bshd", "complex", None), ("rotate_pairs", "rotate_pairs", None),
+         ("partial_rotate_pairs", "partial_rotate_pairs", 8)]
 
 
 def _setup(form, rot):
@@ -168,6 +182,82 @@ def test_look_alikes_do_not_match(mod, shapes, why):
     if why:
         text = "\n".join(m.explain() for m in rep.near_misses)
         assert why in text, text
+
+
+class CohereRope(nn.Module):
+    """HF Cohere / Cohere2-MoE: cos/sin of ``repeat_interleave``-d angles (in the rotary module), heads
+    upcast to fp32, bf16 cos/sin, the rotated copy ``stack((-x2, x1), -1).flatten(-2)``, one cast back."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+
+    def forward(self, q, k, pos):
+        emb = torch.repeat_interleave(pos[..., None].float() * self.inv_freq, 2, dim=-1)
+        cos, sin = (emb.cos() * 1.0).to(q.dtype).unsqueeze(1), (emb.sin() * 1.0).to(q.dtype).unsqueeze(1)
+        qf, kf = q.float(), k.float()
+        return (qf * cos + rotate_pairs(qf) * sin).to(q.dtype), (kf * cos + rotate_pairs(kf) * sin).to(k.dtype)
+
+
+def _cohere_args(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 4, 7, 16, generator=g).to(BF16), torch.randn(2, 2, 7, 16, generator=g).to(BF16)
+    return q, k, torch.arange(7).expand(2, 7)
+
+
+def test_rotate_pairs_from_repeated_angles_is_bitwise_eager():
+    mod, args = CohereRope(), _cohere_args()
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant) for m in rep.matches] == [("rope", "rotate_pairs")] * 2, rep
+    assert rep.ops_after.get("ep_fuse.rope_qk.default") == 1 and rep.ops_after.get("aten.neg.default", 0) == 0
+    assert not rep.near_misses
+    for o, e in zip(out, ref):
+        assert torch.equal(o, e)
+
+
+class FullWidthCos(nn.Module):
+    """The rotated copy with cos/sin given at full width: nothing says cos[2j] == cos[2j+1]."""
+
+    def forward(self, q, cos, sin):
+        return q * cos + rotate_pairs(q) * sin
+
+
+class CatCos(nn.Module):
+    """The rotated pairs with a rotate-half cos layout, ``cat((c, c), -1)``: a different rotation."""
+
+    def forward(self, q, cos, sin):
+        c, s = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+        return q * torch.cat((c, c), -1) + rotate_pairs(q) * torch.cat((s, s), -1)
+
+
+class SwappedPairs(nn.Module):
+    """``stack((x2, -x1))``: the opposite rotation."""
+
+    def forward(self, q, cos, sin):
+        c = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, -1)
+        s = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, -1)
+        return q * c + torch.stack((q[..., 1::2], -q[..., 0::2]), -1).flatten(-2) * s
+
+
+@pytest.mark.parametrize("mod, why", [
+    (FullWidthCos(), "cos is not provably repeated in pairs: arg1_1 is not computed in the graph"),
+    (CatCos(), "cos is not provably repeated in pairs: cat"),
+    (SwappedPairs(), "expected aten.neg.default"),
+], ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "")
+def test_rotate_pairs_look_alikes_do_not_match(mod, why):
+    g = torch.Generator().manual_seed(0)
+    q, cos, sin = (torch.randn(shape, generator=g).to(BF16) for shape in ((1, 2, 5, 16), (1, 1, 5, 16), (1, 1, 5, 16)))
+    with torch.no_grad():
+        ref = mod(q, cos, sin)
+    out = compile_and_run(mod, q, cos, sin, executor="eager")
+    rep = ep_fuse.last_report()
+    assert not [m for m in rep.matches if m.pattern == "rope"], rep
+    assert torch.equal(out, ref)
+    text = "\n".join(m.explain() for m in rep.near_misses)
+    assert why in text, text
 
 
 def test_q_and_k_with_different_cos_are_not_paired():

@@ -95,6 +95,8 @@ def test_reference_rejects_bad_arguments():
         moe_gating_ref(x, torch.zeros(4, 8), 2, "sigmoid", 2, 1, "sum_top2", True, 0.0, 1.0, None)
     with pytest.raises(ValueError, match="top_k"):
         moe_gating_ref(x, None, 9, "softmax", 1, 1, "none", True, 0.0, 1.0, None)
+    with pytest.raises(ValueError, match="no selection bias"):
+        moe_gating_ref(x, torch.zeros(8), 2, "topk_softmax", 1, 1, "none", False, 0.0, 1.0, None)
     with pytest.raises(ValueError, match="group_score='max'"):
         moe_gating_ref(x, torch.zeros(8), 2, "softmax", 2, 1, "max", False, 0.0, 1.0, None)
 
@@ -111,20 +113,21 @@ def _logits(t, e, ties, seed, dtype=F32):
 
 @settings(max_examples=80, deadline=None)
 @given(t=st.integers(1, 40), e_g=st.sampled_from([(4, 1), (8, 1), (8, 2), (16, 4), (24, 3), (64, 8), (40, 5)]),
-       k=st.integers(1, 6), topk_group=st.integers(1, 3), form=st.sampled_from(["softmax", "v2", "v3", "sigmoid"]),
+       k=st.integers(1, 6), topk_group=st.integers(1, 3),
+       form=st.sampled_from(["softmax", "v2", "v3", "sigmoid", "topk_softmax"]),
        ties=st.booleans(), bias=st.booleans(), renorm=st.booleans(),
        weight_dtype=st.sampled_from([None, BF16, torch.float16]), logit_dtype=st.sampled_from([F32, BF16]),
        seed=st.integers(0, 2**16))
 def test_triton_matches_the_stable_reference(t, e_g, k, topk_group, form, ties, bias, renorm, weight_dtype,
                                              logit_dtype, seed):
     e, n_group = e_g
-    score = "sigmoid" if form in ("v3", "sigmoid") else "softmax"
+    score = "sigmoid" if form in ("v3", "sigmoid") else "topk_softmax" if form == "topk_softmax" else "softmax"
     group_score = {"v2": "max", "v3": "sum_top2"}.get(form, "none")
     if group_score == "none":
         n_group, topk_group = 1, 1
     topk_group = min(topk_group, n_group)
     k = min(k, e)
-    bias = bias and form != "v2"  # the group-max form takes no selection bias (check_gating_args)
+    bias = bias and form not in ("v2", "topk_softmax")  # no selection bias there (check_gating_args)
     b = (torch.randint(-1, 2, (e,), generator=torch.Generator().manual_seed(seed)).float() * 0.25) if bias else None
     args = (_logits(t, e, ties, seed, logit_dtype), b, k, score, n_group, topk_group, group_score, renorm,
             1e-20 if score == "sigmoid" else 0.0, 2.5 if form == "v3" else 1.0, weight_dtype)
@@ -176,6 +179,7 @@ def test_npu_declines_what_the_op_cannot_compute(torch_npu_double):
     assert "kept groups" in gating_supports((x, None, 5, "sigmoid", 2, 1, "sum_top2", True, 0.0, 1.0, None))
     assert "renormalises" in gating_supports((x, None, 2, "sigmoid", 2, 1, "sum_top2", False, 0.0, 1.0, None))
     assert "2048" in gating_supports((torch.randn(2, 4096), None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None))
+    assert "no topk_softmax score" in gating_supports((x, None, 2, "topk_softmax", 1, 1, "none", False, 0.0, 1.0, None))
 
 
 # --------------------------------------------------------------------------- patterns and look-alikes
@@ -218,6 +222,47 @@ class SoftmaxRouter(nn.Module):
         return w.to(BF16), ids
 
 
+class TopkSoftmaxRouter(nn.Module):
+    """Granite-MoE (fp32 logits, ``type_as``) and Cohere2-MoE (bf16 logits, ``softmax(dtype=float)``):
+    the top-k of the logits, then a softmax of the K values. Look-alikes: GPT-OSS's bf16 softmax, a softmax
+    over dim 0, the top-k values also returned (e.g. for an auxiliary loss)."""
+
+    def __init__(self, variant="granite"):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, logits):
+        v, ids = torch.topk(logits, 2, dim=-1)
+        if self.variant == "granite":
+            return torch.softmax(v, dim=-1).type_as(torch.ones((), dtype=BF16)), ids
+        if self.variant == "cohere2":
+            return torch.softmax(v, dim=1, dtype=torch.float).to(logits.dtype), ids
+        if self.variant == "bf16_softmax":  # GPT-OSS
+            return torch.softmax(v, dim=1, dtype=v.dtype), ids
+        if self.variant == "softmax_dim0":
+            return torch.softmax(v, dim=0), ids
+        return torch.softmax(v, dim=-1), ids, v  # "values_also_returned"
+
+
+class SoftmaxBiasRouter(nn.Module):
+    """Softmax scores, a learned bias that only selects, weights gathered from the unbiased scores, renorm,
+    scale (the softmax sibling of DeepSeek-V3's router). Look-alikes: the bias in the weights, a per-token
+    [T, E] bias."""
+
+    def __init__(self, e=8, variant="ok"):
+        super().__init__()
+        self.register_buffer("bias", torch.linspace(-0.05, 0.05, e))
+        self.variant = variant
+
+    def forward(self, logits):
+        p = torch.softmax(logits, dim=-1)
+        bias = logits * 0.01 if self.variant == "per_token_bias" else self.bias
+        sel = p + bias
+        ids = torch.topk(sel, 2, dim=-1)[1]
+        w = (sel if self.variant == "bias_in_weights" else p).gather(1, ids)
+        return (w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.0).to(BF16), ids
+
+
 def _matches(mod, x):
     with torch.no_grad():
         ref = mod(x)
@@ -231,6 +276,51 @@ def test_router_modules_match():
     x = _logits(12, 8, ties=False, seed=1)
     assert _matches(Router(), x)[0] == ["sigmoid_group_sum_top2"]
     assert _matches(SoftmaxRouter(), x)[0] == ["softmax_topk"]
+    assert _matches(SoftmaxBiasRouter(), x)[0] == ["softmax_bias"]
+    assert _matches(TopkSoftmaxRouter("granite"), x)[0] == ["topk_softmax"]
+    assert _matches(TopkSoftmaxRouter("cohere2"), x.to(BF16))[0] == ["topk_softmax"]
+
+
+@pytest.mark.parametrize("variant, dtype, args", [
+    ("granite", F32, (2, "topk_softmax", 1, 1, "none", False, 0.0, 1.0, BF16)),
+    ("cohere2", BF16, (2, "topk_softmax", 1, 1, "none", False, 0.0, 1.0, BF16)),
+])
+def test_topk_softmax_router_exact_and_with_the_kernel(variant, dtype, args):
+    """Reference: bitwise the model, ties included (it selects with the model's torch.topk on the logits in
+    their dtype). Triton: stable ties; the bf16 logits of Cohere2 have many exact ties, where the experts
+    picked carry the same logit and so the same weight."""
+    mod = TopkSoftmaxRouter(variant)
+    for ties in (False, True):
+        x = _logits(40, 8, ties=ties, seed=5, dtype=dtype)
+        assert _matches(mod, x)[0] == ["topk_softmax"]  # (asserts bitwise equality with the reference)
+        with torch.no_grad():
+            w, ids = mod(x)
+        out = compile_and_run(mod, x, executor="eager")
+        assert {m.provider for m in ep_fuse.last_report().matches} == {"triton"}
+        sw, sids = moe_gating_stable_ref(x, None, *args)
+        assert torch.equal(out[1], sids)
+        torch.testing.assert_close(out[0].float(), sw.float(), rtol=8e-3, atol=1e-6)
+        if not ties:
+            _same_routing(out[0], out[1], w, ids, exact=False)
+        else:  # same weights as a multiset per token (a tied expert swapped for one of equal logit)
+            assert torch.equal(x.gather(1, ids).sort(-1)[0], x.gather(1, sids).sort(-1)[0])
+            torch.testing.assert_close(out[0].sort(-1)[0].float(), w.sort(-1)[0].float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("mod, dtype, why", [
+    (TopkSoftmaxRouter("bf16_softmax"), BF16, "softmax of the top-k values in torch.bfloat16"),
+    (TopkSoftmaxRouter("softmax_dim0"), F32, "expected one of (-1, 1), got 0"),
+    (TopkSoftmaxRouter("values_also_returned"), F32, "is also used outside the pattern"),
+    (SoftmaxBiasRouter(variant="bias_in_weights"), F32, "expected aten._softmax.default, got aten.add.Tensor"),
+    (SoftmaxBiasRouter(variant="per_token_bias"), F32, "failed at mul: must be the same node as '_softmax' (probs)"),
+    (SoftmaxRouter(), BF16, "router scores computed in torch.bfloat16"),
+], ids=["bf16_softmax", "softmax_dim0", "values_also_returned", "bias_in_weights", "per_token_bias",
+        "bf16_scores"])
+def test_new_router_look_alikes_are_near_misses(mod, dtype, why):
+    variants, rep = _matches(mod, _logits(12, 8, ties=False, seed=2, dtype=dtype))
+    assert variants == [], rep
+    text = "\n".join(m.explain() for m in rep.near_misses)
+    assert why in text, text
 
 
 @pytest.mark.parametrize("mod", [Router(variant="bias_in_weights"), Router(variant="eps_in_numerator"),

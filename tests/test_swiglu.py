@@ -77,8 +77,9 @@ def _x(shape=(3, 5, 32), seed=0):
 @pytest.mark.parametrize(
     "mod, shape, variant",
     [(Mlp(), (3, 5, 32), "two_gemm"), (Mlp(swapped=True), (3, 5, 32), "two_gemm"),
-     (Mlp(), (7, 32), "two_gemm_2d"), (FusedGateUp(), (4, 32), "concat_gemm")],
-    ids=["mlp", "up_times_silu", "2d", "fused_gate_up"],
+     (Mlp(), (7, 32), "two_gemm_2d"), (FusedGateUp(), (4, 32), "concat_gemm"),
+     (FusedGateUp(), (3, 5, 32), "concat_gemm_nd")],
+    ids=["mlp", "up_times_silu", "2d", "fused_gate_up", "fused_gate_up_3d"],
 )
 def test_forms_match_and_match_eager(mod, shape, variant):
     torch.manual_seed(0)
@@ -91,7 +92,7 @@ def test_forms_match_and_match_eager(mod, shape, variant):
     assert [(m.pattern, m.variant) for m in rep.matches] == [("gemm_swiglu", variant)], rep
     assert rep.ops_before.get("aten.silu.default") == 1 and rep.ops_after.get("aten.silu.default", 0) == 0
     assert rep.ops_after.get("ep_fuse.gemm_swiglu.default") == 1
-    if variant == "concat_gemm":  # two GEMMs over the weight halves vs one over the whole: blocking may differ
+    if variant.startswith("concat_gemm"):  # two GEMMs over the weight halves vs one over the whole: blocking may differ
         ulp_close(out, ref, BF16)
     else:
         assert torch.equal(out, ref)
@@ -99,6 +100,48 @@ def test_forms_match_and_match_eager(mod, shape, variant):
     out = compile_and_run(mod, x, executor="eager", perf_guard=False)  # the kernel, though measured slower
     assert ep_fuse.last_report().matches[0].provider == "triton"
     ulp_close(out, ref, BF16)
+
+
+class ChunkOverTokens(nn.Module):
+    """The 3-D gate|up product chunked over the sequence dim: not a SwiGLU of one token's features."""
+
+    def __init__(self, h=32, i=48):
+        super().__init__()
+        self.gate_up = nn.Linear(h, 2 * i, bias=False)
+
+    def forward(self, x):
+        g, u = self.gate_up(x).chunk(2, dim=1)
+        return F.silu(g) * u
+
+
+class ViewMixesTokens(nn.Module):
+    """The product viewed back with features folded into tokens before the chunk."""
+
+    def __init__(self, h=32, i=48):
+        super().__init__()
+        self.gate_up = nn.Linear(h, 2 * i, bias=False)
+
+    def forward(self, x):
+        y = F.linear(x.view(-1, x.shape[-1]), self.gate_up.weight).view(x.shape[0], -1, 2 * 12)
+        g, u = y.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+
+@pytest.mark.parametrize("mod, shape, why", [
+    (ChunkOverTokens(), (3, 4, 32), "split over dim 1, not the features"),
+    (ViewMixesTokens(), (3, 5, 32), "the gate|up product is viewed as [3, 20, 24], not x's tokens by 2I"),
+], ids=["chunk_over_tokens", "view_mixes_tokens"])
+def test_nd_concat_look_alikes_are_near_misses(mod, shape, why):
+    mod = mod.to(BF16)
+    x = _x(shape)
+    with torch.no_grad():
+        ref = mod(x)
+    out = compile_and_run(mod, x, executor="eager")
+    rep = ep_fuse.last_report()
+    assert rep.count("gemm_swiglu") == 0, rep
+    text = "\n".join(m.explain() for m in rep.near_misses)
+    assert why in text, text
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("mod, args", [(RmsNormGated(), (_x(), _x(seed=1))), (GptOssGlu(), (_x(),))],

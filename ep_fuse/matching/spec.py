@@ -83,6 +83,12 @@ class Pattern:
     def key(self) -> str:
         return f"{self.name}[{self.variant}]"
 
+    @property
+    def family(self) -> str:
+        """The catalog module that declares the pattern (the module of its ``build``): patterns of one
+        family compete only through their priority order, never through the engine's precedence rule."""
+        return self.build.__module__.rsplit(".", 1)[-1]
+
     def root_targets(self) -> set[Any]:
         return _root_targets(self.tree)
 

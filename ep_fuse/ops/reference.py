@@ -73,7 +73,7 @@ def add_rms_norm_ref(
     return rms_norm_ref(s, weight, eps, eps_t, mode, upcast, out_dtype), s
 
 
-ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex")
+ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex", "rotate_pairs")
 """How the first ``rot_dim`` channels of a head rotate (``op-contracts.md`` §3):
 
 * ``half`` (rotate-half / NeoX): ``x·cos + cat(-x2, x1)·sin``; cos/sin span ``rot_dim``;
@@ -81,6 +81,10 @@ ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex")
 * ``deinterleave`` (DeepSeek-V3 ``rope_interleave``): the same on ``x[0::2], x[1::2]``, output de-interleaved;
 * ``interleave`` (GPT-J, vLLM ``is_neox=False``): the same pairs, output interleaved
   (``stack((x1·c − x2·s, x2·c + x1·s), -1).flatten(-2)``);
+* ``rotate_pairs`` (HF GLM / Cohere ``rotate_half``): the GPT-J pairs written with a rotated copy of the
+  head, ``x·c2 + stack((−x[1::2], x[0::2]), -1).flatten(-2)·s2`` with ``c2 = c.repeat_interleave(2, -1)``
+  (c/s span ``rot_dim / 2``): the values of ``interleave``, the output laid out like ``x`` (an
+  element-wise result, where ``interleave``'s ``stack`` is contiguous);
 * ``complex`` (DeepSeek-V2, Llama4): pairs ``(x[2j], x[2j+1])`` times ``freqs_cis[j]`` in fp32, interleaved
   output; ``cos`` is the complex ``freqs_cis`` and ``sin`` is ``None``.
 
@@ -114,6 +118,9 @@ def rope_ref(
         out = out.to(out_dtype) if out_dtype is not None else out
     elif form == "half":
         out = xr * cos + torch.cat((-xr[..., h:], xr[..., :h]), -1) * sin
+    elif form == "rotate_pairs":
+        rotated = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+        out = xr * cos.repeat_interleave(2, -1) + rotated * sin.repeat_interleave(2, -1)
     else:
         if form == "chunk":
             x1, x2 = torch.split(xr, h, -1)

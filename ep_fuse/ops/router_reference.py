@@ -22,6 +22,21 @@ scale, weight_dtype) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging 
 | DeepSeek-V2 greedy | softmax | - | none | False | 0 | routed_scaling_factor | None |
 | DeepSeek-V2 group_limited_greedy | softmax | - | max | False | 0 | routed_scaling_factor | None |
 | DeepSeek-V3 / GLM4-MoE | sigmoid | e_score_correction_bias | sum_top2 | norm_topk_prob | 1e-20 | routed_scaling_factor | None |
+| softmax + selection bias | softmax | the bias | none | any | any | any | any |
+| Granite-MoE, Cohere2-MoE | topk_softmax | - | none | False | 0 | 1 | the activation dtype |
+
+**``topk_softmax``** (Granite-MoE, Cohere2-MoE ``expert_selection_fn="softmax"``): ``values, ids =
+topk(logits, K)`` on the logits in their own dtype (bf16 router logits included), then
+``softmax(values.float())`` over the K values. Mathematically this is softmax -> top-k -> renormalise,
+but not in floating point, so it is its own score: (1) the weights round differently
+(``exp(l_i - m) / sum_K exp(l_j - m)`` once, against a division by the full sum and then by the top-k
+sum); (2) the selection can differ -- ``softmax`` is monotonic but not strictly so in fp32: two distinct
+logits can round to the same probability (``exp`` underflows to 0.0 about 104 below the maximum logit;
+nearby logits can round to one probability), and a top-k of the probabilities then meets a tie
+the top-k of the logits does not have. Selecting on the logits keeps the reference bitwise equal to the
+model; the fused providers' stable ties apply only to logits that are exactly equal (then the two
+experts carry the same weight: a tie inside the top-k only swaps slots, a tie at the K-th place picks
+an expert of equal weight).
 
 **Slot order and ties.** The reference selects with ``torch.topk`` exactly as the model does
 (experts: ``sorted=True``; groups: ``sorted=False``), so the reference provider stays bitwise equal to
@@ -50,7 +65,7 @@ from __future__ import annotations
 
 import torch
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "topk_softmax")
 GROUP_SCORES = ("none", "max", "sum_top2")
 
 
@@ -82,6 +97,9 @@ def check_gating_args(
                              f"of which {topk_group} are kept")
         if group_score == "sum_top2" and e // n_group < 2:
             raise ValueError("ep_fuse moe_gating: sum_top2 needs at least 2 experts per group")
+    if score == "topk_softmax" and (bias is not None or group_score != "none"):
+        raise ValueError("ep_fuse moe_gating: score 'topk_softmax' (top-k of the logits, softmax of the K values) "
+                         "takes no selection bias and no groups")
     if bias is not None and group_score == "max":
         raise ValueError("ep_fuse moe_gating: a selection bias with group_score='max' is not supported "
                          "(DeepSeek-V2's group-max router has none; masked experts would compete at 0.0)")
@@ -130,6 +148,15 @@ def _gating(
     stable: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+    if score == "topk_softmax":
+        # select on the logits in their own dtype, as the model does (an upcast is exact and keeps the order)
+        if stable:
+            ids = stable_topk_ids(logits, top_k)
+            values = logits.gather(1, ids)
+        else:
+            values, ids = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(values.to(torch.float32), dim=-1)
+        return finish_weights(weights, renormalize, renorm_eps, scale, weight_dtype), ids
     x = logits.to(torch.float32)
     probs = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
     sel = probs + bias if bias is not None else probs

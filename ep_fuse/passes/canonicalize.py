@@ -39,28 +39,60 @@ class Canonicalize(GraphPass):
         for node in reversed(list(graph.nodes)):
             if node in erased or node.op != "call_function":
                 continue
-            for pattern in self._by_root.get(node.target, ()):
-                res = try_match(pattern, node)
-                if isinstance(res, Mismatch):
-                    misses.append((pattern, res))
-                    continue
-                rep = pattern.build(res)
-                reason = _same_result(node, rep, ctx.fake_mode)
-                if reason:
-                    misses.append((pattern, Mismatch(node, reason, tuple(res.nodes))))
-                    continue
-                record = self._record(res, ctx)
-                new = apply_replacement(gm, res, rep, ctx.fake_mode)
-                record.fused_node = new[0].name
-                ctx.report.matches.append(record)
-                ctx.match_by_node.setdefault(new[0].name, []).append(record)
-                erased.update(res.nodes)
-                changes += 1
-                log.debug("ep_fuse: %s matched at %s (%s)", pattern.key, node.name, record.module_path)
-                break
+            chosen = self._choose(node, misses, ctx)
+            if chosen is None:
+                continue
+            res, rep = chosen
+            record = self._record(res, ctx)
+            new = apply_replacement(gm, res, rep, ctx.fake_mode)
+            record.fused_node = new[0].name
+            ctx.report.matches.append(record)
+            ctx.match_by_node.setdefault(new[0].name, []).append(record)
+            erased.update(res.nodes)
+            changes += 1
+            log.debug("ep_fuse: %s matched at %s (%s)", res.pattern.key, node.name, record.module_path)
         ctx.report.matches.reverse()  # report in graph order
         self._near_misses(graph, misses, ctx)
         return changes
+
+    def _choose(self, node: fx.Node, misses: list[tuple[Pattern, Mismatch]], ctx: PassContext
+                ) -> tuple[Match, Any] | None:
+        """The match to apply at ``node``: the first pattern (priority order) that matches, unless it
+        would consume a node at which another family's pattern matches (a site it would destroy,
+        e.g. RoPE's final ``add`` read by a q/k RMSNorm as if it were a residual add) and a later
+        pattern at ``node`` matches without doing so; then that one (both fusions happen). When every
+        match at ``node`` costs a site, the first is taken (nothing would be gained by declining)."""
+        first: tuple[Match, Any] | None = None
+        for pattern in self._by_root.get(node.target, ()):
+            res = try_match(pattern, node)
+            if isinstance(res, Mismatch):
+                misses.append((pattern, res))
+                continue
+            rep = pattern.build(res)
+            reason = _same_result(node, rep, ctx.fake_mode)
+            if reason:
+                misses.append((pattern, Mismatch(node, reason, tuple(res.nodes))))
+                continue
+            taken = self._sites_taken(res)
+            if not taken:
+                return res, rep
+            if first is None:
+                first = (res, rep)
+            log.debug("ep_fuse: %s at %s would consume %s; trying the next pattern", pattern.key, node.name,
+                      ", ".join(f"{n.name} ({key})" for n, key in taken))
+        return first
+
+    def _sites_taken(self, m: Match) -> list[tuple[fx.Node, str]]:
+        """Interior nodes of ``m`` at which a pattern of another family matches now."""
+        out = []
+        for n in m.nodes:
+            if n is m.root or n.op != "call_function":
+                continue
+            for other in self._by_root.get(n.target, ()):
+                if other.family != m.pattern.family and isinstance(try_match(other, n), Match):
+                    out.append((n, other.key))
+                    break
+        return out
 
     def _record(self, m: Match, ctx: PassContext) -> MatchRecord:
         return MatchRecord(
@@ -86,8 +118,9 @@ class Canonicalize(GraphPass):
             for pattern, miss in misses:
                 if pattern.name not in names:
                     continue
-                # the attempt reached the anchor, failed on it, or matched one of its users
-                if not (node in miss.matched or miss.node is node or any(u in miss.matched for u in node.users)):
+                # the attempt reached the anchor, failed on it, or reached (or failed at) one of its users
+                if not (node in miss.matched or miss.node is node
+                        or any(u in miss.matched or u is miss.node for u in node.users)):
                     continue
                 if pattern.key not in best or miss.depth > best[pattern.key].depth:
                     best[pattern.key] = miss

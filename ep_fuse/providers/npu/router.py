@@ -40,6 +40,8 @@ NORM_TYPES = {"softmax": 0, "sigmoid": 1}
 def gating_supports(args: tuple[Any, ...]) -> str | None:
     """``None`` when ``npu_moe_gating_top_k`` (plus a division for softmax renorm) computes this call."""
     logits, bias, top_k, score, n_group, topk_group, group_score, renorm, _eps, _scale, weight_dtype = args
+    if score not in NORM_TYPES:
+        return f"npu_moe_gating_top_k has no {score} score (a softmax of the K selected logits)"
     try:
         check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
     except ValueError as exc:

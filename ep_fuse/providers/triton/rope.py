@@ -12,6 +12,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from ep_fuse.ops.reference import CACHE_FORMS, ROPE_FORMS, rope_cache_ref, rope_ref
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+KERNEL_FORMS = {"rotate_pairs": "interleave"}
+"""Canonical forms computed by another form's kernel code: ``rotate_pairs`` has ``interleave``'s values
+(its output layout comes from the reference, like every output)."""
 
 
 def _unit_last_stride(t: torch.Tensor) -> bool:
@@ -182,7 +185,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         positions if positions is not None else qc,
         q_progs, q_rows, qlead[1], qlead[2], k_rows, klead[1], klead[2],
         *qxs, *qys, *qcs, *qss, *kxs, *kys, *kcs, *kss, cos.stride(0) if positions is not None else 0,
-        HALF=half, ROT=rot, D=int(d), FORM=FORMS[form], CODE=DTYPE_CODES[q.dtype],
+        HALF=half, ROT=rot, D=int(d), FORM=FORMS[KERNEL_FORMS.get(form, form)], CODE=DTYPE_CODES[q.dtype],
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
         EMULATE_RTNE=1 if INTERPRET else rounding_mode(q, TUNING.get("rounding")),

@@ -1,4 +1,4 @@
-"""Triton kernel for router gating: softmax/sigmoid, selection bias, group-limited top-k, renorm, scale.
+"""Triton kernel for router gating: softmax/sigmoid/top-k-then-softmax, selection bias, group-limited top-k, renorm, scale.
 
 One program handles ``BLOCK_T`` tokens; a token's ``E`` logits sit in registers (``BLOCK_E`` =
 next power of two), are upcast to fp32 right after the load, and never leave the chip until the
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ep_fuse.providers.triton.rms_norm_kernel import _for_store
 
-SCORES = {"softmax": 0, "sigmoid": 1}
+SCORES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
 GROUP_SCORES = {"none": 0, "max": 1, "sum_top2": 2}
 
 
@@ -49,8 +49,10 @@ def _gating_kernel(
         ex = tl.exp(x - tl.max(x, axis=1)[:, None])
         ex = tl.where(cmask, ex, 0.0)
         p = ex / tl.sum(ex, axis=1)[:, None]
-    else:
+    elif SCORE == 1:
         p = 1.0 / (1.0 + tl.exp(-x))
+    else:  # topk_softmax: select on the logits, the softmax of the K values follows the top-k
+        p = x
     sel = p
     if HAS_BIAS:
         sel = p + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -100,6 +102,11 @@ def _gating_kernel(
         total = total + wj  # slot order, as the reference's row sum
         w = tl.where(kcols == j, wj[:, None], w)
         ids = tl.where(kcols == j, idx[:, None].to(tl.int64), ids)
+    if SCORE == 2:
+        kmask = kcols < K
+        ex = tl.where(kmask, tl.exp(w - tl.max(tl.where(kmask, w, float("-inf")), axis=1)[:, None]), 0.0)
+        w = ex / tl.sum(ex, axis=1)[:, None]
+        total = tl.sum(w, axis=1)
     if RENORM:
         if HAS_EPS:
             total = total + eps

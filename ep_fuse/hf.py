@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -57,7 +58,8 @@ BATCH_SHAPE_ID = "ep_fuse_batch"
 
 
 def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids", "inputs_embeds", "position_ids",
-                                                                    "attention_mask")) -> dict[str, Any]:
+                                                                    "attention_mask"),
+                  force: bool = False) -> dict[str, Any]:
     """Mark the batch dim of a Hugging Face model's inputs so that batch 1 and larger batches share a graph.
 
     ``torch.compile(..., dynamic=True)`` (and automatic dynamic) specialise sizes 0 and 1: a batch of 1
@@ -69,6 +71,11 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     the batch size -- so ``position_ids`` ``[B, S]`` (``arange(S)``, what HF computes) are added when the
     inputs have neither ``position_ids`` nor ``past_key_values``. A KV cache's batch dim is not marked.
 
+    On CUDA the batch is left unmarked (with a WARNING) unless ``force=True``: measured on H200 with torch
+    2.11, CUDA SDPA guards on the unbacked batch (``Eq(u0, 1)``), which breaks the graph at every
+    attention layer for ``backend="ep_fuse"`` and ``backend="inductor"`` alike (a 2-layer model compiled 20
+    graphs over the sequence of ``bench/check_dynamic.py`` instead of 4 with plain ``dynamic=True``).
+
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).
     """
     import inspect
@@ -78,6 +85,9 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if ids is None:
         raise ValueError("ep_fuse.dynamic_batch: the inputs have neither input_ids nor inputs_embeds")
+    if ids.device.type == "cuda" and not force:
+        _warn_cuda_once()
+        return inputs
     if "position_ids" not in inputs and inputs.get("past_key_values") is None:
         b, s = ids.shape[:2]
         inputs["position_ids"] = torch.arange(s, device=ids.device).expand(b, s).contiguous()
@@ -94,3 +104,10 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
             else:
                 mark(t, 0)
     return inputs
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_cuda_once() -> None:
+    log.warning("ep_fuse.dynamic_batch: batch dims left unmarked on CUDA: CUDA SDPA guards on an unbacked "
+                "batch and breaks the graph at every attention layer (torch 2.11, H200). Use "
+                "torch.compile(..., dynamic=True) as is, or dynamic_batch(..., force=True) to mark anyway.")

@@ -380,3 +380,19 @@ def _tied_rows(kids, ids, logits, bias, args):
         a, b = sorted(sel[t, kids[t]].tolist()), sorted(sel[t, ids[t]].tolist())
         assert a == b, f"token {t}: the kernel picked {kids[t].tolist()}, the model {ids[t].tolist()}"
     return rows
+
+
+def test_unverified_kernel_variants_decline_on_cuda_only(monkeypatch):
+    from types import SimpleNamespace
+
+    from ep_fuse.providers.triton.unverified import ENV, UNVERIFIED_ON_GPU, gpu_unverified
+
+    cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.delenv(ENV, raising=False)
+    assert set(UNVERIFIED_ON_GPU) == {"moe_gating:topk_softmax", "rope:rotate_pairs"}
+    for variant in UNVERIFIED_ON_GPU:
+        assert "has not run on a GPU" in gpu_unverified(variant, cuda)
+        assert gpu_unverified(variant, cpu) is None  # the interpreter checks them on the CPU
+    assert gpu_unverified("moe_gating:softmax", cuda) is None
+    monkeypatch.setenv(ENV, "1")
+    assert gpu_unverified("moe_gating:topk_softmax", cuda) is None

@@ -10,6 +10,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from ep_fuse.ops.reference import CACHE_FORMS, ROPE_FORMS, rope_cache_ref, rope_ref
+from ep_fuse.providers.triton.unverified import gpu_unverified
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KERNEL_FORMS = {"rotate_pairs": "interleave"}
@@ -40,6 +41,9 @@ def check_rope_call(args: tuple[Any, ...]) -> str | None:
         xs = (q,)
     if form not in ROPE_FORMS:
         return f"unknown form {form!r}"
+    unverified = gpu_unverified(f"rope:{form}", q)
+    if unverified:
+        return unverified
     for x in xs:
         if x.dtype not in KERNEL_DTYPES:
             return f"head dtype {x.dtype} is not fp16/bf16/fp32"

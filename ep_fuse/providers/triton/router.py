@@ -13,6 +13,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.ops.router_reference import check_gating_args
+from ep_fuse.providers.triton.unverified import gpu_unverified
 
 log = logging.getLogger("ep_fuse.providers")
 
@@ -45,7 +46,7 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
         return "bias is not a unit-stride floating vector"
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight dtype {weight_dtype}"
-    return None
+    return gpu_unverified(f"moe_gating:{score}", logits)
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,

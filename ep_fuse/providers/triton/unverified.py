@@ -1,0 +1,27 @@
+"""Kernel variants that have run under the Triton interpreter but not yet on a GPU.
+
+On CUDA the Triton provider declines them (the call keeps the reference, which Inductor compiles) until
+``tests/gpu/`` has checked them on a GPU and they are removed from :data:`UNVERIFIED_ON_GPU`;
+``EP_FUSE_UNVERIFIED_KERNELS=1`` enables them anyway (what the GPU checks set).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+UNVERIFIED_ON_GPU: dict[str, str] = {
+    "moe_gating:topk_softmax": "tests/gpu/test_gpu_forms.py::test_router_forms_match_the_stable_reference",
+    "rope:rotate_pairs": "tests/gpu/test_gpu_forms.py::test_rotate_pairs_rope_is_bitwise_the_reference",
+}
+"""``"<op>:<variant>" -> the GPU check that clears it``."""
+
+ENV = "EP_FUSE_UNVERIFIED_KERNELS"
+
+
+def gpu_unverified(variant: str, t: Any) -> str | None:
+    """Why the kernel variant ``variant`` is declined for tensor ``t`` (``None`` when it may run)."""
+    check = UNVERIFIED_ON_GPU.get(variant)
+    if check is None or t.device.type != "cuda" or os.environ.get(ENV) == "1":
+        return None
+    return f"{variant}: this kernel variant has not run on a GPU yet ({check}; {ENV}=1 enables it)"

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import types
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -153,9 +154,16 @@ def _schemas(text: str) -> dict[str, str]:
     return out
 
 
+def _parse(source: str) -> ast.Module:
+    """torch_npu's files hold docstrings with invalid escapes (``'\\s'``): parse them without the warnings."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", (DeprecationWarning, SyntaxWarning))
+        return ast.parse(source)
+
+
 def _docs(source: str) -> dict[str, str]:
     out: dict[str, str] = {}
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parse(source)):
         if (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "_add_torch_npu_docstr"
                 and len(node.args) == 2 and all(isinstance(a, ast.Constant) for a in node.args)):
             out[node.args[0].value] = node.args[1].value
@@ -213,7 +221,7 @@ def _load_meta(source: str) -> tuple[dict[str, Callable[..., Any]], dict[str, st
 
     scope: dict[str, Any] = {"__name__": "torch_npu_meta_registrations",
                              "__builtins__": {**vars(builtins), "__import__": shimmed_import}}
-    for node in ast.parse(source).body:
+    for node in _parse(source).body:
         try:
             exec(compile(ast.Module([node], []), META_FILE, "exec"), scope)  # noqa: S102 - torch_npu's own file
         except Exception as exc:  # noqa: BLE001 - one statement: the rest still loads

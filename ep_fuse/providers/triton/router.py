@@ -46,7 +46,8 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
         return "bias is not a unit-stride floating vector"
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight dtype {weight_dtype}"
-    for variant in (score, group_score, "renorm_clamp" if len(args) > 11 and args[11] else None):
+    variants = (score, group_score, *(("renorm_clamp",) if len(args) > 11 and args[11] else ()))
+    for variant in variants:  # each is a kernel variant of its own (unverified.py)
         reason = gpu_unverified(f"moe_gating:{variant}", logits)
         if reason is not None:
             return reason

@@ -18,12 +18,18 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
   (``e_score_correction_bias``; optional), group score ``sum(topk(view(sel), 2)[0], [-1])``, the same
   mask chain with ``masked_fill(sel, ·, -inf)`` (optional: no groups), ``ids = topk(·, K, sorted=False)[1]``,
   weights ``gather(s, 1, ids)`` -- the bias selects, it never weighs -- then the tail.
+* ``sigmoid_group_sum_top2_fill0`` (DeepSeek-V3's remote ``modeling_deepseek.py``): the same with
+  ``masked_fill(sel, ·, 0.0)`` -- canonical ``group_score="sum_top2_fill0"`` (masked experts compete at 0.0);
+  both read the scores through ``view(T, -1)`` and the bias as ``bias.unsqueeze(0)`` if written so, and
+  groups viewed ``[T, G, -1]``.
 * ``softmax_bias``: the same with ``_softmax`` scores and no groups (the softmax sibling of DeepSeek-V3's
-  selection bias).
+  selection bias; Ernie-4.5-MoE, whose ``div(w, clamp(sum, min=eps))`` tail becomes ``renorm_clamp=True``).
 * ``topk_softmax`` (Granite-MoE, Cohere2-MoE): ``v, ids = topk(logits, K)`` on fp32 or bf16 logits,
   ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; the softmax must run in fp32 (:func:`softmax_in_fp32`).
   Its own score in the canonical op (see :mod:`ep_fuse.ops.router_reference` for why it is not
   softmax -> top-k -> renormalise, ties included).
+* ``topk_sigmoid`` (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``v, ids = topk(logits, K)``,
+  ``sigmoid(v)`` in fp32, then the tail (``norm_topk_prob``: ``div(w, sum(w))``).
 
 The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
 in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
@@ -61,13 +67,13 @@ from ep_fuse.matching import (
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
-    readers,
     concrete_int,
     is_bool,
     is_int,
     is_shape,
     is_value,
     one_of,
+    readers,
     same_shape,
     sym_eq,
 )

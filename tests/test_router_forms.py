@@ -172,7 +172,9 @@ def _hf_router(cls, cfg):
 def test_ernie_router_fuses_with_clamp_renorm():
     """transformers' ``Ernie4_5_MoeTopKRouter``: softmax, ``moe_statics`` bias (selection only), top-k, gather,
     ``/ clamp(sum, min=moe_norm_min)``, cast: canonical ``renorm_clamp=True``."""
-    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import (
+        Ernie4_5_MoeTopKRouter,
+    )
 
     cfg = tf.Ernie4_5_MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_norm_min=1e-12)
     router = _hf_router(Ernie4_5_MoeTopKRouter, cfg)
@@ -207,7 +209,9 @@ def test_clamp_router_exact():
 def test_cohere2_sigmoid_router(norm):
     """``Cohere2MoeTopKRouter(expert_selection_fn="sigmoid")``: top-k of the logits, sigmoid of the K values,
     ``norm_topk_prob``. fp32 fuses (``topk_sigmoid``); bf16 computes the sigmoid in bf16: a near miss."""
-    from transformers.models.cohere2_moe.modeling_cohere2_moe import Cohere2MoeTopKRouter
+    from transformers.models.cohere2_moe.modeling_cohere2_moe import (
+        Cohere2MoeTopKRouter,
+    )
 
     cfg = tf.Cohere2MoeConfig(hidden_size=32, num_experts=8, num_experts_per_tok=2, expert_selection_fn="sigmoid",
                               norm_topk_prob=norm)

@@ -18,12 +18,18 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
   (``e_score_correction_bias``; optional), group score ``sum(topk(view(sel), 2)[0], [-1])``, the same
   mask chain with ``masked_fill(sel, ·, -inf)`` (optional: no groups), ``ids = topk(·, K, sorted=False)[1]``,
   weights ``gather(s, 1, ids)`` -- the bias selects, it never weighs -- then the tail.
+* ``sigmoid_group_sum_top2_fill0`` (DeepSeek-V3's remote ``modeling_deepseek.py``): the same with
+  ``masked_fill(sel, ·, 0.0)`` -- canonical ``group_score="sum_top2_fill0"`` (masked experts compete at 0.0);
+  both read the scores through ``view(T, -1)`` and the bias as ``bias.unsqueeze(0)`` if written so, and
+  groups viewed ``[T, G, -1]``.
 * ``softmax_bias``: the same with ``_softmax`` scores and no groups (the softmax sibling of DeepSeek-V3's
-  selection bias).
+  selection bias; Ernie-4.5-MoE, whose ``div(w, clamp(sum, min=eps))`` tail becomes ``renorm_clamp=True``).
 * ``topk_softmax`` (Granite-MoE, Cohere2-MoE): ``v, ids = topk(logits, K)`` on fp32 or bf16 logits,
   ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; the softmax must run in fp32 (:func:`softmax_in_fp32`).
   Its own score in the canonical op (see :mod:`ep_fuse.ops.router_reference` for why it is not
   softmax -> top-k -> renormalise, ties included).
+* ``topk_sigmoid`` (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``v, ids = topk(logits, K)``,
+  ``sigmoid(v)`` in fp32, then the tail (``norm_topk_prob``: ``div(w, sum(w))``).
 
 The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
 in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
@@ -67,12 +73,14 @@ from ep_fuse.matching.checks import (
     is_shape,
     is_value,
     one_of,
+    readers,
     same_shape,
     sym_eq,
 )
 from ep_fuse.matching.matcher import CAST_TARGETS
 from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import canonical
+from ep_fuse.ops.router_reference import TOPK_FIRST
 
 aten = torch.ops.aten
 log = logging.getLogger("ep_fuse.patterns")
@@ -127,6 +135,10 @@ def _neg_inf(v: Any) -> str | None:
     return None if isinstance(v, float) and v == float("-inf") else f"expected -inf, got {v!r}"
 
 
+def _zero(v: Any) -> str | None:
+    return None if isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 else f"expected 0.0, got {v!r}"
+
+
 LAST_2D = one_of(-1, 1)
 LAST_3D = one_of(-1, 2)
 
@@ -172,9 +184,12 @@ def _not_in_kept_groups(sel: Any, group_score: str) -> Any:
 
 
 def _tail(w: Any) -> Any:
-    """``[_to_copy]([mul]([div(w, [add](sum(w, [-1], True), eps))], scale))`` (``w`` must carry a bind)."""
+    """``[_to_copy]([mul]([div(w, [add](sum(w, [-1], True), eps) | clamp(sum(w, [-1], True), min=eps))], scale))``
+    (``w`` must carry a bind)."""
     total = op(aten.sum.dim_IntList, self=w, dim=Lit(one_of([-1], [1])), keepdim=Lit(equals(True)))
-    denom = alt(op(aten.add.Tensor, self=total, other=Lit(is_number, bind="renorm_eps")), total)
+    denom = alt(op(aten.add.Tensor, self=total, other=Lit(is_number, bind="renorm_eps")),
+                op(aten.clamp.default, self=total, min=Lit(is_number, bind="clamp_eps"), max=Lit(is_value(None))),
+                op(aten.clamp_min.default, self=total, min=Lit(is_number, bind="clamp_eps")), total)
     renormed = alt(op(aten.div.Tensor, self=w, other=denom, bind="renorm"), w)
     scaled = alt(op((aten.mul.Tensor, aten.mul.Scalar), self=renormed, other=Lit(is_number, bind="scale")), renormed)
     return Opt(Cast(scaled, dtype="weight_dtype"))
@@ -193,20 +208,30 @@ def _softmax_group_max() -> tuple[Any, Any]:
     return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
 
 
-def _gathered(kind: str, grouped: bool) -> tuple[Any, Any]:
-    """Selection on ``probs [+ bias]`` (masked to the kept groups), weights gathered from ``probs``."""
+def _gathered(kind: str, grouped: bool, fill: Any = _neg_inf) -> tuple[Any, Any]:
+    """Selection on ``probs [+ bias]`` (masked to the kept groups with ``fill``), weights gathered from ``probs``.
+
+    DeepSeek-V3's remote code reads the scores through ``view(T, -1)`` and adds ``bias.unsqueeze(0)``
+    ([1, E]); both are accepted (the view is guarded to keep the [T, E] shape)."""
     probs = _probs(kind)  # also read by the selection: the ids' tree, matched as a second output
     gathered = op(aten.gather.default, self=probs, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor),
                   bind="weights_raw")
-    sel = alt(op(aten.add.Tensor, self=probs, other=Var("bias", _bias_vector), commutative=("self", "other")),
-              probs, bind="sel")
+    read = alt(op(VIEWS, self=probs, size=Lit(is_shape, bind="probs_view")), probs)
+    bias = alt(op(aten.unsqueeze.default, self=Var("bias", _bias_vector), dim=Lit(equals(0))),
+               Var("bias", _bias_vector))
+    sel = alt(op(aten.add.Tensor, self=read, other=bias, commutative=("self", "other")), read, bind="sel")
     masked = alt(op(aten.masked_fill.Scalar, self=sel, mask=_not_in_kept_groups(sel, "sum_top2"),
-                    value=Lit(_neg_inf)), sel) if grouped else sel
+                    value=Lit(fill)), sel) if grouped else sel
     return _tail(gathered), Item(_topk(masked), 1)
 
 
 def _sigmoid_group_sum_top2() -> tuple[Any, Any]:
     return _gathered("sigmoid", grouped=True)
+
+
+def _sigmoid_group_sum_top2_fill0() -> tuple[Any, Any]:
+    """DeepSeek-V3's remote ``modeling_deepseek.py``: ``masked_fill(~mask, 0.0)`` (not -inf)."""
+    return _gathered("sigmoid", grouped=True, fill=_zero)
 
 
 def _softmax_bias() -> tuple[Any, Any]:
@@ -222,6 +247,13 @@ def _topk_softmax() -> tuple[Any, Any]:
     return Opt(Cast(probs, dtype="weight_dtype")), Item(topk, 1)
 
 
+def _topk_sigmoid() -> tuple[Any, Any]:
+    """``v, ids = topk(logits, K)``; ``sigmoid(v)``, [renorm], [cast] (Cohere2-MoE ``expert_selection_fn="sigmoid"``)."""
+    topk = _topk(Var("logits", _any_2d), bind="topk")
+    values = Item(topk, 0, bind="weights_raw")
+    return _tail(op(aten.sigmoid.default, self=Opt(Cast(values, torch.float32)), bind="probs")), Item(topk, 1)
+
+
 # --------------------------------------------------------------------------- guards
 def router_shapes(m: Match) -> str | tuple[Any, str] | None:
     """[T, E] logits, K <= E, a [E] bias, groups that tile the experts, [T, K] outputs."""
@@ -232,16 +264,20 @@ def router_shapes(m: Match) -> str | tuple[Any, str] | None:
         return f"top-{k} of {e} experts"
     if "bias" in m.bindings and not statically_known_true(tensor_val(m["bias"]).shape[0] == e):
         return m["bias"], f"bias of shape {list(tensor_val(m['bias']).shape)} is not [{e}]"
+    if "probs_view" in m.bindings and not same_shape(m["probs_view"], [t, e], [-1, e], [t, -1]):
+        return f"scores viewed as {list(m['probs_view'])} before the bias, expected [{t}, {e}]"
     if "gscore" in m.bindings:
         view = list(m["group_view"])
-        if (len(view) != 3 or not (sym_eq(view[0], -1) or sym_eq(view[0], t))
-                or concrete_int(view[1]) is None or concrete_int(view[2]) is None
-                or not statically_known_true(view[1] * view[2] == e)):
+        g = concrete_int(view[1]) if len(view) == 3 else None
+        per = concrete_int(view[2]) if g else None
+        if g and per == -1:  # ``view(T, G, -1)`` (DeepSeek-V3 remote code)
+            per = concrete_int(e) // g if concrete_int(e) is not None and concrete_int(e) % g == 0 else None
+        if (g is None or per is None or per < 1 or not (sym_eq(view[0], -1) or sym_eq(view[0], t))
+                or not statically_known_true(g * per == e)):
             return f"group view {view} does not split [{t}, {e}] into [T, groups, experts per group]"
-        g, per = view[1], view[2]
         if not same_shape(m["group_expand"], [-1, g, per], [t, g, per]):
             return f"group mask expanded to {list(m['group_expand'])}, expected [-1, {g}, {per}]"
-        if not same_shape(m["group_flat"], [t, e], [-1, e]):
+        if not same_shape(m["group_flat"], [t, e], [-1, e], [t, -1]):
             return f"group mask flattened to {list(m['group_flat'])}, expected [{t}, {e}]"
         if not 1 <= m["topk_group"] <= g:
             return f"keeps {m['topk_group']} of {g} groups"
@@ -274,13 +310,14 @@ def whole_tail(m: Match) -> str | None:
 
 
 def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
-    """``topk_softmax``: the softmax of the K values runs in fp32 (fp32 logits, or a cast to fp32 first)."""
-    if m.pattern.variant != "topk_softmax":
+    """``topk_softmax``/``topk_sigmoid``: the score of the K values runs in fp32 (fp32 logits, or a cast first)."""
+    if m.pattern.variant not in TOPK_FIRST:
         return None
     dtype = tensor_val(m["probs"]).dtype
+    fn = m.pattern.variant.removeprefix("topk_")
     if dtype != torch.float32:
-        return m["probs"], (f"softmax of the top-k values in {dtype}: eager rounds the weights to {dtype} inside "
-                            f"the softmax, which the fused providers (fp32 math) do not reproduce bitwise")
+        return m["probs"], (f"{fn} of the top-k values in {dtype}: eager rounds the weights to {dtype} inside "
+                            f"the {fn}, which the fused providers (fp32 math) do not reproduce bitwise")
     return None
 
 
@@ -288,47 +325,55 @@ def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
 def _build(m: Match) -> Replacement:
     probs = m["probs"]
     score = "softmax" if probs.target is aten._softmax.default else "sigmoid"
-    if m.pattern.variant == "topk_softmax":
-        score = "topk_softmax"
+    if m.pattern.variant in TOPK_FIRST:
+        score = m.pattern.variant
     group_score, n_group, topk_group = "none", 1, 1
     if "gscore" in m.bindings:
         group_score = "sum_top2" if m["gscore"].target is aten.sum.dim_IntList else "max"
+        if m.pattern.variant.endswith("_fill0"):
+            group_score = "sum_top2_fill0"
         n_group, topk_group = int(m["group_view"][1]), int(m["topk_group"])
+    clamp = "clamp_eps" in m.bindings
     args = (m["logits"], m.get("bias"), int(m["top_k"]), score, n_group, topk_group, group_score,
-            "renorm" in m.bindings, float(m.get("renorm_eps", 0.0)), float(m.get("scale", 1.0)),
-            m.get("weight_dtype"))
+            "renorm" in m.bindings, float(m.get("clamp_eps" if clamp else "renorm_eps", 0.0)),
+            float(m.get("scale", 1.0)), m.get("weight_dtype"))
+    if clamp:  # the schema's trailing ``renorm_clamp=False``: other calls keep their 11 arguments
+        args = (*args, True)
     log.debug("ep_fuse: moe_gating%s at %s", args[2:], m.root.name)
     return Replacement(canonical.moe_gating.op, args, ("root", "ids"))
 
 
 def _router_head(node: Any) -> bool:
-    """A 2-D ``_softmax``/``sigmoid`` feeding a ``topk`` (directly or through a bias add): a router."""
+    """A 2-D ``_softmax``/``sigmoid`` feeding a ``topk`` (directly or through a bias add), looking through
+    views (DeepSeek-V3's remote ``scores.view(T, -1) + bias``): a router. Anchors decide where a failed match
+    is reported as a near miss, so they must accept every look-alike the forms could be written as."""
     t = tensor_val(node)
     if t is None or t.dim() != 2:
         return False
-    for user in node.users:
+    for user in readers(node):
         if user.target is aten.topk.default:
             return True
-        if user.target is aten.add.Tensor and any(u.target in (aten.topk.default, *VIEWS) for u in user.users):
+        if user.target is aten.add.Tensor and any(u.target in (aten.topk.default, *VIEWS) for u in readers(user)):
             return True
     return False
 
 
-def _topk_then_softmax(node: Any) -> bool:
-    """A 2-D ``topk`` whose values feed a ``_softmax`` (directly or through a cast): a Granite-style router."""
+def _topk_then_score(node: Any) -> bool:
+    """A 2-D ``topk`` whose values feed a ``_softmax``/``sigmoid`` (directly or through a cast): a Granite- or
+    Cohere2-style router."""
     t = tensor_val(node.args[0])
     if t is None or t.dim() != 2:
         return False
     for item in node.users:
         if item.args[1] == 0:
-            readers = [*item.users, *(u for c in item.users if c.target in CAST_TARGETS for u in c.users)]
-            if any(u.target is aten._softmax.default for u in readers):
+            readers_ = [*item.users, *(u for c in item.users if c.target in CAST_TARGETS for u in c.users)]
+            if any(u.target in (aten._softmax.default, aten.sigmoid.default) for u in readers_):
                 return True
     return False
 
 
 ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.default, _router_head),
-           Anchor(aten.topk.default, _topk_then_softmax))
+           Anchor(aten.topk.default, _topk_then_score))
 
 _FORMS = {
     "softmax_topk": (_softmax_topk, "softmax -> topk -> [renorm] [scale] [cast] (Mixtral, Qwen, DeepSeek-V2 greedy)"),
@@ -337,6 +382,9 @@ _FORMS = {
                                "sigmoid + bias, group sum of top-2, masked_fill -inf, topk, gather (DeepSeek-V3, GLM4)"),
     "softmax_bias": (_softmax_bias, "softmax + selection bias, topk, gather from the unbiased softmax"),
     "topk_softmax": (_topk_softmax, "topk of the logits, softmax of the K values (Granite-MoE, Cohere2-MoE)"),
+    "sigmoid_group_sum_top2_fill0": (_sigmoid_group_sum_top2_fill0,
+                                     "as sigmoid_group_sum_top2 with masked_fill 0.0 (DeepSeek-V3 remote code)"),
+    "topk_sigmoid": (_topk_sigmoid, "topk of the logits, sigmoid of the K values [renorm] (Cohere2-MoE sigmoid)"),
 }
 
 

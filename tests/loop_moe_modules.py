@@ -2,7 +2,9 @@
 of the code people load with ``trust_remote_code=True`` or from transformers 4.x (for ``ep_fuse.prepare``):
 
 * ``DeepseekV3MoE``: DeepSeek-V3's ``modeling_deepseek.py`` -- ``MoEGate`` with ``topk_method="noaux_tc"``
-  (sigmoid scores, ``e_score_correction_bias`` selects, group-limited top-k, ``norm_topk_prob``,
+  (sigmoid scores, ``scores.view(T, -1) + e_score_correction_bias.unsqueeze(0)`` selects, groups viewed
+  ``[T, G, -1]``, experts outside the kept groups ``masked_fill``-ed with 0.0 (``cfg.mask_fill``; the
+  remote code's value, transformers 5 uses -inf), ``norm_topk_prob`` with ``+ 1e-20``,
   ``routed_scaling_factor``) returning ``(topk_idx, topk_weight)``; ``moe_infer`` sorts the slots with
   ``argsort``, counts ``tokens_per_expert`` on the host and runs the experts one by one; shared experts;
 * ``MixtralSparseMoeBlock``: ``block_sparse_moe.experts[i].w1/w2/w3``, softmax top-k in ``forward``,
@@ -28,7 +30,7 @@ def config(**overrides) -> SimpleNamespace:
            "num_local_experts": 8, "num_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 2,
            "topk_group": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "hidden_act": "silu",
            "shared_expert_intermediate_size": 24, "router_jitter_noise": 0.0, "topk_method": "noaux_tc",
-           "scoring_func": "sigmoid", "mlp_bias": False}
+           "scoring_func": "sigmoid", "mlp_bias": False, "mask_fill": 0.0}
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
 
@@ -62,6 +64,7 @@ class MoEGate(nn.Module):
         self.n_group = cfg.n_group
         self.topk_group = cfg.topk_group
         self.norm_topk_prob = cfg.norm_topk_prob
+        self.mask_fill = cfg.mask_fill
         self.weight = nn.Parameter(torch.randn(self.n_routed_experts, cfg.hidden_size) / cfg.hidden_size**0.5)
         self.e_score_correction_bias = nn.Parameter(0.1 * torch.randn(self.n_routed_experts))
 
@@ -78,13 +81,12 @@ class MoEGate(nn.Module):
         group_mask.scatter_(1, group_idx, 1)
         score_mask = group_mask.unsqueeze(-1).expand(
             bsz * seq_len, self.n_group, self.n_routed_experts // self.n_group).reshape(bsz * seq_len, -1)
-        masked = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        masked = choice.masked_fill(~score_mask.bool(), self.mask_fill)
         _, topk_idx = torch.topk(masked, k=self.top_k, dim=-1, sorted=False)
         topk_weight = scores.gather(1, topk_idx)
         if self.top_k > 1 and self.norm_topk_prob:
-            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
-        else:
-            topk_weight = topk_weight * self.routed_scaling_factor
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        topk_weight = topk_weight * self.routed_scaling_factor
         return topk_idx, topk_weight
 
 

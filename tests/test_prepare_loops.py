@@ -20,9 +20,8 @@ NORMS = {"rms_norm": 1, "add_rms_norm": 1}  # LoopModel's two pre-block norms
 CASES = {
     # name: block, (form, layout), fused sites in the one graph of the 2-layer model
     "deepseek_v3": (L.DeepseekV3MoE, ("moe_infer", "gate_proj/up_proj/down_proj"),
-                    # the remote-code gate is not a moe_gating form (yet): its ``scores.view(T, -1) +
-                    # bias.unsqueeze(0)`` and ``view(T, G, -1)`` differ from transformers 5's router
-                    {"moe_experts": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared experts
+                    # the remote-code gate (``masked_fill`` 0.0): moe_gating ``sigmoid_group_sum_top2_fill0``
+                    {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared experts
     "mixtral": (L.MixtralSparseMoeBlock, ("softmax_topk", "w1/w3/w2"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
     "qwen2_moe": (L.Qwen2MoeSparseMoeBlock, ("softmax_topk", "gate_proj/up_proj/down_proj"),
                   {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared expert

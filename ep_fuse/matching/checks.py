@@ -85,3 +85,24 @@ def is_value(expected: Any) -> Callable[[Any], str | None]:
 
 VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
 """The ops a ``reshape`` traces to."""
+
+READ_THROUGH = (*VIEWS, torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.default,
+                torch.ops.aten.squeeze.dims)
+"""Shape-only ops an anchor predicate looks through to find who reads a value."""
+
+
+def readers(node: Any, depth: int = 3) -> list[Any]:
+    """The users of ``node`` and, through up to ``depth`` views (:data:`READ_THROUGH`), the users of those views.
+
+    For anchor predicates: an anchor decides where a failed match becomes a near miss, so a predicate that
+    only looks at direct users misses the look-alike that reads the value through ``view(T, -1)``."""
+    out: list[Any] = []
+    frontier = list(getattr(node, "users", ()))
+    for _ in range(depth + 1):
+        nxt = []
+        for user in frontier:
+            out.append(user)
+            if getattr(user, "target", None) in READ_THROUGH:
+                nxt.extend(user.users)
+        frontier = nxt
+    return out

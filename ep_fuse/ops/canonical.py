@@ -88,8 +88,10 @@ from ep_fuse.ops.router_reference import moe_gating_ref as _moe_gating_ref  # no
 
 MOE_GATING_SCHEMA = (
     "(Tensor logits, Tensor? bias, int top_k, str score, int n_group, int topk_group, str group_score, "
-    "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype) -> (Tensor, Tensor)"
+    "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype, bool renorm_clamp=False) "
+    "-> (Tensor, Tensor)"
 )
+"""``renorm_clamp`` (Ernie-4.5-MoE) is passed only when true: calls keep the 11 arguments otherwise."""
 moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, _moe_gating_ref)
 """``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.router_reference`."""
 

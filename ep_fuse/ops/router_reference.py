@@ -1,7 +1,8 @@
 """Pure-torch reference of the router gating op ``ep_fuse::moe_gating`` (``op-contracts.md`` §5).
 
 ``moe_gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-scale, weight_dtype) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging Face routers::
+scale, weight_dtype, renorm_clamp=False) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging Face
+routers::
 
     probs   = softmax(logits, -1) | sigmoid(logits)          # fp32 (the router logits are fp32)
     sel     = probs + bias            (bias: selection only, never in the weights)
@@ -9,10 +10,14 @@ scale, weight_dtype) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging 
             ("max", DeepSeek-V2) or the sum of its two largest values ("sum_top2", DeepSeek-V3/GLM4);
             the best ``topk_group`` groups are kept:
               "sum_top2": the other experts' ``sel`` become -inf, weights come from ``probs``;
+              "sum_top2_fill0": the same with the other experts' ``sel`` set to 0.0 (DeepSeek-V3's
+                          remote ``modeling_deepseek.py``): where fewer than top_k kept experts have
+                          ``sel > 0`` (a negative bias), masked experts compete at 0.0 and can be chosen
               "max":      the other experts' ``sel`` and ``probs`` become 0.0 and the weights come
                           from those masked values (HF DeepSeek-V2 takes the top-k *values*)
     ids     = the top_k of sel
     weights = probs[ids]  ->  / (sum + renorm_eps) if renormalize  ->  * scale  ->  .to(weight_dtype)
+              (renorm_clamp: / clamp(sum, min=renorm_eps), Ernie-4.5-MoE's ``moe_norm_min``)
 
 | model | score | bias | group_score | renormalize | renorm_eps | scale | weight_dtype |
 |---|---|---|---|---|---|---|---|
@@ -23,7 +28,23 @@ scale, weight_dtype) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging 
 | DeepSeek-V2 group_limited_greedy | softmax | - | max | False | 0 | routed_scaling_factor | None |
 | DeepSeek-V3 / GLM4-MoE | sigmoid | e_score_correction_bias | sum_top2 | norm_topk_prob | 1e-20 | routed_scaling_factor | None |
 | softmax + selection bias | softmax | the bias | none | any | any | any | any |
+| DeepSeek-V3 remote code | sigmoid | e_score_correction_bias | sum_top2_fill0 | norm_topk_prob | 1e-20 | routed_scaling_factor | None |
+| Ernie-4.5-MoE (renorm_clamp) | softmax | moe_statics bias | none | True | moe_norm_min | 1 | the activation dtype |
 | Granite-MoE, Cohere2-MoE | topk_softmax | - | none | False | 0 | 1 | the activation dtype |
+| Cohere2-MoE ``"sigmoid"`` | topk_sigmoid | - | none | norm_topk_prob | 0 | 1 | the activation dtype |
+
+**``topk_sigmoid``** (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``values, ids = topk(logits, K)``,
+then ``sigmoid(values)`` (fp32 logits: the sigmoid must run in fp32), optionally renormalised. Sigmoid is
+monotonic, so this selects what ``sigmoid`` -> top-k would up to fp32 ties; it is a score of its own for the
+same reason as ``topk_softmax``: it selects on the logits.
+
+**``sum_top2_fill0``.** With ``-inf`` the masked experts are never chosen (the kept groups hold at least
+``topk_group * E / n_group >= top_k`` experts). With 0.0 they are, whenever fewer than ``top_k`` kept
+experts have a positive biased score ``sigmoid + bias`` (possible: the bias is learned and may be
+negative). Then several masked experts tie at 0.0 and which one wins is ``torch.topk``'s
+implementation-defined tie order (the reference reproduces it, the fused providers take the lowest id);
+the weight is the masked expert's own sigmoid score, as in the model. With ``sel > 0`` on every kept
+expert (a non-negative bias) the two fills select the same experts.
 
 **``topk_softmax``** (Granite-MoE, Cohere2-MoE ``expert_selection_fn="softmax"``): ``values, ids =
 topk(logits, K)`` on the logits in their own dtype (bf16 router logits included), then
@@ -65,8 +86,10 @@ from __future__ import annotations
 
 import torch
 
-SCORES = ("softmax", "sigmoid", "topk_softmax")
-GROUP_SCORES = ("none", "max", "sum_top2")
+SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
+GROUP_SCORES = ("none", "max", "sum_top2", "sum_top2_fill0")
+TOPK_FIRST = ("topk_softmax", "topk_sigmoid")
+"""Scores computed on the K values the top-k of the logits selected."""
 
 
 def check_gating_args(
@@ -95,11 +118,11 @@ def check_gating_args(
         if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
             raise ValueError(f"ep_fuse moe_gating: {e} experts do not split into {n_group} groups "
                              f"of which {topk_group} are kept")
-        if group_score == "sum_top2" and e // n_group < 2:
+        if group_score.startswith("sum_top2") and e // n_group < 2:
             raise ValueError("ep_fuse moe_gating: sum_top2 needs at least 2 experts per group")
-    if score == "topk_softmax" and (bias is not None or group_score != "none"):
-        raise ValueError("ep_fuse moe_gating: score 'topk_softmax' (top-k of the logits, softmax of the K values) "
-                         "takes no selection bias and no groups")
+    if score in TOPK_FIRST and (bias is not None or group_score != "none"):
+        raise ValueError(f"ep_fuse moe_gating: score {score!r} (top-k of the logits, then the score of the K "
+                         f"values) takes no selection bias and no groups")
     if bias is not None and group_score == "max":
         raise ValueError("ep_fuse moe_gating: a selection bias with group_score='max' is not supported "
                          "(DeepSeek-V2's group-max router has none; masked experts would compete at 0.0)")
@@ -121,7 +144,7 @@ def _group_keep(sel: torch.Tensor, n_group: int, topk_group: int, group_score: s
     """[T, E] bool: experts of the ``topk_group`` best groups of ``sel``."""
     t, e = sel.shape
     grouped = sel.view(t, n_group, e // n_group)
-    if group_score == "sum_top2":
+    if group_score.startswith("sum_top2"):
         gscore = grouped.topk(2, dim=-1)[0].sum(dim=-1)
     else:
         gscore = grouped.max(dim=-1).values
@@ -145,18 +168,20 @@ def _gating(
     renorm_eps: float,
     scale: float,
     weight_dtype: torch.dtype | None,
+    renorm_clamp: bool,
     stable: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
-    if score == "topk_softmax":
+    if score in TOPK_FIRST:
         # select on the logits in their own dtype, as the model does (an upcast is exact and keeps the order)
         if stable:
             ids = stable_topk_ids(logits, top_k)
             values = logits.gather(1, ids)
         else:
             values, ids = torch.topk(logits, top_k, dim=-1)
-        weights = torch.softmax(values.to(torch.float32), dim=-1)
-        return finish_weights(weights, renormalize, renorm_eps, scale, weight_dtype), ids
+        values = values.to(torch.float32)
+        weights = torch.softmax(values, dim=-1) if score == "topk_softmax" else torch.sigmoid(values)
+        return finish_weights(weights, renormalize, renorm_eps, scale, weight_dtype, renorm_clamp), ids
     x = logits.to(torch.float32)
     probs = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
     sel = probs + bias if bias is not None else probs
@@ -166,19 +191,23 @@ def _gating(
         if group_score == "max":
             sel = sel.masked_fill(~keep, 0.0)
             src = sel if bias is None else probs.masked_fill(~keep, 0.0)
-        else:
-            sel = sel.masked_fill(~keep, float("-inf"))
+        else:  # DeepSeek-V3's remote code fills 0.0 (masked experts compete at 0.0), transformers 5 -inf
+            sel = sel.masked_fill(~keep, 0.0 if group_score == "sum_top2_fill0" else float("-inf"))
     ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
-    return finish_weights(src.gather(1, ids), renormalize, renorm_eps, scale, weight_dtype), ids
+    return finish_weights(src.gather(1, ids), renormalize, renorm_eps, scale, weight_dtype, renorm_clamp), ids
 
 
 def finish_weights(
-    weights: torch.Tensor, renormalize: bool, renorm_eps: float, scale: float, weight_dtype: torch.dtype | None
+    weights: torch.Tensor, renormalize: bool, renorm_eps: float, scale: float, weight_dtype: torch.dtype | None,
+    renorm_clamp: bool = False,
 ) -> torch.Tensor:
-    """The routers' tail in their op order: ``w / (sum(w) [+ eps])``, ``* scale``, one cast."""
+    """The routers' tail in their op order: ``w / (sum(w) [+ eps])`` (``renorm_clamp``: ``w / clamp(sum(w),
+    min=eps)``), ``* scale``, one cast."""
     if renormalize:
         denom = weights.sum(dim=-1, keepdim=True)
-        if renorm_eps != 0.0:
+        if renorm_clamp:
+            denom = denom.clamp(min=renorm_eps)
+        elif renorm_eps != 0.0:
             denom = denom + renorm_eps
         weights = weights / denom
     if scale != 1.0:
@@ -200,10 +229,11 @@ def moe_gating_ref(
     renorm_eps: float,
     scale: float,
     weight_dtype: torch.dtype | None,
+    renorm_clamp: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, K], ids [T, K] int64)`` selected with ``torch.topk`` (the model's ties)."""
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                   scale, weight_dtype, stable=False)
+                   scale, weight_dtype, renorm_clamp, stable=False)
 
 
 def moe_gating_stable_ref(
@@ -218,7 +248,8 @@ def moe_gating_stable_ref(
     renorm_eps: float,
     scale: float,
     weight_dtype: torch.dtype | None,
+    renorm_clamp: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused providers' contract: as :func:`moe_gating_ref` with stable, lowest-index-first ties."""
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                   scale, weight_dtype, stable=True)
+                   scale, weight_dtype, renorm_clamp, stable=True)

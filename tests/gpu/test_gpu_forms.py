@@ -1,4 +1,5 @@
-"""The router and RoPE forms added for issue 15 (``topk_softmax``, ``softmax_bias``, ``rotate_pairs``) on CUDA:
+"""The router and RoPE forms added for issue 15 (``topk_softmax``, ``topk_sigmoid``, ``softmax_bias``, DeepSeek-V3's
+remote ``sum_top2_fill0`` mask, Ernie's ``renorm_clamp``, ``rotate_pairs``) on CUDA:
 the Triton kernels against the references, at decode and prefill token counts, with exact ties."""
 
 from __future__ import annotations
@@ -28,15 +29,21 @@ def _logits(t: int, e: int, ties: bool, dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("t", [1, 37, 512, 4096])
-@pytest.mark.parametrize("score, bias", [("topk_softmax", False), ("softmax", True)])
+@pytest.mark.parametrize("form", ["topk_softmax", "softmax_bias", "topk_sigmoid", "fill0", "clamp"])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-def test_router_forms_match_the_stable_reference(t, score, bias, ties, dtype):
-    if score == "softmax" and dtype == BF16:
-        pytest.skip("bf16 softmax scores are declined (not bitwise reproducible)")
+def test_router_forms_match_the_stable_reference(t, form, ties, dtype):
+    if form in ("softmax_bias", "fill0", "clamp") and dtype == BF16:
+        pytest.skip("bf16 softmax/sigmoid scores are declined (not bitwise reproducible)")
     e, k = 64, 8
-    b = (torch.randint(-1, 2, (e,), device="cuda").float() * 0.25) if bias else None
-    args = (_logits(t, e, ties, dtype), b, k, score, 1, 1, "none", score == "softmax", 0.0, 1.0, BF16)
+    b = torch.randint(-1, 2, (e,), device="cuda").float() * 0.25
+    x = _logits(t, e, ties, dtype)
+    args = {"topk_softmax": (x, None, k, "topk_softmax", 1, 1, "none", False, 0.0, 1.0, BF16),
+            "softmax_bias": (x, b, k, "softmax", 1, 1, "none", True, 0.0, 1.0, BF16),
+            "topk_sigmoid": (x, None, k, "topk_sigmoid", 1, 1, "none", True, 0.0, 1.0, BF16),
+            # a bias of -0.75 on some experts: masked experts at 0.0 are chosen over negative kept ones
+            "fill0": (x, b * 3, k, "sigmoid", 8, 2, "sum_top2_fill0", True, 1e-20, 2.5, None),
+            "clamp": (x, b, k, "softmax", 1, 1, "none", True, 1e-12, 1.0, BF16, True)}[form]
     assert check_gating_call(args) is None
     w, ids = moe_gating_kernel(*args)
     rw, rids = moe_gating_stable_ref(*args)

@@ -39,9 +39,13 @@ NORM_TYPES = {"softmax": 0, "sigmoid": 1}
 
 def gating_supports(args: tuple[Any, ...]) -> str | None:
     """``None`` when ``npu_moe_gating_top_k`` (plus a division for softmax renorm) computes this call."""
-    logits, bias, top_k, score, n_group, topk_group, group_score, renorm, _eps, _scale, weight_dtype = args
+    logits, bias, top_k, score, n_group, topk_group, group_score, renorm, _eps, _scale, weight_dtype = args[:11]
+    if len(args) > 11 and args[11]:
+        return "npu_moe_gating_top_k renormalises by sum + eps, not by clamp(sum, min=eps)"
+    if group_score not in GROUP_SELECT_MODES:
+        return f"npu_moe_gating_top_k has no {group_score} group mask (masked experts at 0.0, not -inf)"
     if score not in NORM_TYPES:
-        return f"npu_moe_gating_top_k has no {score} score (a softmax of the K selected logits)"
+        return f"npu_moe_gating_top_k has no {score} score (a score of the K values a top-k of the logits selected)"
     try:
         check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
     except ValueError as exc:
@@ -65,7 +69,7 @@ def gating_supports(args: tuple[Any, ...]) -> str | None:
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                      scale, weight_dtype):  # noqa: ANN001, ANN201 - schema-typed
+                      scale, weight_dtype, renorm_clamp=False):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_npu::moe_gating``."""
     divide_after = score == "softmax" and renormalize
     y, ids, _norm = _npu().npu_moe_gating_top_k(

@@ -28,7 +28,7 @@ MAX_GROUPS = 64
 
 def check_gating_call(args: tuple[Any, ...]) -> str | None:
     """``None`` when the Triton kernel can run these ``moe_gating`` arguments, else why not."""
-    logits, bias, top_k, score, n_group, topk_group, group_score, _renorm, _eps, _scale, weight_dtype = args
+    logits, bias, top_k, score, n_group, topk_group, group_score, _renorm, _eps, _scale, weight_dtype = args[:11]
     try:
         check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
     except ValueError as exc:
@@ -46,11 +46,16 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
         return "bias is not a unit-stride floating vector"
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight dtype {weight_dtype}"
-    return gpu_unverified(f"moe_gating:{score}", logits)
+    variants = (score, group_score, *(("renorm_clamp",) if len(args) > 11 and args[11] else ()))
+    for variant in variants:  # each is a kernel variant of its own (unverified.py)
+        reason = gpu_unverified(f"moe_gating:{variant}", logits)
+        if reason is not None:
+            return reason
+    return None
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                      scale, weight_dtype, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
+                      scale, weight_dtype, renorm_clamp=False, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_triton::moe_gating``: ``(weights [T, K], ids [T, K] int64)``."""
     from ep_fuse.providers.triton.router_kernel import launch
 
@@ -60,5 +65,5 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
     if isinstance(t, int) and t == 0:
         return weights, ids
     launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize,
-           renorm_eps, scale, wrap=wrap)
+           renorm_eps, scale, renorm_clamp=renorm_clamp, wrap=wrap)
     return weights, ids

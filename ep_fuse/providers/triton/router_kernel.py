@@ -1,4 +1,5 @@
-"""Triton kernel for router gating: softmax/sigmoid/top-k-then-softmax, selection bias, group-limited top-k, renorm, scale.
+"""Triton kernel for router gating: softmax/sigmoid/top-k-then-softmax/sigmoid, selection bias, group-limited top-k
+(masked experts at -inf or 0.0), renorm (``+ eps`` or ``clamp(min=eps)``), scale.
 
 One program handles ``BLOCK_T`` tokens; a token's ``E`` logits sit in registers (``BLOCK_E`` =
 next power of two), are upcast to fp32 right after the load, and never leave the chip until the
@@ -6,7 +7,7 @@ next power of two), are upcast to fp32 right after the load, and never leave the
 **lowest index wins among equal values** (a max, then a min over the indices that reach it), i.e. a
 stable descending top-k -- the tie order of ``npu_moe_gating_top_k`` and of
 :func:`ep_fuse.ops.router_reference.moe_gating_stable_ref`. Only Triton 3.x core ops are used
-(``max``/``min``/``sum``/``where``/``exp``/``static_range``), nothing newer than Triton 3.6 offers.
+(``max``/``min``/``maximum``/``sum``/``where``/``exp``/``static_range``), nothing newer than Triton 3.6 offers.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import triton.language as tl
 
 from ep_fuse.providers.triton.rms_norm_kernel import _for_store
 
-SCORES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2}
-GROUP_SCORES = {"none": 0, "max": 1, "sum_top2": 2}
+SCORES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sigmoid": 3}
+GROUP_SCORES = {"none": 0, "max": 1, "sum_top2": 2, "sum_top2_fill0": 3}
 
 
 @triton.jit
@@ -35,7 +36,7 @@ def _gating_kernel(
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr,
     GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    RENORM: tl.constexpr, HAS_EPS: tl.constexpr, HAS_SCALE: tl.constexpr,
+    RENORM: tl.constexpr, HAS_EPS: tl.constexpr, CLAMP: tl.constexpr, HAS_SCALE: tl.constexpr,
     OUT_CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -51,7 +52,7 @@ def _gating_kernel(
         p = ex / tl.sum(ex, axis=1)[:, None]
     elif SCORE == 1:
         p = 1.0 / (1.0 + tl.exp(-x))
-    else:  # topk_softmax: select on the logits, the softmax of the K values follows the top-k
+    else:  # topk_softmax / topk_sigmoid: select on the logits, the score of the K values follows the top-k
         p = x
     sel = p
     if HAS_BIAS:
@@ -66,7 +67,7 @@ def _gating_kernel(
             in_g = (gid == g) & cmask
             first, i1 = _argmax_lowest(sel, pad | ~in_g, cols, BLOCK_E)
             s = first
-            if GROUP == 2:  # sum of the two largest values of the group
+            if GROUP >= 2:  # sum of the two largest values of the group
                 second, _i2 = _argmax_lowest(sel, pad | ~in_g | (cols == i1[:, None]), cols, BLOCK_E)
                 s = first + second
             gscore = tl.where(gcols == g, s[:, None], gscore)
@@ -83,6 +84,8 @@ def _gating_kernel(
             keep = keep | ((gid == g) & kept_g[:, None])
         if GROUP == 2:
             sel = tl.where(keep, sel, float("-inf"))
+        elif GROUP == 3:  # DeepSeek-V3 remote code: masked experts compete at 0.0, weights stay the scores
+            sel = tl.where(keep, sel, 0.0)
         else:
             sel = tl.where(keep, sel, 0.0)
             if HAS_BIAS:
@@ -107,8 +110,13 @@ def _gating_kernel(
         ex = tl.where(kmask, tl.exp(w - tl.max(tl.where(kmask, w, float("-inf")), axis=1)[:, None]), 0.0)
         w = ex / tl.sum(ex, axis=1)[:, None]
         total = tl.sum(w, axis=1)
+    elif SCORE == 3:
+        w = tl.where(kcols < K, 1.0 / (1.0 + tl.exp(-w)), 0.0)
+        total = tl.sum(w, axis=1)
     if RENORM:
-        if HAS_EPS:
+        if CLAMP:
+            total = tl.maximum(total, eps)
+        elif HAS_EPS:
             total = total + eps
         w = w / total[:, None]
     if HAS_SCALE:
@@ -120,7 +128,7 @@ def _gating_kernel(
 
 
 def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-           scale, wrap=None) -> None:  # noqa: ANN001 - tensors and schema scalars
+           scale, renorm_clamp=False, wrap=None) -> None:  # noqa: ANN001 - tensors and schema scalars
     """Launch the gating kernel writing ``weights`` and ``ids`` (both contiguous [T, K])."""
     from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
 
@@ -137,6 +145,6 @@ def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_
         N_GROUP=int(n_group) if grouped else 1, GROUP_SIZE=int(e) // int(n_group) if grouped else int(e),
         TOPK_GROUP=int(topk_group) if grouped else 1,
         BLOCK_G=triton.next_power_of_2(int(n_group)) if grouped else 1,
-        RENORM=bool(renormalize), HAS_EPS=float(renorm_eps) != 0.0, HAS_SCALE=float(scale) != 1.0,
+        RENORM=bool(renormalize), HAS_EPS=float(renorm_eps) != 0.0, CLAMP=bool(renorm_clamp), HAS_SCALE=float(scale) != 1.0,
         OUT_CODE=DTYPE_CODES[weights.dtype], EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,
     )

@@ -389,7 +389,7 @@ def test_unverified_kernel_variants_decline_on_cuda_only(monkeypatch):
 
     cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
     monkeypatch.delenv(ENV, raising=False)
-    assert set(UNVERIFIED_ON_GPU) == {"moe_gating:topk_softmax", "rope:rotate_pairs"}
+    assert set(UNVERIFIED_ON_GPU) == {"moe_gating:topk_softmax", "rope:rotate_pairs", "grouped_gemm:tma"}
     for variant in UNVERIFIED_ON_GPU:
         assert "has not run on a GPU" in gpu_unverified(variant, cuda)
         assert gpu_unverified(variant, cpu) is None  # the interpreter checks them on the CPU

@@ -247,8 +247,11 @@ def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> s
     offset's alignment can be checked (fresh allocations and parameters are aligned)."""
     if x.dtype not in TMA_DTYPES or w.dtype != x.dtype:
         return f"dtype {x.dtype} (the TMA kernel takes bf16/fp16)"
-    if x.device.type == "cuda" and not INTERPRET and torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "TMA needs compute capability 9.0 or newer"
+    if x.device.type == "cuda":
+        if not INTERPRET and torch.cuda.get_device_capability(x.device)[0] < 9:
+            return "TMA needs compute capability 9.0 or newer"
+    elif not (x.device.type == "cpu" and INTERPRET):
+        return f"{x.device.type} tensors (CUDA, or the CPU under the Triton interpreter)"
     size = x.element_size()
     if x.stride(1) != 1 or w.stride(2) != 1:
         return "x or w is not contiguous along K"
@@ -265,15 +268,23 @@ def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> s
     return None
 
 
+def build_tile_table(seg: torch.Tensor, m: int, e: int, bm: int,
+                     wrap: Callable[[Any], Any] | None = None) -> torch.Tensor:
+    """The int32 tile table of ``m`` rows split by ``seg`` (E + 1 offsets) into ``bm``-row tiles, built on the
+    device (module docstring); its size depends on the static sizes only."""
+    bound = max_tiles(m, e, bm)
+    table = torch.empty(TABLE_HEADER + 4 * bound, dtype=torch.int32, device=seg.device)
+    prep = wrap(_tile_table_kernel) if wrap is not None else _tile_table_kernel
+    prep[(max(1, triton.cdiv(bound, TABLE_BLOCK_T)),)](seg, table, m, e, bound, BM=bm, BLOCK_T=TABLE_BLOCK_T,
+                                               CHUNK_E=TABLE_CHUNK_E)
+    return table
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
             cfg: TmaGemmConfig, wrap: Callable[[Any], Any] | None) -> None:
     m, k = x.shape
     e, nw = w.shape[0], w.shape[1]
-    bound = max_tiles(m, e, cfg.bm)
-    table = torch.empty(TABLE_HEADER + 4 * bound, dtype=torch.int32, device=x.device)
-    prep = wrap(_tile_table_kernel) if wrap is not None else _tile_table_kernel
-    prep[(triton.cdiv(bound, TABLE_BLOCK_T),)](seg, table, m, e, bound, BM=cfg.bm, BLOCK_T=TABLE_BLOCK_T,
-                                               CHUNK_E=TABLE_CHUNK_E)
+    table = build_tile_table(seg, m, e, cfg.bm, wrap)
     mode = DESC_MODES[cfg.desc]
     xs: Any = x
     ws: Any = w

@@ -13,6 +13,7 @@ from typing import Any
 UNVERIFIED_ON_GPU: dict[str, str] = {
     "moe_gating:topk_softmax": "tests/gpu/test_gpu_forms.py::test_router_forms_match_the_stable_reference",
     "rope:rotate_pairs": "tests/gpu/test_gpu_forms.py::test_rotate_pairs_rope_is_bitwise_the_reference",
+    "grouped_gemm:tma": "tests/gpu/test_gpu_grouped_gemm_tma.py",
 }
 """``"<op>:<variant>" -> the GPU check that clears it``."""
 

@@ -6,7 +6,7 @@
 # intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
 # (bench_generate.py), accuracy (accuracy_decode.py), dynamic[:TAG] (check_dynamic.py with $DYN_ARGS or
-# $DYN_ARGS_TAG),
+# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench_grouped_gemm_tma.py with $GG_ARGS),
 # pack (tar every log and result into $OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -54,6 +54,10 @@ for s in "$@"; do
     gpu_multi)
       step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
         --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;
+    gg_tma)  # the Hopper TMA grouped GEMM: GPU correctness first, then the one-run comparison
+      step gg_tma_test timeout ${GG_TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider \
+        "$repo/tests/gpu/test_gpu_grouped_gemm_tma.py"
+      step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
     pack)  # one archive back through the device tool (it returns at most 8 files)
       mkdir -p "$final_out" && tar czf "$final_out/results-$(date +%H%M%S).tgz" -C "$OUT" . && ls -la "$final_out" ;;
     ep)

@@ -2,10 +2,22 @@
 
 The launch reads no tensor values on the host (the work list is built on the device from
 ``seg_indptr``), so it is CUDA-graph capturable and Inductor may trace it through ``wrap_triton``.
+
+Two kernels behind each op, chosen per call from static sizes (:func:`kernel_variant`):
+
+* :mod:`~ep_fuse.providers.triton.grouped_gemm_kernel`: one (tile, n-tile) per program, pointer loads;
+  decode (swapped 16-row tiles) and every shape the other kernel does not take.
+* :mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel` (**Hopper grouped GEMM, not yet measured**):
+  persistent programs over a device-built tile table, TMA descriptors, 128x256-class tiles; for
+  prefill-size rows per expert (:func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`) on bf16/fp16
+  operands TMA can address. It has run under the Triton interpreter only, so on CUDA it is declined
+  (``grouped_gemm:tma`` in :data:`~ep_fuse.providers.triton.unverified.UNVERIFIED_ON_GPU`) until
+  ``tests/gpu/test_gpu_grouped_gemm_tma.py`` passes; ``EP_FUSE_UNVERIFIED_KERNELS=1`` enables it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +27,8 @@ from ep_fuse.providers.common import KERNEL_DTYPES
 from ep_fuse.symbolic import known, sym_eq
 
 INT32_MAX = 2**31 - 1
+TMA_VARIANT = "grouped_gemm:tma"
+log = logging.getLogger(__name__)
 
 
 def unit_last(t: torch.Tensor) -> bool:
@@ -58,26 +72,49 @@ def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     return reason
 
 
-def _run(launch: Callable[..., None], x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, n: int,
+def tma_declined(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> str | None:
+    """Why this call does not take the TMA kernel (``None``: it does)."""
+    from ep_fuse.providers.triton import perf
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import tma_unsupported
+    from ep_fuse.providers.triton.unverified import gpu_unverified
+
+    return perf.grouped_gemm_tma_rule(x, w) or gpu_unverified(TMA_VARIANT, x) or tma_unsupported(x, w, traced)
+
+
+def kernel_variant(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> str:
+    """``"tma"`` or ``"default"``: the kernel that runs this call."""
+    reason = tma_declined(x, w, traced)
+    if reason is not None:
+        log.debug("grouped GEMM %s x %s: default kernel (%s)", tuple(x.shape), tuple(w.shape), reason)
+        return "default"
+    return "tma"
+
+
+def _run(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
          wrap: Callable[[Any], Any] | None) -> torch.Tensor:
+    n = w.shape[1] // 2 if swiglu else w.shape[1]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return y
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
+    if kernel_variant(x, w, traced=wrap is not None) == "tma":
+        from ep_fuse.providers.triton import grouped_gemm_tma_kernel as tk
+
+        launch = tk.launch_grouped_gemm_swiglu_tma if swiglu else tk.launch_grouped_gemm_tma
+    else:
+        from ep_fuse.providers.triton import grouped_gemm_kernel as gk
+
+        launch = gk.launch_grouped_gemm_swiglu if swiglu else gk.launch_grouped_gemm
     launch(x, w, seg, y, wrap=wrap)
     return y
 
 
 def grouped_gemm_kernel(x, w, seg_indptr, wrap=None):
     """``ep_fuse_triton::grouped_gemm``."""
-    from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm
-
-    return _run(launch_grouped_gemm, x, w, seg_indptr, w.shape[1], wrap)
+    return _run(False, x, w, seg_indptr, wrap)
 
 
 def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, wrap=None):
     """``ep_fuse_triton::grouped_gemm_swiglu``."""
-    from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm_swiglu
-
-    return _run(launch_grouped_gemm_swiglu, x, w13, seg_indptr, w13.shape[1] // 2, wrap)
+    return _run(True, x, w13, seg_indptr, wrap)

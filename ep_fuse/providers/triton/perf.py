@@ -164,6 +164,23 @@ def grouped_gemm_at_run_time(args: tuple[Any, ...]) -> str | None:
     return f"{per_expert:.0f} rows per expert > {GROUPED_GEMM_MAX_ROWS_PER_EXPERT}: torch._grouped_mm"
 
 
+GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = 64
+"""From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
+(:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`) instead of the one-tile-per-program kernel, where
+the TMA kernel can address the operands. **Not measured**: the boundary where the existing kernel's own
+config switches to 128-row tiles, a starting point for ``bench/bench_grouped_gemm_tma.py`` to replace. The
+variant is off on CUDA until its GPU check has run (:mod:`~ep_fuse.providers.triton.unverified`), so on CUDA
+this rule changes nothing yet; :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` still applies to both kernels."""
+
+
+def grouped_gemm_tma_rule(x: Any, w: Any) -> str | None:
+    """Per call (real sizes): why not the TMA variant on these sizes (``None``: take it)."""
+    per_expert = x.shape[0] / max(w.shape[0], 1)
+    if per_expert < GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT:
+        return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
+    return None
+
+
 GATING_MIN_TOKENS = 2048
 """The fused gating kernel measured 4.2x (Mixtral softmax, T4096 E8 k2: 6.0 vs 25.2 us), 5.0x (Qwen3-MoE,
 T4096 E128 k8: 9.8 vs 48.7 us) and 1.85x (DeepSeek-V3 grouped sigmoid, T4096 E256 k8: 84.8 vs 156.9 us)

@@ -16,6 +16,7 @@ UNVERIFIED_ON_GPU: dict[str, str] = {
     "moe_gating:sum_top2_fill0": "tests/gpu/test_gpu_forms.py::test_router_forms_match_the_stable_reference",
     "moe_gating:renorm_clamp": "tests/gpu/test_gpu_forms.py::test_router_forms_match_the_stable_reference",
     "rope:rotate_pairs": "tests/gpu/test_gpu_forms.py::test_rotate_pairs_rope_is_bitwise_the_reference",
+    "grouped_gemm:tma": "tests/gpu/test_gpu_grouped_gemm_tma.py",
 }
 """``"<op>:<variant>" -> the GPU check that clears it``."""
 

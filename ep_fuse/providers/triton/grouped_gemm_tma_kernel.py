@@ -1,0 +1,324 @@
+"""Hopper grouped GEMMs (TMA, persistent) over expert row segments: the ``grouped_gemm`` /
+``grouped_gemm_swiglu`` contract of :mod:`~ep_fuse.providers.triton.grouped_gemm_kernel`, for prefill-size
+rows per expert.
+
+**Not yet measured or run on a GPU** (written against the Triton 3.6 API, checked under the Triton
+interpreter only): on CUDA the provider keeps the existing kernel until ``tests/gpu/test_gpu_grouped_gemm_tma.py``
+has passed (:mod:`~ep_fuse.providers.triton.unverified`); ``bench/bench_grouped_gemm_tma.py`` measures it.
+
+Two launches, both CUDA-graph capturable (no tensor value is read on the host; every size is static):
+
+1. :func:`_tile_table_kernel` builds the work list on the device from ``seg_indptr``. A *tile* is ``BM``
+   rows of one expert; expert ``e`` owns ``cdiv(count_e, BM)`` tiles, listed expert by expert, then the
+   ``BM``-row tiles of the zero tail (rows from ``seg[E]`` on). At most ``cdiv(M, BM) + min(E, M)`` tiles
+   exist (the bound of the existing kernel), so the table is a static int32 buffer: ``TABLE[0]`` holds the
+   tile count, tile ``t`` sits at ``4 + 4t`` as ``(expert or -1 for a tail tile, first row, row end, 0)``.
+   Each program finds the experts of ``BLOCK_T`` tiles by counting, chunk by chunk of experts, those whose
+   inclusive tile cumsum is ``<= t`` (and summing their tiles: the tile's index inside its expert).
+2. :func:`_grouped_gemm_tma_kernel`: ``NUM_PROGRAMS`` persistent programs (one per SM by default) walk the
+   ``tiles x cdiv(N, BN)`` items, ``GROUP_M`` tiles at a time (tiles fastest, so consecutive items share a
+   weight tile), and run the K loop on tiles fetched by TMA: ``x`` as one [M, K] tensor and the weights as
+   one [E * rows per expert, K] tensor (``DESC=1``: ``tl.make_tensor_descriptor`` on the device, which needs
+   the global scratch allocator :func:`ensure_allocator` installs; ``DESC=2``: host-side
+   ``TensorDescriptor`` arguments; ``DESC=0``: plain pointer loads, the same tile walk without TMA). TMA
+   zero-fills outside each tensor, so the loop has no masks: rows past the tile's segment (the next
+   expert's rows) and columns past ``N`` (the up half, the next expert) are computed and discarded by the
+   masked store. ``SWIGLU``: gate rows ``[n, n+BN)`` and up rows ``[I+n, I+n+BN)`` share each ``x`` tile.
+
+Epilogue and numerics as in the existing kernel: fp32 accumulation, each GEMM output rounded to the input
+dtype, then silu and the product rounded again. There is no routing-weight epilogue: the grouped-GEMM ops
+take no routing weights (``moe_unpermute`` applies them). The K loop is a ``tl.range`` software-pipelined
+``num_stages`` deep; ``warp_specialize`` is passed through, but Triton 3.6 documents automatic warp
+specialisation for Blackwell only, so it stays off unless the GPU sweep shows it works here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ep_fuse.providers.triton.gemm_tiles import swiglu_rounded
+from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store, _round
+
+TMA_DTYPES = (torch.bfloat16, torch.float16)
+DESC_MODES = {"pointer": 0, "device": 1, "host": 2}
+TABLE_HEADER = 4
+"""int32 slots before the first tile entry (slot 0: tile count); each entry is 4 slots (16 bytes)."""
+TABLE_BLOCK_T = 64
+TABLE_CHUNK_E = 128
+INTERPRET_PROGRAMS = 3
+"""Persistent programs under the interpreter: fewer than the items, so each program walks several."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaGemmConfig:
+    """Tile shape and schedule of one persistent launch (``programs=0``: one program per SM)."""
+
+    bm: int
+    bn: int
+    bk: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+    programs: int = 0
+    desc: str = "device"
+    warp_specialize: bool = False
+
+    def __str__(self) -> str:
+        return (f"BM{self.bm} BN{self.bn} BK{self.bk} w{self.num_warps} s{self.num_stages} g{self.group_m} "
+                f"p{self.programs or 'SM'} {self.desc}" + (" ws" if self.warp_specialize else ""))
+
+
+@triton.jit
+def _tile_table_kernel(SEG, TABLE, M, E, MAX_TILES, BM: tl.constexpr, BLOCK_T: tl.constexpr,
+                       CHUNK_E: tl.constexpr):
+    """Entries of tiles ``[pid * BLOCK_T, (pid + 1) * BLOCK_T)`` (module docstring); program 0 writes the count."""
+    pid = tl.program_id(0)
+    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts_before = tl.zeros([BLOCK_T], dtype=tl.int32)
+    tiles_before = tl.zeros([BLOCK_T], dtype=tl.int32)
+    total = pid * 0
+    for c in range(tl.cdiv(E, CHUNK_E)):
+        offs = c * CHUNK_E + tl.arange(0, CHUNK_E)
+        inside = offs < E
+        lo = tl.load(SEG + offs, mask=inside, other=0).to(tl.int32)
+        hi = tl.load(SEG + offs + 1, mask=inside, other=0).to(tl.int32)
+        lo = tl.minimum(tl.maximum(lo, 0), M)
+        hi = tl.minimum(tl.maximum(hi, lo), M)
+        ntiles = tl.where(inside, (hi - lo + BM - 1) // BM, 0)
+        cum = tl.cumsum(ntiles, 0) + total
+        done = (cum[None, :] <= t[:, None]) & inside[None, :]
+        experts_before += tl.sum(done.to(tl.int32), 1)
+        tiles_before += tl.sum(tl.where(done, ntiles[None, :], 0), 1)
+        total += tl.sum(ntiles, 0)
+    seg_end = tl.minimum(tl.maximum(tl.load(SEG + E).to(tl.int32), 0), M)
+    e = tl.minimum(experts_before, E - 1)
+    row_lo = tl.minimum(tl.maximum(tl.load(SEG + e).to(tl.int32), 0), M)
+    row_hi = tl.minimum(tl.maximum(tl.load(SEG + e + 1).to(tl.int32), row_lo), M)
+    real = t < total
+    m_start = tl.where(real, row_lo + (t - tiles_before) * BM, seg_end + (t - total) * BM)
+    m_end = tl.where(real, tl.minimum(m_start + BM, row_hi), tl.minimum(m_start + BM, M))
+    ok = t < MAX_TILES
+    entry = TABLE + 4 + 4 * t
+    tl.store(entry, tl.where(real, e, -1), mask=ok)
+    tl.store(entry + 1, m_start, mask=ok)
+    tl.store(entry + 2, m_end, mask=ok)
+    tl.store(entry + 3, t * 0, mask=ok)
+    if pid == 0:
+        tl.store(TABLE, tl.minimum(total + (M - seg_end + BM - 1) // BM, MAX_TILES))
+
+
+@triton.jit
+def _item(item, num_tiles, num_n, GROUP_M: tl.constexpr):
+    """``(tile, n-tile)`` of work item ``item``: ``GROUP_M`` tiles at a time, tiles fastest within a group."""
+    per_group = GROUP_M * num_n
+    first = (item // per_group) * GROUP_M
+    size = tl.minimum(num_tiles - first, GROUP_M)
+    return first + (item % per_group) % size, (item % per_group) // size
+
+
+@triton.jit
+def _load_k(src, row, k0, rows, rk, K, W_ROWS_OR_M, sr, DESC: tl.constexpr, UPCAST: tl.constexpr):
+    """A [len(rows), BK] K-slice at (``row``, ``k0``): by descriptor, or clamped rows and masked K by pointer."""
+    if DESC == 0:
+        r = tl.minimum(row + rows, W_ROWS_OR_M - 1)
+        v = tl.load(src + r[:, None].to(tl.int64) * sr + (k0 + rk)[None, :], mask=(k0 + rk < K)[None, :], other=0.0)
+    else:
+        v = src.load([row, k0])
+    if UPCAST:
+        v = v.to(tl.float32)
+    return v
+
+
+@triton.jit
+def _grouped_gemm_tma_kernel(
+    X, W, TABLE, Y, M, N, K, W_ROWS, NW,
+    sxm, swn, sym,
+    NUM_PROGRAMS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    DESC: tl.constexpr, SWIGLU: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """``Y [M, N] = X @ W[e].T`` per tile of the table; ``W`` is read as [W_ROWS = E * NW, K] (``NW`` rows per
+    expert: ``N``, or ``2N`` for the gate|up weight when ``SWIGLU``)."""
+    if DESC == 1:
+        xs = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
+        ws = tl.make_tensor_descriptor(W, shape=[W_ROWS, K], strides=[swn, 1], block_shape=[BN, BK])
+    else:  # host descriptors (DESC 2) or pointers (DESC 0)
+        xs = X
+        ws = W
+    rows_m = tl.arange(0, BM)
+    rows_n = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    num_tiles = tl.load(TABLE)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+        tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
+        entry = TABLE + 4 + 4 * tile
+        e = tl.load(entry)
+        m_start = tl.load(entry + 1)
+        m_end = tl.load(entry + 2)
+        w_row = tl.maximum(e, 0) * NW + pid_n * BN
+        num_k = tl.where(e >= 0, k_tiles, 0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for kk in tl.range(0, num_k, warp_specialize=WARP_SPECIALIZE):
+            k0 = kk * BK
+            a = _load_k(xs, m_start, k0, rows_m, rk, K, M, sxm, DESC, UPCAST_DOT)
+            b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+            acc = tl.dot(a, b.T, acc)
+            if SWIGLU:
+                bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+                acc_u = tl.dot(a, bu.T, acc_u)
+        if SWIGLU:
+            y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+        else:
+            y = _round(acc, CODE, EMULATE_RTNE)
+        rm = m_start + rows_m
+        rn = pid_n * BN + rows_n
+        mask = (rm < m_end)[:, None] & (rn < N)[None, :]
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+
+
+# --------------------------------------------------------------------------- host side
+def max_tiles(m: int, e: int, bm: int) -> int:
+    """Static bound on the tiles of ``m`` rows over ``e`` experts (module docstring)."""
+    return triton.cdiv(m, bm) + min(e, m)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs(x: torch.Tensor, m: int, n: int, e: int, cfg: TmaGemmConfig) -> int:
+    """The persistent grid: ``cfg.programs`` (0: the SM count) capped by the static bound on the items."""
+    if cfg.programs:
+        want = cfg.programs
+    elif x.device.type == "cuda":
+        want = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    else:
+        want = INTERPRET_PROGRAMS
+    return max(1, min(want, max_tiles(m, e, cfg.bm) * triton.cdiv(n, cfg.bn)))
+
+
+def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
+    """Tile config (not yet measured on a GPU: ``bench/bench_grouped_gemm_tma.py`` sweeps the alternatives).
+
+    128x256-class tiles: one [128, 256] fp32 accumulator, or two [128, 128] for gate|up + SwiGLU. The
+    interpreter gets small tiles of the same structure."""
+    if interpret:
+        return TmaGemmConfig(32, 16, 16, 4, 2, 2) if swiglu else TmaGemmConfig(32, 32, 16, 4, 2, 2)
+    if swiglu:
+        return TmaGemmConfig(128, 128, 64, 8, 4, 8)
+    return TmaGemmConfig(128, 256, 64, 8, 3, 8)
+
+
+def _null_allocator() -> bool:
+    try:
+        from triton.runtime import _allocation
+    except ImportError:
+        return False
+    return isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Device-side descriptors live in global scratch that Triton allocates per launch through
+    ``triton.set_allocator``; install a torch allocator unless the caller has set one."""
+    if _null_allocator():
+        triton.set_allocator(_scratch)
+
+
+def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> str | None:
+    """``None`` when the TMA kernel can address ``x [M, K]`` and ``w [E, rows, K]``, else why not.
+
+    TMA needs 16-byte aligned bases and row strides, unit K stride and int32 coordinates; ``w`` is read as
+    one [E * rows, K] tensor. ``traced``: the tensors are fake (Inductor inlining), so only the storage
+    offset's alignment can be checked (fresh allocations and parameters are aligned)."""
+    if x.dtype not in TMA_DTYPES or w.dtype != x.dtype:
+        return f"dtype {x.dtype} (the TMA kernel takes bf16/fp16)"
+    if x.device.type == "cuda":
+        if not INTERPRET and torch.cuda.get_device_capability(x.device)[0] < 9:
+            return "TMA needs compute capability 9.0 or newer"
+    elif not (x.device.type == "cpu" and INTERPRET):
+        return f"{x.device.type} tensors (CUDA, or the CPU under the Triton interpreter)"
+    size = x.element_size()
+    if x.stride(1) != 1 or w.stride(2) != 1:
+        return "x or w is not contiguous along K"
+    if (x.stride(0) * size) % 16 or (w.stride(1) * size) % 16:
+        return "row strides are not multiples of 16 bytes"
+    if w.shape[0] > 1 and w.stride(0) != w.shape[1] * w.stride(1):
+        return "the experts' weights are not one [E * rows, K] tensor"
+    if x.shape[0] >= 2**31 or w.shape[0] * w.shape[1] >= 2**31:
+        return "more than 2**31 rows"
+    for t in (x, w):
+        aligned = (t.storage_offset() * size) % 16 == 0 if traced else t.data_ptr() % 16 == 0
+        if not aligned:
+            return "a base address is not 16-byte aligned"
+    return None
+
+
+def build_tile_table(seg: torch.Tensor, m: int, e: int, bm: int,
+                     wrap: Callable[[Any], Any] | None = None) -> torch.Tensor:
+    """The int32 tile table of ``m`` rows split by ``seg`` (E + 1 offsets) into ``bm``-row tiles, built on the
+    device (module docstring); its size depends on the static sizes only."""
+    bound = max_tiles(m, e, bm)
+    table = torch.empty(TABLE_HEADER + 4 * bound, dtype=torch.int32, device=seg.device)
+    prep = wrap(_tile_table_kernel) if wrap is not None else _tile_table_kernel
+    prep[(max(1, triton.cdiv(bound, TABLE_BLOCK_T)),)](seg, table, m, e, bound, BM=bm, BLOCK_T=TABLE_BLOCK_T,
+                                               CHUNK_E=TABLE_CHUNK_E)
+    return table
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
+            cfg: TmaGemmConfig, wrap: Callable[[Any], Any] | None) -> None:
+    m, k = x.shape
+    e, nw = w.shape[0], w.shape[1]
+    table = build_tile_table(seg, m, e, cfg.bm, wrap)
+    mode = DESC_MODES[cfg.desc]
+    xs: Any = x
+    ws: Any = w
+    if mode == 2:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xs = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
+        w2d = w.as_strided((e * nw, k), (w.stride(1), 1), w.storage_offset())  # checked: one [E * rows, K] tensor
+        ws = TensorDescriptor.from_tensor(w2d, [cfg.bn, cfg.bk])
+    elif mode == 1 and x.device.type == "cuda":
+        ensure_allocator()
+    grid = (num_programs(x, m, n, e, cfg),)
+    fn = wrap(_grouped_gemm_tma_kernel) if wrap is not None else _grouped_gemm_tma_kernel
+    fn[grid](
+        xs, ws, table, y, m, n, k, e * nw, nw,
+        x.stride(0), w.stride(1), y.stride(0), grid[0],
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, DESC=mode, SWIGLU=swiglu,
+        CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET, EMULATE_RTNE=int(INTERPRET),
+        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def launch_grouped_gemm_tma(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
+                            config: TmaGemmConfig | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
+    """``y [M, N] = x [M, K] @ w[e].T`` per expert segment, zero tail (:func:`tma_unsupported` must pass)."""
+    m, k = x.shape
+    e, n = w.shape[0], w.shape[1]
+    _launch(x, w, seg, y, n, False, config or config_for(m, n, k, e), wrap)
+
+
+def launch_grouped_gemm_swiglu_tma(x: torch.Tensor, w13: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
+                                   config: TmaGemmConfig | None = None,
+                                   wrap: Callable[[Any], Any] | None = None) -> None:
+    """``y [M, I] = silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)`` per expert segment, zero tail."""
+    m, k = x.shape
+    e, n = w13.shape[0], w13.shape[1] // 2
+    _launch(x, w13, seg, y, n, True, config or config_for(m, n, k, e, swiglu=True), wrap)

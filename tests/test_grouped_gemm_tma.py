@@ -1,0 +1,169 @@
+"""Hopper TMA grouped GEMM (persistent, device-built tile table) under the Triton interpreter.
+
+The interpreter runs tensor descriptors (device-side ``tl.make_tensor_descriptor`` and host-side
+``TensorDescriptor``) with TMA's bounds and alignment rules, so the descriptor paths run here as well as
+the pointer path; what it cannot show is GPU behaviour (``tests/gpu/test_gpu_grouped_gemm_tma.py``).
+"""
+
+import dataclasses
+import importlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_grouped_gemm import assert_matches, case, loop_ref
+
+import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
+from ep_fuse.providers.triton import grouped_gemm as host
+from ep_fuse.providers.triton import perf
+from ep_fuse.providers.triton.unverified import ENV
+
+tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+DESCS = sorted(tk.DESC_MODES)
+
+
+def cfg_for(swiglu, desc="device", **kw):
+    return dataclasses.replace(tk.config_for(10**6, 1, 1, 1, swiglu=swiglu, interpret=True), desc=desc, **kw)
+
+
+def run(x, w, seg, swiglu, cfg):
+    """The TMA launch into a NaN-filled output (unwritten rows stay NaN)."""
+    n = w.shape[1] // 2 if swiglu else w.shape[1]
+    y = torch.full((x.shape[0], n), float("nan"), dtype=x.dtype)
+    (tk.launch_grouped_gemm_swiglu_tma if swiglu else tk.launch_grouped_gemm_tma)(x, w, seg, y, config=cfg)
+    return y
+
+
+def table_ref(counts, tail, bm):
+    """The tile table of the module docstring, built on the host."""
+    entries, lo = [], 0
+    for e, c in enumerate(counts):
+        entries += [(e, s, min(s + bm, lo + c)) for s in range(lo, lo + c, bm)]
+        lo += c
+    entries += [(-1, s, min(s + bm, lo + tail)) for s in range(lo, lo + tail, bm)]
+    return entries
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=st.lists(st.sampled_from([0, 0, 0, 1, 5, 16, 31, 32, 33, 100]), min_size=1, max_size=300),
+       tail=st.sampled_from([0, 1, 17, 64]), bm=st.sampled_from([16, 32, 128]), idx64=st.booleans())
+def test_tile_table_matches_the_host_walk(counts, tail, bm, idx64):
+    """Across expert chunks (128) and tile blocks (64): every expert's tiles in order, then the tail's."""
+    seg = torch.tensor([0, *counts], dtype=torch.int64 if idx64 else torch.int32).cumsum(0)
+    m = sum(counts) + tail
+    table = tk.build_tile_table(seg, m, len(counts), bm)
+    expect = table_ref(counts, tail, bm)
+    assert table.shape[0] == tk.TABLE_HEADER + 4 * tk.max_tiles(m, len(counts), bm)
+    assert int(table[0]) == len(expect)
+    got = table[tk.TABLE_HEADER:].view(-1, 4)[:len(expect), :3]
+    assert got.tolist() == [list(t) for t in expect]
+
+
+ROUTINGS = {"one_expert_all_rows": ([0, 0, 150, 0], 0), "ragged_zero_rows_tail": ([0, 70, 0, 5, 33], 9),
+            "all_tail": ([0, 0, 0], 6), "many_experts": ([0] * 60 + [40, 0, 3] + [0] * 70 + [65], 3)}
+
+
+@pytest.mark.parametrize("desc", DESCS)
+@pytest.mark.parametrize("routing", sorted(ROUTINGS))
+@pytest.mark.parametrize("swiglu", [False, True], ids=["gemm", "swiglu"])
+def test_edge_routings(routing, desc, swiglu):
+    """Rows not a multiple of the 32-row tile, K = 40 not a multiple of BK = 16 (TMA zero fill)."""
+    counts, tail = ROUTINGS[routing]
+    x, w, seg = case(counts, tail, 18, 40, BF16)
+    assert_matches(run(x, w, seg, swiglu, cfg_for(swiglu, desc)), loop_ref(x, w, seg, swiglu), seg, BF16)
+
+
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.sampled_from([0, 0, 1, 16, 33, 80]), min_size=1, max_size=6),
+       tail=st.sampled_from([0, 0, 5, 40]), n=st.sampled_from([8, 13, 40]), k=st.sampled_from([8, 24, 64]),
+       dtype=st.sampled_from([BF16, F16]), swiglu=st.booleans(), desc=st.sampled_from(DESCS),
+       programs=st.sampled_from([0, 1, 7]), group_m=st.sampled_from([1, 2, 8]), seed=st.integers(0, 2**16))
+def test_kernel_matches_expert_loop(counts, tail, n, k, dtype, swiglu, desc, programs, group_m, seed):
+    if swiglu and n % 2:
+        n += 1
+    x, w, seg = case(counts, tail, n, k, dtype, seed)
+    if x.shape[0] == 0:
+        return
+    cfg = cfg_for(swiglu, desc, programs=programs, group_m=group_m)
+    assert_matches(run(x, w, seg, swiglu, cfg), loop_ref(x, w, seg, swiglu), seg, dtype)
+
+
+def test_provider_takes_the_tma_kernel_at_prefill_rows_only(monkeypatch):
+    calls = []
+    for name in ("launch_grouped_gemm_tma", "launch_grouped_gemm_swiglu_tma"):
+        real = getattr(tk, name)
+        monkeypatch.setattr(tk, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw)))
+    rows = perf.GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT
+    x, w, seg = case([rows + 9, rows - 20, rows + 30], 5, 16, 32, BF16)  # mean >= the threshold
+    assert host.kernel_variant(x, w) == "tma"
+    assert_matches(host.grouped_gemm_kernel(x, w, seg), loop_ref(x, w, seg), seg, BF16)
+    assert_matches(host.grouped_gemm_swiglu_kernel(x, w, seg), loop_ref(x, w, seg, True), seg, BF16)
+    assert calls == ["launch_grouped_gemm_tma", "launch_grouped_gemm_swiglu_tma"]
+    calls.clear()
+    small = case([rows // 2, 0, rows // 2], 0, 16, 32, BF16)
+    assert host.kernel_variant(small[0], small[1]) == "default"
+    assert_matches(host.grouped_gemm_kernel(*small), loop_ref(*small), small[2], BF16)
+    assert calls == []
+    assert "rows per expert" in host.tma_declined(small[0], small[1])
+
+
+def test_tma_declines_what_it_cannot_address():
+    x, w, seg = case([100, 100], 0, 16, 32, BF16)
+    assert tk.tma_unsupported(x, w) is None
+    assert "bf16/fp16" in tk.tma_unsupported(x.float(), w.float())
+    x36, w36, _ = case([100, 100], 0, 16, 36, BF16)  # 72-byte rows
+    assert "16 bytes" in tk.tma_unsupported(x36, w36)
+    assert "one [E * rows, K]" in tk.tma_unsupported(x, w[:, :8])
+    assert "contiguous along K" in tk.tma_unsupported(x, w.transpose(1, 2).contiguous().transpose(1, 2))
+    shifted = torch.empty(x.numel() + 1, dtype=BF16)[1:].view_as(x)
+    assert "16-byte aligned" in tk.tma_unsupported(shifted, w)
+    assert "16-byte aligned" in tk.tma_unsupported(shifted, w, traced=True)  # storage offset 1 element
+    assert "meta tensors" in tk.tma_unsupported(x.to("meta"), w.to("meta"))
+    assert host.kernel_variant(x.float(), w.float()) == "default"
+
+
+def test_declined_on_cuda_until_the_gpu_check_ran(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.delenv(ENV, raising=False)
+    x = SimpleNamespace(shape=(4096, 64), device=torch.device("cuda"))
+    w = SimpleNamespace(shape=(8, 32, 64))
+    assert "has not run on a GPU" in host.tma_declined(x, w)
+
+
+def test_launch_reads_no_host_values():
+    """Table and grid sizes come from static shapes: both launches run on meta tensors (what ``wrap_triton``
+    traces), and the grid never exceeds the items the table can hold."""
+    launches = []
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((grid, args, kw))
+
+    x, w13 = torch.empty(1000, 64, dtype=BF16, device="meta"), torch.empty(8, 96, 64, dtype=BF16, device="meta")
+    seg = torch.empty(9, dtype=torch.int64, device="meta")
+    y = torch.empty(1000, 48, dtype=BF16, device="meta")
+    cfg = tk.TmaGemmConfig(128, 128, 64, 8, 4, programs=132)
+    tk.launch_grouped_gemm_swiglu_tma(x, w13, seg, y, config=cfg, wrap=lambda k: Stub())
+    (prep_grid, prep_args, _), (grid, args, kw) = launches
+    bound = -(-1000 // 128) + 8
+    assert prep_grid == (-(-bound // tk.TABLE_BLOCK_T),) and prep_args[1].shape == (tk.TABLE_HEADER + 4 * bound,)
+    assert grid == (min(132, bound * 1),) and kw["SWIGLU"] and kw["DESC"] == tk.DESC_MODES["device"]
+    assert args[2] is prep_args[1]  # the GEMM walks the table the first launch fills
+
+
+def test_opcheck_on_the_tma_path(monkeypatch):
+    from ep_fuse.ops import registry
+
+    def no_fallback(provider, op, error):
+        raise AssertionError(f"{provider} {op} fell back to the reference: {error}")
+
+    monkeypatch.setattr(registry, "_warn_once", no_fallback)
+    x, w, seg = case([90, 0, 110], 4, 16, 32, BF16)
+    assert host.kernel_variant(x, w) == "tma"
+    ops = torch.ops.ep_fuse_triton
+    for op, swiglu in ((ops.grouped_gemm.default, False), (ops.grouped_gemm_swiglu.default, True)):
+        torch.library.opcheck(op, (x, w, seg))
+        assert_matches(op(x, w, seg), loop_ref(x, w, seg, swiglu), seg, BF16)

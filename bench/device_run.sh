@@ -33,6 +33,9 @@ step() {  # name, command...
   echo "=== $name: rc=$rc, $((SECONDS - t0)) s"
   tail -${TAIL:-25} "$OUT/$name.log"
   [ $rc -eq 0 ] || status=1
+  # keep one up-to-date archive in the device tool's $OUT after every step: a later step that runs past
+  # the call's time limit no longer loses the logs of the steps before it
+  mkdir -p "$final_out" && tar czf "$final_out/results-latest.tgz" -C "$OUT" . 2>/dev/null
 }
 for s in "$@"; do
   case $s in

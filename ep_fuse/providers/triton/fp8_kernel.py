@@ -43,7 +43,8 @@ def _rtne_e4m3(v):
     bits = v.to(tl.int32, bitcast=True)
     ex = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # E4M3 spacing: 2**(ex - 3); subnormals below 2**-6
     magic = (((ex + 147) << 23) | 0x400000).to(tl.float32, bitcast=True)  # 1.5 * 2**23 * spacing
-    return (v + magic) - magic
+    r = (v + magic) - magic
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)  # keep -0
 
 
 @triton.jit

@@ -273,7 +273,10 @@ def test_quant_pass_on_module(executor):
 def _fp8_deepseek(block=(16, 32)):
     """A tiny DeepSeek-V3 whose experts are transformers' ``FP8Experts`` (as ``replace_with_fp8_linear``
     builds them for an FP8 checkpoint), and the same model with those weights dequantized into bf16."""
-    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts
+    from transformers.integrations.finegrained_fp8 import (
+        ALL_FP8_EXPERTS_FUNCTIONS,
+        FP8Experts,
+    )
     from transformers.integrations.moe import use_experts_implementation
 
     from ep_fuse import tiny_models

@@ -145,7 +145,7 @@ def moe_permute_fp8_fake(x, topk_ids, num_experts, group):
 def _gemm_fp32(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, seg_indptr: torch.Tensor,
                block_n: int, block_k: int) -> torch.Tensor:
     """fp32 ``[M, N]``: per expert segment, dequantized rows times the dequantized ``w[e].T``; tail zero."""
-    m, k = xq.shape
+    m = xq.shape[0]
     out = torch.zeros(m, wq.shape[1], dtype=torch.float32, device=xq.device)
     bounds = seg_indptr.tolist()
     for e in range(wq.shape[0]):

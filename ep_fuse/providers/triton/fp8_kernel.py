@@ -30,9 +30,23 @@ import triton
 import triton.language as tl
 
 from ep_fuse.providers.triton.gemm_tiles import GemmConfig
-from ep_fuse.providers.triton.grouped_gemm_kernel import _tile_rows, _work_item, block_e, is_decode, num_programs
-from ep_fuse.providers.triton.moe_permute_kernel import index_config, launch_permute_index
-from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store, _round
+from ep_fuse.providers.triton.grouped_gemm_kernel import (
+    _tile_rows,
+    _work_item,
+    block_e,
+    is_decode,
+    num_programs,
+)
+from ep_fuse.providers.triton.moe_permute_kernel import (
+    index_config,
+    launch_permute_index,
+)
+from ep_fuse.providers.triton.rms_norm_kernel import (
+    DTYPE_CODES,
+    INTERPRET,
+    _for_store,
+    _round,
+)
 
 FP8_MAX = 448.0
 

@@ -33,6 +33,10 @@ def _unused(args: tuple) -> str:
     return NO_FP8
 
 
-for _op in (fp8_ops.quant_fp8_group, fp8_ops.moe_permute_fp8, fp8_ops.grouped_gemm_fp8_swiglu_quant,
-            fp8_ops.grouped_gemm_fp8):
+_STAGES = (fp8_ops.quant_fp8_group, fp8_ops.moe_permute_fp8, fp8_ops.grouped_gemm_fp8_swiglu_quant,
+           fp8_ops.grouped_gemm_fp8)
+DECLINED = frozenset(op.name for op in _STAGES)
+"""Canonical ops whose ``npu`` provider only declines (no torch_npu call to check against a contract)."""
+
+for _op in _STAGES:
     register_provider(_op, "npu", _op.reference, devices=_devices, available=_never, supports=_unused)

@@ -13,7 +13,7 @@ from typing import Any
 EXECUTORS = ("auto", "inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "npu")
-QUANT_MODES = (None, "w8a8_int8")
+QUANT_MODES = (None, "w8a8_int8", "fp8_block")
 
 
 class ConfigError(ValueError):
@@ -50,9 +50,11 @@ class EpFuseConfig:
             static capacity in tokens per rank (no sync, CUDA-graph capturable; every rank's batch
             must fit).
         ep_timeout_s: seconds any EP collective may wait before it raises.
-        quant: ``None`` (no quantization) or ``"w8a8_int8"``: routed-expert weights int8 with
+        quant: ``None`` (no quantization), ``"w8a8_int8"``: routed-expert weights int8 with
             per-output-channel fp32 scales (made once at compile time), activations quantized per
-            token; see :mod:`ep_fuse.passes.quant`. Dense layers stay in their dtype.
+            token; see :mod:`ep_fuse.passes.quant`. ``"fp8_block"``: routed-expert weights E4M3 with
+            128 x 128 block scales (DeepSeek-V3's format; a model's own fp8 experts are used as they are),
+            activations quantized per token and 128-channel group. Dense layers stay in their dtype.
     """
 
     executor: str = "auto"

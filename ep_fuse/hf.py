@@ -24,6 +24,10 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
       dict keeps its per-expert keys. Each conversion is logged at INFO; a block that cannot be
       converted is left as it is with a WARNING giving the reason, or, with ``strict=True``, raises
       ``ValueError``.
+    * transformers' ``FP8Experts`` (FP8 checkpoints such as DeepSeek-V3): their forward needs the
+      ``kernels-community/finegrained-fp8`` hub kernel; they get a forward that dequantizes the
+      block-scaled weights (``ep_fuse::fp8_block_dequant``) and runs the same ``experts_implementation``
+      (:mod:`ep_fuse.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
 
     Models without experts are returned unchanged.
     """
@@ -33,6 +37,7 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
             "(the eager per-expert loop cannot be captured as one graph)"
         )
     from ep_fuse.expert_loops import convert_expert_loops
+    from ep_fuse.fp8_experts import convert_fp8_experts
 
     setter = getattr(model, "set_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", None)
@@ -40,7 +45,8 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
     if switched:
         setter(experts_implementation)
         log.info("ep_fuse.prepare: %s uses experts_implementation=%s", type(model).__name__, experts_implementation)
-    if not convert_expert_loops(model, experts_implementation, strict) and not switched:
+    fp8 = convert_fp8_experts(model, experts_implementation, strict)
+    if not convert_expert_loops(model, experts_implementation, strict) and not switched and not fp8:
         log.info("ep_fuse.prepare: %s has no switchable experts and no per-expert loops; unchanged",
                  type(model).__name__)
     return model

@@ -54,7 +54,11 @@ def contracts() -> C.Contracts:
 
 
 def _npu_providers() -> dict[str, registry.Provider]:
-    return {name: op.providers["npu"] for name, op in registry.canonical_ops().items() if "npu" in op.providers}
+    """NPU providers with a kernel (the FP8 stages' providers only decline: ``providers/npu/fp8.py``)."""
+    from ep_fuse.providers.npu.fp8 import DECLINED
+
+    return {name: op.providers["npu"] for name, op in registry.canonical_ops().items()
+            if "npu" in op.providers and name not in DECLINED}
 
 
 def _declared() -> dict[str, str]:

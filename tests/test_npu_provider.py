@@ -62,6 +62,7 @@ def test_opcheck_npu_ops(torch_npu_double, residual):
 
 def test_lowering_for_an_npu_graph_emits_npu_ops(torch_npu_double):
     """The pipeline on an 'npu' graph picks ep_fuse_npu ops; run on CPU tensors through the double."""
+    torch.manual_seed(0)  # unseeded, the bf16 tolerance below failed for some RNG states (test-order dependent)
 
     class Block(torch.nn.Module):
         def __init__(self):

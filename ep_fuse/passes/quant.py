@@ -1,4 +1,4 @@
-"""Quant: rewrite each routed-expert block to W8A8 int8 (option ``quant="w8a8_int8"``).
+"""Quant: rewrite each routed-expert block to W8A8 int8 (``quant="w8a8_int8"``) or FP8 (``quant="fp8_block"``).
 
 Runs after EP and before expand. Each ``ep_fuse::moe_experts(x, ids, w, w13, w2, out_dtype)`` becomes
 ``ep_fuse::moe_experts_w8a8(x, ids, w, w13_q, w13_scale, w2_q, w2_scale, out_dtype)``
@@ -29,6 +29,16 @@ Where the int8 weights come from:
 
 A block whose weights depend on activations, or whose weights the backend could not see (e.g.
 ``run_passes`` called without inputs), is left in bf16 with a warning.
+
+**FP8** (``quant="fp8_block"``): each block becomes ``ep_fuse::moe_experts_fp8(x, ids, w, w13_q,
+w13_scale, w2_q, w2_scale, block_n, block_k, out_dtype)`` (:mod:`ep_fuse.ops.fp8_ops`), expanded into
+``moe_permute_fp8 -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute``. Weights
+that are ``ep_fuse::fp8_block_dequant(q, scale_inv, bn, bk, dtype)`` of an fp8 tensor (what
+:func:`ep_fuse.prepare` emits for transformers' ``FP8Experts``, optionally behind casts) are used as
+they are, with their own block; every other weight is evaluated from the static inputs as above and
+quantized once to E4M3 with 128 x 128 block scales
+(:func:`ep_fuse.ops.fp8_reference.quantize_weight_fp8`). Both weights of a block must share one
+block shape (the activation group is its ``block_k``); otherwise the block stays unquantized.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ep_fuse.ops.fp8_reference import BLOCK, FP8, cdiv, quantize_weight_fp8
 from ep_fuse.ops.quant_reference import quantize_weight
 from ep_fuse.passes.base import GraphPass, PassContext
 
@@ -53,7 +64,7 @@ _MAX_CHAIN = 16
 
 
 class _WeightCache:
-    """int8 codes + scales per source weight, held by weak reference to the source tensor(s)."""
+    """Codes + scales per source weight and format, held by weak reference to the source tensor(s)."""
 
     def __init__(self) -> None:
         self._entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -61,10 +72,11 @@ class _WeightCache:
         self.quantized = 0
         """How many weights were quantized (tests check a recompile adds none)."""
 
-    def get(self, sources: list[torch.Tensor], chain: tuple[Any, ...], value: torch.Tensor
+    def get(self, sources: list[torch.Tensor], chain: tuple[Any, ...], value: torch.Tensor, fmt: str = "int8"
             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``fmt``: ``"int8"`` (per output channel) or ``"fp8_block"`` (E4M3, 128 x 128 blocks)."""
         key = sources[0]
-        sig = (chain, tuple(id(s) for s in sources[1:]))
+        sig = (fmt, chain, tuple(id(s) for s in sources[1:]))
         versions = tuple(s._version for s in sources)
         with self._lock:
             per_source = self._entries.get(key)
@@ -75,12 +87,12 @@ class _WeightCache:
             if hit is not None and hit[0] == versions:
                 return hit[1], hit[2]
         with torch.no_grad():
-            q, s = quantize_weight(value.detach())
+            q, s = quantize_weight_fp8(value.detach(), BLOCK) if fmt == "fp8_block" else quantize_weight(value.detach())
         with self._lock:
             per_source[sig] = (versions, q, s)
             self.quantized += 1
-        log.info("ep_fuse: quantized expert weight %s %s to int8 (per-channel scales)",
-                 tuple(value.shape), value.dtype)
+        log.info("ep_fuse: quantized expert weight %s %s to %s", tuple(value.shape), value.dtype,
+                 "fp8 e4m3 (128x128 block scales)" if fmt == "fp8_block" else "int8 (per-channel scales)")
         return q, s
 
     def clear(self) -> None:
@@ -103,18 +115,28 @@ class QuantizeExperts(GraphPass):
             return 0
         from ep_fuse.ops import canonical
 
-        block, w8a8 = canonical.moe_experts.op, canonical._quant_ops.moe_experts_w8a8.op
+        block = canonical.moe_experts.op
+        fp8 = ctx.config.quant == "fp8_block"
+        target = canonical._fp8_ops.moe_experts_fp8.op if fp8 else canonical._quant_ops.moe_experts_w8a8.op
         changes = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not block:
                 continue
             x, ids, w, w13, w2, out_dtype = node.args
             with gm.graph.inserting_before(node):
-                q13 = _int8_weight(gm, ctx, w13, node, "w13")
-                q2 = _int8_weight(gm, ctx, w2, node, "w2") if q13 is not None else None
-                if q13 is None or q2 is None:
-                    continue
-                new = gm.graph.call_function(w8a8, (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype))
+                if fp8:
+                    found = _fp8_weights(gm, ctx, node, w13, w2)
+                    if found is None:
+                        continue
+                    (q13, s13), (q2, s2), (bn, bk) = found
+                    args = (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype)
+                else:
+                    q13 = _int8_weight(gm, ctx, w13, node, "w13")
+                    q2 = _int8_weight(gm, ctx, w2, node, "w2") if q13 is not None else None
+                    if q13 is None or q2 is None:
+                        continue
+                    args = (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype)
+                new = gm.graph.call_function(target, args)
             new.meta.update(node.meta)
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
@@ -124,7 +146,23 @@ class QuantizeExperts(GraphPass):
         if changes:
             gm.graph.eliminate_dead_code()
             gm.recompile()
+            if fp8:
+                _warn_fp8_reference(ctx.device)
         return changes
+
+
+def _warn_fp8_reference(device: str) -> None:
+    """Say once per graph when the FP8 expert GEMMs will run the pure-torch reference."""
+    from ep_fuse.ops.fp8_ops import FP8_TRITON_UNVERIFIED, fp8_triton_enabled
+
+    if device == "cuda" and not fp8_triton_enabled():
+        log.warning("ep_fuse: quant='fp8_block' on CUDA: the Triton FP8 kernels are %s; the FP8 experts run the "
+                    "pure-torch reference (fp32 dequantize + matmul per expert), which is correct but SLOW",
+                    FP8_TRITON_UNVERIFIED)
+    elif device == "npu":
+        log.warning("ep_fuse: quant='fp8_block' on Ascend: torch_npu documents no FP8 grouped matmul for Atlas "
+                    "A2/A3 (docs/npu.md); the FP8 experts run the pure-torch reference, unverified on an NPU "
+                    "(use quant='w8a8_int8' there)")
 
 
 # --------------------------------------------------------------------------- weights
@@ -145,6 +183,62 @@ def _int8_weight(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node, block: f
         return None
     q, s = WEIGHT_CACHE.get(sources, tuple(chain), value)
     return _constant(gm, ctx, q, f"{label}_q"), _constant(gm, ctx, s, f"{label}_scale")
+
+
+def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node
+                 ) -> tuple[tuple[fx.Node, fx.Node], tuple[fx.Node, fx.Node], tuple[int, int]] | None:
+    """``((w13 codes, scales), (w2 codes, scales), (block_n, block_k))`` of a block, or ``None`` (left as is)."""
+    pre = {label: _fp8_prequantized(gm, ctx, wt) for label, wt in (("w13", w13), ("w2", w2))}
+    shapes = {p[2] for p in pre.values() if p is not None}
+    if len(shapes) > 1:
+        log.warning("ep_fuse: quant: %s: the model's fp8 w13 and w2 have different blocks %s; the block stays "
+                    "unquantized (the activation group must be one block_k)", block.name, sorted(shapes))
+        return None
+    bn, bk = shapes.pop() if shapes else BLOCK
+    out = []
+    for label, wt in (("w13", w13), ("w2", w2)):
+        if pre[label] is not None:
+            log.info("ep_fuse: %s at %s: using the model's fp8 %s and its block scales", block.name, wt.name, label)
+            out.append(pre[label][:2])
+            continue
+        if (bn, bk) != BLOCK:
+            log.warning("ep_fuse: quant: %s: %s is not fp8 while the other weight has %sx%s blocks; the block stays "
+                        "unquantized", block.name, label, bn, bk)
+            return None
+        sources: list[torch.Tensor] = []
+        chain: list[Any] = []
+        value = _evaluate(gm, ctx, wt, sources, chain, 0)
+        if value is None or not sources:
+            log.warning("ep_fuse: quant: %s at %s: %s is not computed from parameters the backend can read "
+                        "(pass the model's weights as parameters or buffers); the block stays unquantized",
+                        block.name, wt.name, label)
+            return None
+        q, s = WEIGHT_CACHE.get(sources, tuple(chain), value, "fp8_block")
+        out.append((_constant(gm, ctx, q, f"{label}_fp8"), _constant(gm, ctx, s, f"{label}_fp8_scale")))
+    return out[0], out[1], (bn, bk)
+
+
+def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node
+                      ) -> tuple[fx.Node, fx.Node, tuple[int, int]] | None:
+    """``(codes, fp32 scales, (bn, bk))`` when ``weight`` is ``[cast](fp8_block_dequant(q fp8 [E,N,K], s, bn, bk))``
+    with ``s`` [E, ceil(N/bn), ceil(K/bk)] (fp32, or another float dtype cast to fp32 in the graph)."""
+    from ep_fuse.ops.fp8_ops import fp8_block_dequant
+
+    w = _strip_casts(weight)
+    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target is fp8_block_dequant.op):
+        return None
+    q, s, bn, bk = w.args[:4]
+    qv, sv = _val(q), _val(s)
+    if not (isinstance(qv, torch.Tensor) and isinstance(sv, torch.Tensor)) or qv.dtype != FP8 or qv.dim() != 3:
+        return None
+    if not (isinstance(bn, int) and isinstance(bk, int) and bn > 0 and bk > 0):
+        return None
+    e, n, k = qv.shape
+    if tuple(sv.shape) != (e, cdiv(n, bn), cdiv(k, bk)) or not sv.dtype.is_floating_point:
+        return None
+    if sv.dtype != torch.float32:
+        s = _call(ctx, gm, aten._to_copy.default, (s,), {"dtype": torch.float32})
+    return q, s, (bn, bk)
 
 
 def _evaluate(gm: fx.GraphModule, ctx: PassContext, node: Any, sources: list[torch.Tensor], chain: list[Any],
@@ -247,9 +341,9 @@ def _constant(gm: fx.GraphModule, ctx: PassContext, t: torch.Tensor, label: str)
     """A ``get_attr`` node for ``t``, a non-persistent buffer of ``gm`` (Inductor's AOT re-trace lifts
     buffers to inputs; a plain tensor attribute would reach its fake-tensor trace as a real tensor)."""
     i = 0
-    while hasattr(gm, f"_ep_fuse_w8a8_{label}_{i}"):
+    while hasattr(gm, f"_ep_fuse_quant_{label}_{i}"):
         i += 1
-    name = f"_ep_fuse_w8a8_{label}_{i}"
+    name = f"_ep_fuse_quant_{label}_{i}"
     gm.register_buffer(name, t, persistent=False)
     node = gm.graph.get_attr(name)
     node.meta["val"] = _fake_mode(ctx).from_tensor(t, static_shapes=True)

@@ -290,5 +290,5 @@ def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
 register_provider(canonical.gemm_swiglu, "npu", gemm_swiglu_kernel, devices=_devices, available=_available,
                   supports=gemm_swiglu_supports, contracts=contracts("npu_swiglu"))
 
-# registration side effects: MoE stages, moe_gating (npu_moe_gating_top_k), W8A8 expert stages
-from ep_fuse.providers.npu import moe, router, w8a8  # noqa: E402,F401
+# registration side effects: MoE stages, moe_gating (npu_moe_gating_top_k), W8A8 expert stages, FP8 (declined)
+from ep_fuse.providers.npu import fp8, moe, router, w8a8  # noqa: E402,F401

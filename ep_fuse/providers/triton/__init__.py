@@ -140,3 +140,23 @@ _register(_quant_ops.quant_per_token, quant_per_token_kernel, check_quant_call, 
 _register(_quant_ops.grouped_gemm_w8a8_swiglu_quant, grouped_gemm_w8a8_swiglu_quant_kernel, check_w8a8_swiglu_call,
           None, _always)
 _register(_quant_ops.grouped_gemm_w8a8, grouped_gemm_w8a8_kernel, check_w8a8_gemm_call, None, _always)
+
+# --------------------------------------------------------------------------- FP8 block-scaled experts (quant="fp8_block")
+from ep_fuse.ops import fp8_ops as _fp8_ops  # noqa: E402
+from ep_fuse.providers.triton.fp8 import (  # noqa: E402
+    check_fp8_gemm_call,
+    check_fp8_swiglu_call,
+    check_permute_fp8_call,
+    check_quant_fp8_call,
+    grouped_gemm_fp8_kernel,
+    grouped_gemm_fp8_swiglu_quant_kernel,
+    moe_permute_fp8_kernel,
+    quant_fp8_group_kernel,
+)
+
+# declined on CUDA unless EP_FUSE_FP8_TRITON=1 (not yet verified on a GPU): see providers/triton/fp8.py
+_register(_fp8_ops.quant_fp8_group, quant_fp8_group_kernel, check_quant_fp8_call, None, _always)
+_register(_fp8_ops.moe_permute_fp8, moe_permute_fp8_kernel, check_permute_fp8_call, None, _always)
+_register(_fp8_ops.grouped_gemm_fp8_swiglu_quant, grouped_gemm_fp8_swiglu_quant_kernel, check_fp8_swiglu_call,
+          None, _always)
+_register(_fp8_ops.grouped_gemm_fp8, grouped_gemm_fp8_kernel, check_fp8_gemm_call, None, _always)

@@ -1,0 +1,157 @@
+"""Host side of the Triton FP8 providers: ``quant_fp8_group``, ``moe_permute_fp8``,
+``grouped_gemm_fp8_swiglu_quant``, ``grouped_gemm_fp8`` (kernels in :mod:`ep_fuse.providers.triton.fp8_kernel`).
+
+The kernels have run only under the Triton interpreter: on CUDA every check below declines with
+:data:`ep_fuse.ops.fp8_ops.FP8_TRITON_UNVERIFIED` unless ``EP_FUSE_FP8_TRITON=1``, and the FP8 stages
+run the pure-torch reference. No tensor value is read on the host (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ep_fuse.ops.fp8_ops import FP8_TRITON_UNVERIFIED, fp8_triton_enabled
+from ep_fuse.ops.fp8_reference import FP8, cdiv
+from ep_fuse.providers.common import KERNEL_DTYPES
+from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, unit_last
+from ep_fuse.providers.triton.moe_permute import check_moe_permute_call
+from ep_fuse.symbolic import known, same_shape, sym_eq
+
+MAX_GROUP = 1024
+"""Largest activation group (``block_k``) one program loads."""
+
+
+def _gate(t: torch.Tensor) -> str | None:
+    if t.device.type == "cuda" and not fp8_triton_enabled():
+        return FP8_TRITON_UNVERIFIED
+    return None
+
+
+def _group_ok(group: Any) -> str | None:
+    if not isinstance(group, int) or group < 16 or group > MAX_GROUP or group & (group - 1):
+        return f"group/block_k {group!r} is not a power of two in [16, {MAX_GROUP}]"
+    return None
+
+
+def check_quant_fp8_call(args: tuple[Any, ...]) -> str | None:
+    """``None`` when the kernel runs ``quant_fp8_group(x [M, K], group)``."""
+    x, group = args
+    if (reason := _gate(x)) is not None:
+        return reason
+    if x.dtype not in KERNEL_DTYPES or x.dim() != 2 or not unit_last(x):
+        return f"x must be a 2-D fp16/bf16/fp32 tensor with unit stride along K (got {x.dim()}-D {x.dtype})"
+    return _group_ok(group)
+
+
+def check_permute_fp8_call(args: tuple[Any, ...]) -> str | None:
+    x, topk_ids, num_experts, group = args
+    if (reason := _gate(x)) is not None:
+        return reason
+    return check_moe_permute_call((x, topk_ids, num_experts)) or _group_ok(group)
+
+
+def check_fp8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | None:
+    """``None`` when the FP8 grouped GEMM kernel runs ``(xq, x_scale, w_q, w_scale, seg_indptr, bn, bk, ...)``."""
+    xq, xs, wq, ws, seg, bn, bk = args[:7]
+    if (reason := _gate(xq)) is not None:
+        return reason
+    if xq.dtype != FP8 or wq.dtype != FP8:
+        return f"codes {xq.dtype}/{wq.dtype} are not float8_e4m3fn"
+    if xs.dtype != torch.float32 or ws.dtype != torch.float32:
+        return f"scales {xs.dtype}/{ws.dtype} are not fp32"
+    if (reason := _group_ok(bk)) is not None:
+        return reason
+    if not isinstance(bn, int) or bn < 1:
+        return f"block_n {bn!r} is not a positive int"
+    if xq.dim() != 2 or wq.dim() != 3 or not sym_eq(wq.shape[2], xq.shape[1]):
+        return f"shapes xq {tuple(xq.shape)} / w_q {tuple(wq.shape)} are not [M, K] / [E, N, K]"
+    if not (isinstance(wq.shape[1], int) and isinstance(wq.shape[2], int)):
+        return "symbolic weight shape"
+    k = wq.shape[2]
+    if not same_shape(xs.shape, [xq.shape[0], cdiv(k, bk)]):
+        return "x_scale is not [M, ceil(K / block_k)]"
+    if not same_shape(ws.shape, [wq.shape[0], cdiv(wq.shape[1], bn), cdiv(k, bk)]):
+        return "w_scale is not [E, ceil(N / block_n), ceil(K / block_k)]"
+    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or not sym_eq(seg.shape[0], wq.shape[0] + 1):
+        return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
+    if len({t.device for t in (xq, xs, wq, ws, seg)}) != 1:
+        return "operands on different devices"
+    if swiglu and not known(wq.shape[1] % 2 == 0):
+        return "w13 has an odd number of rows (not gate|up halves)"
+    if not swiglu and args[7] not in KERNEL_DTYPES:
+        return f"out_dtype {args[7]} (the kernel writes fp16/bf16/fp32)"
+    if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
+        return "operands are not unit-stride along their last dim"
+    if ws.stride(1) != ws.shape[2]:
+        return "w_scale is not contiguous over its last two dims"
+    return expert_weight_limits(wq)
+
+
+def check_fp8_swiglu_call(args: tuple[Any, ...]) -> str | None:
+    return check_fp8_gemm_call(args, swiglu=True)
+
+
+def quant_fp8_group_kernel(x, group, wrap=None):
+    """``ep_fuse_triton::quant_fp8_group``."""
+    from ep_fuse.providers.triton.fp8_kernel import launch_quant_group
+
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    s = torch.empty((x.shape[0], cdiv(x.shape[1], group)), dtype=torch.float32, device=x.device)
+    if q.numel():
+        launch_quant_group(x, q, s, group, wrap=wrap)
+    return q, s
+
+
+def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, wrap=None):
+    """``ep_fuse_triton::moe_permute_fp8``: permute + 1 x group quant in one pass over the T tokens."""
+    from ep_fuse.providers.triton.fp8_kernel import launch_permute_quant
+
+    t, k = topk_ids.shape
+    h = x.shape[1]
+    q = torch.empty((t * k, h), dtype=FP8, device=x.device)
+    s = torch.empty((t * k, cdiv(h, group)), dtype=torch.float32, device=x.device)
+    src2dst = torch.empty((t * k,), dtype=torch.int64, device=x.device)
+    seg = torch.empty((num_experts + 1,), dtype=torch.int64, device=x.device)
+    if h == 0:
+        from ep_fuse.providers.triton.moe_permute_kernel import launch_permute
+
+        launch_permute(x, topk_ids, num_experts, x.new_empty(t * k, 0), src2dst, seg, wrap=wrap)
+        return q, s, src2dst, seg
+    launch_permute_quant(x, topk_ids, num_experts, group, q, s, src2dst, seg, wrap=wrap)
+    return q, s, src2dst, seg
+
+
+def _gemm(xq, xs, wq, ws, seg, bn: int, bk: int, dtype: torch.dtype | None, swiglu: bool,
+          wrap: Callable[[Any], Any] | None) -> Any:
+    from ep_fuse.providers.triton.fp8_kernel import launch_fp8_gemm
+
+    m = xq.shape[0]
+    n = wq.shape[1] // 2 if swiglu else wq.shape[1]
+    if swiglu:
+        y = torch.empty((m, n), dtype=FP8, device=xq.device)
+        ys = torch.empty((m, cdiv(n, bk)), dtype=torch.float32, device=xq.device)
+    else:
+        y = torch.empty((m, n), dtype=dtype, device=xq.device)
+        ys = None
+    if m == 0 or n == 0:
+        return (y, ys) if swiglu else y
+    if wq.shape[0] == 0 or xq.shape[1] == 0:  # no experts (every row is tail) or an empty K
+        y.view(torch.uint8).zero_() if swiglu else y.zero_()
+        if ys is not None:
+            ys.zero_()
+        return (y, ys) if swiglu else y
+    launch_fp8_gemm(xq, xs, wq, ws, seg, y, ys, bn, bk, swiglu=swiglu, wrap=wrap)
+    return (y, ys) if swiglu else y
+
+
+def grouped_gemm_fp8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr, block_n, block_k, wrap=None):
+    """``ep_fuse_triton::grouped_gemm_fp8_swiglu_quant``: fp8 GEMM + block dequant + SwiGLU + 1 x block_k requant."""
+    return _gemm(xq, x_scale, w13_q, w13_scale, seg_indptr, block_n, block_k, None, True, wrap)
+
+
+def grouped_gemm_fp8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, wrap=None):
+    """``ep_fuse_triton::grouped_gemm_fp8``: fp8 GEMM with block-scale dequant in the K loop."""
+    return _gemm(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, False, wrap)

@@ -60,7 +60,8 @@ Triton interpreter (``tests/test_fp8.py``); ``tests/gpu/test_gpu_fp8.py`` checks
 
 
 def fp8_triton_enabled() -> bool:
-    """``EP_FUSE_FP8_TRITON=1``: let the (GPU-unverified) Triton FP8 kernels run on CUDA."""
+    """``EP_FUSE_FP8_TRITON=1`` (or ``EP_FUSE_UNVERIFIED_KERNELS=1``, which enables every GPU-unverified
+    kernel variant: ``ep_fuse/providers/triton/unverified.py``): let the Triton FP8 kernels run on CUDA."""
     import os
 
-    return os.environ.get(FP8_TRITON_ENV, "0") == "1"
+    return os.environ.get(FP8_TRITON_ENV, "0") == "1" or os.environ.get("EP_FUSE_UNVERIFIED_KERNELS", "0") == "1"

@@ -2,7 +2,9 @@
 
 On CUDA the Triton provider declines them (the call keeps the reference, which Inductor compiles) until
 ``tests/gpu/`` has checked them on a GPU and they are removed from :data:`UNVERIFIED_ON_GPU`;
-``EP_FUSE_UNVERIFIED_KERNELS=1`` enables them anyway (what the GPU checks set).
+``EP_FUSE_UNVERIFIED_KERNELS=1`` enables them anyway (what the GPU checks set). The FP8 expert kernels
+(``quant="fp8_block"``) are gated the same way by their own switch, ``EP_FUSE_FP8_TRITON=1``
+(:func:`ep_fuse.ops.fp8_ops.fp8_triton_enabled`, also enabled by ``EP_FUSE_UNVERIFIED_KERNELS=1``).
 """
 
 from __future__ import annotations

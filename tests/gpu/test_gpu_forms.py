@@ -4,12 +4,9 @@ the Triton kernels against the references, at decode and prefill token counts, w
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-os.environ["EP_FUSE_UNVERIFIED_KERNELS"] = "1"  # these checks are what clears the variants (unverified.py)
 
 import ep_fuse.ops.canonical  # noqa: F401  (defines the ops)
 from ep_fuse.ops.reference import rope_qk_ref
@@ -17,6 +14,12 @@ from ep_fuse.ops.router_reference import moe_gating_stable_ref
 from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel
 
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _unverified_kernels_on(monkeypatch):
+    """These checks are what clears the variants (``unverified.py``): their support checks must pass."""
+    monkeypatch.setenv("EP_FUSE_UNVERIFIED_KERNELS", "1")
 
 
 def _logits(t: int, e: int, ties: bool, dtype: torch.dtype) -> torch.Tensor:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-
 import ep_fuse.ops.canonical  # noqa: F401  (defines the ops)
 from ep_fuse.ops.reference import rope_qk_ref
 from ep_fuse.ops.router_reference import moe_gating_stable_ref

@@ -7,7 +7,8 @@
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
 # (bench_generate.py), accuracy (accuracy_decode.py), dynamic[:TAG] (check_dynamic.py with $DYN_ARGS or
 # $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench_grouped_gemm_tma.py with $GG_ARGS),
-# pack (tar every log and result into $OUT).
+# profile_dynamic (bench/profile_dynamic.py static and --dynamic, $PROF_ARGS), pack (tar every log and
+# result into $OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 repo=$PWD
@@ -61,6 +62,9 @@ for s in "$@"; do
       step gg_tma_test timeout ${GG_TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider \
         "$repo/tests/gpu/test_gpu_grouped_gemm_tma.py"
       step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
+    profile_dynamic)  # host time per call, ep_fuse vs Inductor, static and dynamic (issue 14)
+      step profile_static timeout 200 python3 "$repo/bench/profile_dynamic.py" ${PROF_ARGS:-}
+      step profile_dynamic timeout 200 python3 "$repo/bench/profile_dynamic.py" --dynamic ${PROF_ARGS:-} ;;
     pack)  # one archive back through the device tool (it returns at most 8 files)
       mkdir -p "$final_out" && tar czf "$final_out/results-$(date +%H%M%S).tgz" -C "$OUT" . && ls -la "$final_out" ;;
     ep)

@@ -202,8 +202,9 @@ def test_cuda_graph_replay_with_a_new_routing():
 def test_inlined_in_inductor():
     """Under ``torch.compile`` the ops are traced through ``wrap_triton``: the generated code launches the TMA
     kernel (device-side descriptors: Triton's scratch allocator) and matches the eager op."""
-    import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
     from torch._inductor.utils import run_and_get_code
+
+    import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 
     t, h, i, e, k = SHAPES["qwen3_30b_a3b_T4096"]
     w13, w2 = weights(h, i, e)

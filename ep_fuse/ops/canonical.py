@@ -96,5 +96,5 @@ moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, _moe_gating_ref)
 """``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.router_reference`."""
 
 from ep_fuse.ep import ops as _ep_ops  # noqa: E402,F401  (EP: ep_dispatch / ep_combine, docs/ep.md)
-from ep_fuse.ops import fp8_ops as _fp8_ops  # noqa: E402,F401  (FP8 block-scaled experts, quant="fp8_block")
 from ep_fuse.ops import quant_ops as _quant_ops  # noqa: E402,F401  (W8A8 int8 experts, quant="w8a8_int8")
+from ep_fuse.ops import fp8_ops as _fp8_ops  # noqa: E402,F401  (FP8 block-scaled experts, quant="fp8_block")

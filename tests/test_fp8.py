@@ -211,6 +211,7 @@ def _fake_args(device: str):
 def test_triton_declines_cuda_unless_enabled(monkeypatch):
     args = (*_fake_args("cuda"), 128, 128)
     monkeypatch.delenv(O.FP8_TRITON_ENV, raising=False)
+    monkeypatch.delenv("EP_FUSE_UNVERIFIED_KERNELS", raising=False)
     assert T.check_fp8_swiglu_call(args) == O.FP8_TRITON_UNVERIFIED
     assert "EP_FUSE_FP8_TRITON=1" in O.FP8_TRITON_UNVERIFIED
     choice = choose(O.grouped_gemm_fp8_swiglu_quant, args, "cuda", ("triton", "reference"))

@@ -129,7 +129,13 @@ def test_triton_matches_the_stable_reference(t, e_g, k, topk_group, form, ties, 
     k = min(k, e)
     bias = bias and form not in ("v2", "topk_softmax")  # no selection bias there (check_gating_args)
     b = (torch.randint(-1, 2, (e,), generator=torch.Generator().manual_seed(seed)).float() * 0.25) if bias else None
-    args = (_logits(t, e, ties, seed, logit_dtype), b, k, score, n_group, topk_group, group_score, renorm,
+    x = _logits(t, e, ties, seed, logit_dtype)
+    if ties and score == "sigmoid":
+        # exact ties only: sigmoid(0) = 0.5 and sigmoid(40) = 1.0 in every implementation; with x = +-1 a tie that
+        # holds only in exact math (sigmoid(1) + sigmoid(-1) == 2 * sigmoid(0)) is decided by an ulp of the
+        # sigmoid, which the kernel and torch round differently (torch's sigmoid(-1) is one ulp off 1/(1+e))
+        x = ((x > 0).float() * 40).to(logit_dtype)
+    args = (x, b, k, score, n_group, topk_group, group_score, renorm,
             1e-20 if score == "sigmoid" else 0.0, 2.5 if form == "v3" else 1.0, weight_dtype)
     assert check_gating_call(args) is None
     w, ids = moe_gating_kernel(*args)

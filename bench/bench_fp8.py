@@ -1,6 +1,6 @@
 """Benchmark of the FP8 block-scaled experts vs the bf16 ep_fuse experts (DeepSeek-V3 routed layer).
 
-    EP_FUSE_FP8_TRITON=1 python bench/bench_fp8.py [--only decode,prefill] [--no-reference]
+    EP_FUSE_UNVERIFIED_KERNELS=1 python bench/bench_fp8.py [--only decode,prefill] [--no-reference]
 
 **Not run yet**: written in a session without a GPU; no numbers exist (``docs/benchmarks.md``).
 Shapes: H7168 I2048 E256 top-8, decode T128 and prefill T4096. Rows are routed by top-k of random logits.
@@ -8,7 +8,7 @@ Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both path
 
 * ``bf16``: ``grouped_gemm_swiglu`` + ``grouped_gemm`` (the ep_fuse Triton experts path), on permuted rows;
 * ``fp8 triton``: ``moe_permute_fp8`` (permute + 1 x 128 quant) + ``grouped_gemm_fp8_swiglu_quant`` +
-  ``grouped_gemm_fp8`` (needs ``EP_FUSE_FP8_TRITON=1``); ``+ bf16 permute`` is added to the bf16 time
+  ``grouped_gemm_fp8`` (needs ``EP_FUSE_UNVERIFIED_KERNELS=1``); ``+ bf16 permute`` is added to the bf16 time
   so both include the permute;
 * ``fp8 reference``: the pure-torch reference chain (what runs by default on CUDA), timed once (host loop).
 
@@ -32,13 +32,13 @@ from common import bench_graph_us, env_info, markdown_table, out_dir, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.ops import fp8_reference as R
-from ep_fuse.ops.fp8_ops import FP8_TRITON_ENV, fp8_triton_enabled
 from ep_fuse.providers.triton import fp8 as T
 from ep_fuse.providers.triton.grouped_gemm import (
     grouped_gemm_kernel,
     grouped_gemm_swiglu_kernel,
 )
 from ep_fuse.providers.triton.moe_permute import moe_permute_kernel
+from ep_fuse.providers.triton.unverified import ENV, cleared
 
 BF16 = torch.bfloat16
 DEVICE = "cuda"
@@ -125,8 +125,8 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU (sm90+)")
-    if not fp8_triton_enabled():
-        raise SystemExit(f"set {FP8_TRITON_ENV}=1: the Triton FP8 kernels are not yet verified on a GPU")
+    if not cleared("fp8:triton"):
+        raise SystemExit(f"set {ENV}=1: the Triton FP8 kernels are not yet verified on a GPU")
     info = env_info()
     log(info)
     w = make_weights(7168, 2048, 256)

@@ -5,7 +5,7 @@
   zeros and outliers (hypothesis);
 * the GEMM references against a direct fp64 computation of the dequantized math;
 * Triton kernels under the interpreter against the references (codes bit-exact);
-* the Triton provider declines CUDA calls unless ``EP_FUSE_FP8_TRITON=1``; the NPU provider always declines;
+* the Triton provider declines CUDA calls unless ``EP_FUSE_UNVERIFIED_KERNELS=1``; the NPU provider always declines;
 * the quant pass on a hand-written module (eager and Inductor executors) and tiny DeepSeek-V3 models
   holding transformers' ``FP8Experts``.
 """
@@ -210,13 +210,14 @@ def _fake_args(device: str):
 
 def test_triton_declines_cuda_unless_enabled(monkeypatch):
     args = (*_fake_args("cuda"), 128, 128)
-    monkeypatch.delenv(O.FP8_TRITON_ENV, raising=False)
-    monkeypatch.delenv("EP_FUSE_UNVERIFIED_KERNELS", raising=False)
-    assert T.check_fp8_swiglu_call(args) == O.FP8_TRITON_UNVERIFIED
-    assert "EP_FUSE_FP8_TRITON=1" in O.FP8_TRITON_UNVERIFIED
+    from ep_fuse.providers.triton.unverified import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    why = T.check_fp8_swiglu_call(args)
+    assert why.startswith("fp8:triton: this kernel variant has not run on a GPU") and f"{ENV}=1" in why, why
     choice = choose(O.grouped_gemm_fp8_swiglu_quant, args, "cuda", ("triton", "reference"))
-    assert choice.provider == "reference" and choice.declined == (("triton", O.FP8_TRITON_UNVERIFIED),)
-    monkeypatch.setenv(O.FP8_TRITON_ENV, "1")
+    assert choice.provider == "reference" and choice.declined == (("triton", why),)
+    monkeypatch.setenv(ENV, "1")
     assert T.check_fp8_swiglu_call(args) is None
     assert T.check_fp8_gemm_call((*args, BF16)) is None
     assert choose(O.grouped_gemm_fp8, (*args, BF16), "cuda", ("triton", "reference")).provider == "triton"

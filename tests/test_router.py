@@ -396,7 +396,7 @@ def test_unverified_kernel_variants_decline_on_cuda_only(monkeypatch):
     cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
     monkeypatch.delenv(ENV, raising=False)
     assert set(UNVERIFIED_ON_GPU) == {"moe_gating:topk_softmax", "moe_gating:topk_sigmoid", "moe_gating:sum_top2_fill0",
-                                      "moe_gating:renorm_clamp", "rope:rotate_pairs", "grouped_gemm:tma"}
+                                      "moe_gating:renorm_clamp", "rope:rotate_pairs", "grouped_gemm:tma", "fp8:triton"}
     for variant in UNVERIFIED_ON_GPU:
         assert "has not run on a GPU" in gpu_unverified(variant, cuda)
         assert gpu_unverified(variant, cpu) is None  # the interpreter checks them on the CPU

@@ -10,6 +10,7 @@ Semantics: :mod:`ep_fuse.ops.fp8_reference`. The quant pass (:mod:`ep_fuse.passe
 from __future__ import annotations
 
 from ep_fuse.ops import fp8_reference as _f
+from ep_fuse.ops.quant_reference import never_traceable
 from ep_fuse.ops.registry import define_canonical
 
 fp8_block_dequant = define_canonical(
@@ -35,14 +36,14 @@ grouped_gemm_fp8_swiglu_quant = define_canonical(
     "(Tensor xq, Tensor x_scale, Tensor w13_q, Tensor w13_scale, Tensor seg_indptr, int block_n, int block_k) "
     "-> (Tensor, Tensor)",
     _f.grouped_gemm_fp8_swiglu_quant_ref, fake=_f.grouped_gemm_fp8_swiglu_quant_fake,
-    traceable=_f.never_traceable)
+    traceable=never_traceable)
 """fp8 gate|up grouped GEMM (block-scale dequant) -> SwiGLU (fp32) -> 1 x ``block_k`` requant."""
 
 grouped_gemm_fp8 = define_canonical(
     "grouped_gemm_fp8",
     "(Tensor xq, Tensor x_scale, Tensor w_q, Tensor w_scale, Tensor seg_indptr, int block_n, int block_k, "
     "ScalarType out_dtype) -> Tensor",
-    _f.grouped_gemm_fp8_ref, fake=_f.grouped_gemm_fp8_fake, traceable=_f.never_traceable)
+    _f.grouped_gemm_fp8_ref, fake=_f.grouped_gemm_fp8_fake, traceable=never_traceable)
 """fp8 grouped GEMM ``x @ w_q[e].T`` with block-scale dequant, rounded to ``out_dtype``."""
 
 moe_experts_fp8 = define_canonical(
@@ -53,15 +54,3 @@ moe_experts_fp8 = define_canonical(
     stages=("moe_permute_fp8", "grouped_gemm_fp8_swiglu_quant", "grouped_gemm_fp8", "moe_unpermute"))
 """The FP8 routed-expert block (``moe_experts`` with block-scaled E4M3 weights)."""
 
-FP8_TRITON_ENV = "EP_FUSE_FP8_TRITON"
-FP8_TRITON_UNVERIFIED = f"not yet verified on a GPU (set {FP8_TRITON_ENV}=1 to try it)"
-"""Why the Triton FP8 provider declines CUDA calls by default: its kernels have run only under the
-Triton interpreter (``tests/test_fp8.py``); ``tests/gpu/test_gpu_fp8.py`` checks them on a GPU."""
-
-
-def fp8_triton_enabled() -> bool:
-    """``EP_FUSE_FP8_TRITON=1`` (or ``EP_FUSE_UNVERIFIED_KERNELS=1``, which enables every GPU-unverified
-    kernel variant: ``ep_fuse/providers/triton/unverified.py``): let the Triton FP8 kernels run on CUDA."""
-    import os
-
-    return os.environ.get(FP8_TRITON_ENV, "0") == "1" or os.environ.get("EP_FUSE_UNVERIFIED_KERNELS", "0") == "1"

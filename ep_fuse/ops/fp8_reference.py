@@ -180,11 +180,6 @@ def grouped_gemm_fp8_fake(xq, xs, wq, ws, seg_indptr, block_n, block_k, out_dtyp
     return xq.new_empty(xq.shape[0], wq.shape[1], dtype=out_dtype)
 
 
-def never_traceable(args: tuple) -> bool:
-    """The GEMM references loop over experts on the host: under Inductor they stay opaque ops."""
-    return False
-
-
 def moe_experts_fp8_ref(
     x: torch.Tensor,
     topk_ids: torch.Tensor,

@@ -153,12 +153,12 @@ class QuantizeExperts(GraphPass):
 
 def _warn_fp8_reference(device: str) -> None:
     """Say once per graph when the FP8 expert GEMMs will run the pure-torch reference."""
-    from ep_fuse.ops.fp8_ops import FP8_TRITON_UNVERIFIED, fp8_triton_enabled
+    from ep_fuse.providers.triton.unverified import ENV, cleared
 
-    if device == "cuda" and not fp8_triton_enabled():
-        log.warning("ep_fuse: quant='fp8_block' on CUDA: the Triton FP8 kernels are %s; the FP8 experts run the "
-                    "pure-torch reference (fp32 dequantize + matmul per expert), which is correct but SLOW",
-                    FP8_TRITON_UNVERIFIED)
+    if device == "cuda" and not cleared("fp8:triton"):
+        log.warning("ep_fuse: quant='fp8_block' on CUDA: the Triton FP8 kernels have not run on a GPU yet (%s=1 "
+                    "enables them); the FP8 experts run the pure-torch reference (fp32 dequantize + matmul per "
+                    "expert), which is correct but SLOW", ENV)
     elif device == "npu":
         log.warning("ep_fuse: quant='fp8_block' on Ascend: torch_npu documents no FP8 grouped matmul for Atlas "
                     "A2/A3 (docs/npu.md); the FP8 experts run the pure-torch reference, unverified on an NPU "
@@ -173,6 +173,13 @@ def _int8_weight(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node, block: f
     if pre is not None:
         log.info("ep_fuse: %s at %s: using the model's int8 %s and its scales", block.name, weight.name, label)
         return pre
+    return _quantized_parameters(gm, ctx, weight, block, label, "int8", ("q", "scale"))
+
+
+def _quantized_parameters(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node, block: fx.Node, label: str,
+                          fmt: str, suffixes: tuple[str, str]) -> tuple[fx.Node, fx.Node] | None:
+    """``(codes, scales)`` constant nodes of ``weight`` evaluated from the parameters it is computed from and
+    quantized once in ``fmt`` (cached per source tensors), or ``None`` when it is not computed from parameters."""
     sources: list[torch.Tensor] = []
     chain: list[Any] = []
     value = _evaluate(gm, ctx, weight, sources, chain, 0)
@@ -181,8 +188,8 @@ def _int8_weight(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node, block: f
                     "(pass the model's weights as parameters or buffers); the block stays unquantized",
                     block.name, weight.name, label)
         return None
-    q, s = WEIGHT_CACHE.get(sources, tuple(chain), value)
-    return _constant(gm, ctx, q, f"{label}_q"), _constant(gm, ctx, s, f"{label}_scale")
+    q, s = WEIGHT_CACHE.get(sources, tuple(chain), value, fmt)
+    return _constant(gm, ctx, q, f"{label}_{suffixes[0]}"), _constant(gm, ctx, s, f"{label}_{suffixes[1]}")
 
 
 def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node
@@ -205,16 +212,10 @@ def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.N
             log.warning("ep_fuse: quant: %s: %s is not fp8 while the other weight has %sx%s blocks; the block stays "
                         "unquantized", block.name, label, bn, bk)
             return None
-        sources: list[torch.Tensor] = []
-        chain: list[Any] = []
-        value = _evaluate(gm, ctx, wt, sources, chain, 0)
-        if value is None or not sources:
-            log.warning("ep_fuse: quant: %s at %s: %s is not computed from parameters the backend can read "
-                        "(pass the model's weights as parameters or buffers); the block stays unquantized",
-                        block.name, wt.name, label)
+        made = _quantized_parameters(gm, ctx, wt, block, label, "fp8_block", ("fp8", "fp8_scale"))
+        if made is None:
             return None
-        q, s = WEIGHT_CACHE.get(sources, tuple(chain), value, "fp8_block")
-        out.append((_constant(gm, ctx, q, f"{label}_fp8"), _constant(gm, ctx, s, f"{label}_fp8_scale")))
+        out.append(made)
     return out[0], out[1], (bn, bk)
 
 

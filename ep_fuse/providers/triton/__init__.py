@@ -154,7 +154,7 @@ from ep_fuse.providers.triton.fp8 import (  # noqa: E402
     quant_fp8_group_kernel,
 )
 
-# declined on CUDA unless EP_FUSE_FP8_TRITON=1 (not yet verified on a GPU): see providers/triton/fp8.py
+# declined on CUDA unless EP_FUSE_UNVERIFIED_KERNELS=1 (not yet verified on a GPU): see providers/triton/fp8.py
 _register(_fp8_ops.quant_fp8_group, quant_fp8_group_kernel, check_quant_fp8_call, None, _always)
 _register(_fp8_ops.moe_permute_fp8, moe_permute_fp8_kernel, check_permute_fp8_call, None, _always)
 _register(_fp8_ops.grouped_gemm_fp8_swiglu_quant, grouped_gemm_fp8_swiglu_quant_kernel, check_fp8_swiglu_call,

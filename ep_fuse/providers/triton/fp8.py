@@ -2,7 +2,7 @@
 ``grouped_gemm_fp8_swiglu_quant``, ``grouped_gemm_fp8`` (kernels in :mod:`ep_fuse.providers.triton.fp8_kernel`).
 
 The kernels have run only under the Triton interpreter: on CUDA every check below declines with
-:data:`ep_fuse.ops.fp8_ops.FP8_TRITON_UNVERIFIED` unless ``EP_FUSE_FP8_TRITON=1``, and the FP8 stages
+``fp8:triton`` of :mod:`ep_fuse.providers.triton.unverified` unless ``EP_FUSE_UNVERIFIED_KERNELS=1``, and the FP8 stages
 run the pure-torch reference. No tensor value is read on the host (CUDA-graph capturable).
 """
 
@@ -13,21 +13,22 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops.fp8_ops import FP8_TRITON_UNVERIFIED, fp8_triton_enabled
 from ep_fuse.ops.fp8_reference import FP8, cdiv
 from ep_fuse.providers.common import KERNEL_DTYPES
-from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, unit_last
+from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, quantized_operand_checks, unit_last
 from ep_fuse.providers.triton.moe_permute import check_moe_permute_call
-from ep_fuse.symbolic import known, same_shape, sym_eq
+from ep_fuse.providers.triton.unverified import gpu_unverified
+from ep_fuse.symbolic import same_shape, sym_eq
 
 MAX_GROUP = 1024
 """Largest activation group (``block_k``) one program loads."""
 
 
+VARIANT = "fp8:triton"
+
+
 def _gate(t: torch.Tensor) -> str | None:
-    if t.device.type == "cuda" and not fp8_triton_enabled():
-        return FP8_TRITON_UNVERIFIED
-    return None
+    return gpu_unverified(VARIANT, t)
 
 
 def _group_ok(group: Any) -> str | None:
@@ -75,16 +76,9 @@ def check_fp8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | No
         return "x_scale is not [M, ceil(K / block_k)]"
     if not same_shape(ws.shape, [wq.shape[0], cdiv(wq.shape[1], bn), cdiv(k, bk)]):
         return "w_scale is not [E, ceil(N / block_n), ceil(K / block_k)]"
-    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or not sym_eq(seg.shape[0], wq.shape[0] + 1):
-        return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
-    if len({t.device for t in (xq, xs, wq, ws, seg)}) != 1:
-        return "operands on different devices"
-    if swiglu and not known(wq.shape[1] % 2 == 0):
-        return "w13 has an odd number of rows (not gate|up halves)"
-    if not swiglu and args[7] not in KERNEL_DTYPES:
-        return f"out_dtype {args[7]} (the kernel writes fp16/bf16/fp32)"
-    if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
-        return "operands are not unit-stride along their last dim"
+    why = quantized_operand_checks(xq, xs, wq, ws, seg, swiglu, None if swiglu else args[7])
+    if why:
+        return why
     if ws.stride(1) != ws.shape[2]:
         return "w_scale is not contiguous over its last two dims"
     return expert_weight_limits(wq)

@@ -2,7 +2,7 @@
 grouped GEMMs with block-scale dequantization in the K loop.
 
 Semantics: :mod:`ep_fuse.ops.fp8_reference`. **Verified only under the Triton interpreter**
-(``tests/test_fp8.py``); on CUDA the provider declines unless ``EP_FUSE_FP8_TRITON=1``
+(``tests/test_fp8.py``); on CUDA the provider declines unless ``EP_FUSE_UNVERIFIED_KERNELS=1``
 (``tests/gpu/test_gpu_fp8.py`` is the GPU check).
 
 * ``_permute_quant_kernel``: one program per (token, group): the token's ``g`` channels are loaded once,

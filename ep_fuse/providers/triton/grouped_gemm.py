@@ -36,6 +36,23 @@ def unit_last(t: torch.Tensor) -> bool:
     return known(t.shape[-1] <= 1) or known(t.stride(-1) == 1)
 
 
+def quantized_operand_checks(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                             seg: torch.Tensor, swiglu: bool, out_dtype: Any) -> str | None:
+    """The checks the quantized grouped GEMMs (int8 and fp8) share once codes and scales have their shapes:
+    the expert offsets, one device, gate|up halves, the output dtype, unit-stride operands."""
+    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or not sym_eq(seg.shape[0], wq.shape[0] + 1):
+        return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
+    if len({t.device for t in (xq, xs, wq, ws, seg)}) != 1:
+        return "operands on different devices"
+    if swiglu and not known(wq.shape[1] % 2 == 0):
+        return "w13 has an odd number of rows (not gate|up halves)"
+    if not swiglu and out_dtype not in KERNEL_DTYPES:
+        return f"out_dtype {out_dtype} (the kernel writes fp16/bf16/fp32)"
+    if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
+        return "operands are not unit-stride along their last dim"
+    return None
+
+
 def expert_weight_limits(w: torch.Tensor) -> str | None:
     """What the grouped-GEMM kernels (bf16 and int8) address: ``MAX_EXPERTS`` experts, int32 offsets
     inside one expert's [N, K] weight (expert weights are parameters: static sizes)."""

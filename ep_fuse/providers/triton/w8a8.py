@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from ep_fuse.providers.common import KERNEL_DTYPES
-from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, unit_last
-from ep_fuse.symbolic import known, same_shape, sym_eq
+from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, quantized_operand_checks, unit_last
+from ep_fuse.symbolic import same_shape, sym_eq
 
 
 def check_quant_call(args: tuple[Any, ...]) -> str | None:
@@ -40,16 +40,9 @@ def check_w8a8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | N
         return f"shapes xq {tuple(xq.shape)} / w_q {tuple(wq.shape)} are not [M, K] / [E, N, K]"
     if not same_shape(xs.shape, [xq.shape[0]]) or not same_shape(ws.shape, wq.shape[:2]):
         return "scales are not x_scale [M] / w_scale [E, N]"
-    if seg.dtype not in (torch.int32, torch.int64) or seg.dim() != 1 or not sym_eq(seg.shape[0], wq.shape[0] + 1):
-        return "seg_indptr is not an int32/int64 vector of E + 1 offsets"
-    if len({t.device for t in (xq, xs, wq, ws, seg)}) != 1:
-        return "operands on different devices"
-    if swiglu and not known(wq.shape[1] % 2 == 0):
-        return "w13 has an odd number of rows (not gate|up halves)"
-    if not swiglu and args[5] not in KERNEL_DTYPES:
-        return f"out_dtype {args[5]} (the kernel writes fp16/bf16/fp32)"
-    if not (unit_last(xq) and unit_last(wq) and unit_last(xs) and unit_last(ws)):
-        return "operands are not unit-stride along their last dim"
+    why = quantized_operand_checks(xq, xs, wq, ws, seg, swiglu, None if swiglu else args[5])
+    if why:
+        return why
     return expert_weight_limits(wq)
 
 

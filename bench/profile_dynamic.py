@@ -59,9 +59,9 @@ def _inputs(spec: str) -> dict[str, Any]:
 
 def _compile(model: torch.nn.Module, backend: str, args: argparse.Namespace) -> Any:
     if backend == "ep_fuse":
-        return torch.compile(model, backend="ep_fuse", dynamic=args.dynamic or None,
+        return torch.compile(model, backend="ep_fuse", dynamic=args.dynamic,
                              options={"mode": args.mode} if args.mode else None)
-    return torch.compile(model, backend="inductor", dynamic=args.dynamic or None, mode=args.mode)
+    return torch.compile(model, backend="inductor", dynamic=args.dynamic, mode=args.mode)
 
 
 def measure(model: torch.nn.Module, backend: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -156,7 +156,7 @@ def _warn_fp8_reference(device: str) -> None:
     from ep_fuse.providers.triton.unverified import ENV, cleared
 
     if device == "cuda" and not cleared("fp8:triton"):
-        log.warning("ep_fuse: quant='fp8_block' on CUDA: the Triton FP8 kernels have not run on a GPU yet (%s=1 "
+        log.warning("ep_fuse: quant='fp8_block' on CUDA: the Triton FP8 kernels are not cleared for GPUs (%s=1 "
                     "enables them); the FP8 experts run the pure-torch reference (fp32 dequantize + matmul per "
                     "expert), which is correct but SLOW", ENV)
     elif device == "npu":
@@ -202,6 +202,13 @@ def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.N
                     "unquantized (the activation group must be one block_k)", block.name, sorted(shapes))
         return None
     bn, bk = shapes.pop() if shapes else BLOCK
+    if ctx.device == "cuda" and ctx.config.perf_guard and any(p is None for p in pre.values()):
+        reason = _fp8_not_faster(block, w13)
+        if reason is not None:
+            log.info("ep_fuse: quant: %s stays bf16: %s", block.name, reason)
+            for match in ctx.match_by_node.get(block.name, []):
+                match.declined.append(("quant fp8_block", reason))
+            return None
     out = []
     for label, wt in (("w13", w13), ("w2", w2)):
         if pre[label] is not None:
@@ -217,6 +224,18 @@ def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.N
             return None
         out.append(made)
     return out[0], out[1], (bn, bk)
+
+
+def _fp8_not_faster(block: fx.Node, w13: fx.Node) -> str | None:
+    """The measured rule (:func:`ep_fuse.providers.triton.perf.fp8_block_quant_rule`) for a block that would
+    quantize bf16 weights on CUDA."""
+    from ep_fuse.providers.triton.perf import fp8_block_quant_rule
+
+    x, ids = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in block.args[:2])
+    weight = w13.meta.get("val") if isinstance(w13, fx.Node) else None
+    if x is None or ids is None or weight is None:
+        return "the block's shapes are unknown"
+    return fp8_block_quant_rule(x, int(ids.shape[-1]), int(weight.shape[0]))
 
 
 def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node

@@ -1,6 +1,6 @@
 """One GPU (Hopper, sm90+): the Triton FP8 kernels against the pure-torch reference on DeepSeek-V3-like
-bf16 shapes. **Never run yet** (written without a GPU): the provider declines CUDA calls unless
-``EP_FUSE_UNVERIFIED_KERNELS=1``, which this file sets; once these pass, that default can be revisited."""
+bf16 shapes. The provider declines CUDA calls unless ``EP_FUSE_UNVERIFIED_KERNELS=1`` (which this file sets)
+while ``fp8:triton`` is listed in ``unverified.py``."""
 
 import pytest
 import torch
@@ -16,6 +16,14 @@ CASES = [  # t, h, i, e, k: decode, prefill-ish, ragged H/I (not multiples of 12
 
 def bits(a: torch.Tensor) -> torch.Tensor:
     return a.view(torch.uint8)
+
+
+def dequant(q: torch.Tensor, s: torch.Tensor, g: int = 128) -> torch.Tensor:
+    return q.float() * s.repeat_interleave(g, dim=-1)[:, : q.shape[-1]]
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 @pytest.fixture(autouse=True)
@@ -49,11 +57,22 @@ def test_triton_fp8_kernels_match_reference(t, h, i, e, k):
     assert T.check_fp8_swiglu_call(args) is None
     aq, a_s = T.grouped_gemm_fp8_swiglu_quant_kernel(*args)
     aqr, asr = R.grouped_gemm_fp8_swiglu_quant_ref(*args)
-    torch.testing.assert_close(a_s, asr, rtol=1e-4, atol=1e-9)
-    assert (bits(aq) != bits(aqr)).float().mean() < 0.01  # ties moved by the fp32 summation order
+    # Hopper's fp8 tensor-core MMA accumulates each 128-deep K block with fewer mantissa bits than fp32 (the
+    # reason DeepSeek-V3 promotes to fp32 per block, as these kernels do): measured on H200, the group scales
+    # (amax / 448) differ from the exact-fp32 reference by up to 2.5e-3 relative. Codes may then move by one
+    # E4M3 step where a value sits near a rounding boundary; the accumulation error is absolute (a fraction
+    # of the group's amax), so small values can move by many codes while moving little: bound it in units
+    # of the group's scale (amax / 448; the top E4M3 step is 32 of them). Measured: 1.4 % of codes moved.
+    torch.testing.assert_close(a_s, asr, rtol=1e-2, atol=1e-9)
+    assert (bits(aq) != bits(aqr)).float().mean() < 0.05
+    deq, deq_ref = dequant(aq, a_s), dequant(aqr, asr)
+    unit = torch.maximum(a_s, asr).repeat_interleave(128, dim=-1)[:, : aq.shape[-1]]
+    assert ((deq - deq_ref).abs() <= 40 * unit).all()
+    assert rel_l2(deq, deq_ref) < 2e-2
     y = T.grouped_gemm_fp8_kernel(aqr, asr, q2, s2, seg, 128, 128, BF16)
     yr = R.grouped_gemm_fp8_ref(aqr, asr, q2, s2, seg, 128, 128, BF16)
-    torch.testing.assert_close(y, yr, rtol=1.6e-2, atol=1e-3)
+    assert rel_l2(y, yr) < 1e-2
+    assert (y.float() - yr.float()).abs().max() <= 0.05 * yr.float().abs().max()
     assert not y[int(seg[-1]):].any()
 
 

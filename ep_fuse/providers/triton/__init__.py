@@ -75,9 +75,19 @@ def _static(args: tuple[Any, ...]) -> bool:
     return True
 
 
-def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check) -> Any:
+INLINE_SYMBOLIC = True
+"""Inline the launches of the ops registered ``symbolic=True`` at symbolic sizes too (``dynamic=True``).
+
+Their host code computes grids and arguments as size expressions without specialising them (no guard is
+added: ``tests/test_symbolic_launch.py``), so Inductor's generated code launches them with pre-bound
+arguments at every size, instead of calling the opaque op through the dispatcher and Triton's JIT launcher
+(about 80 µs of host time per call measured on H200, ``docs/benchmarks.md``)."""
+
+
+def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, symbolic: bool) -> Any:
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if (not INLINE_IN_INDUCTOR or triton_interpret() or args[0].device.type != "cuda" or not _static(args)
+        sized_ok = _static(args) or (symbolic and INLINE_SYMBOLIC)
+        if (not INLINE_IN_INDUCTOR or triton_interpret() or args[0].device.type != "cuda" or not sized_ok
                 or supports(args) is not None or inline_ok(args) is not None):
             return mode.__torch_dispatch__(op, types, args, kwargs)
         from torch.library import wrap_triton
@@ -89,12 +99,19 @@ def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check) 
 
 
 def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, prefers: Check | None,
-              inline_ok: Check, run_time: Check | None = None) -> None:
+              inline_ok: Check, run_time: Check | None = None, symbolic: bool = False) -> None:
     prov = register_provider(canon, "triton", kernel, devices=_devices, available=_available,
                              supports=supports, prefers=prefers, run_time=run_time)
     from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-    torch.library.register_torch_dispatch(prov.op, FunctionalTensorMode, _inline_rule(kernel, supports, inline_ok))
+    torch.library.register_torch_dispatch(prov.op, FunctionalTensorMode,
+                                          _inline_rule(kernel, supports, inline_ok, symbolic))
+    if symbolic:
+        SYMBOLIC_INLINE[canon.name] = kernel
+
+
+SYMBOLIC_INLINE: dict[str, Callable[..., Any]] = {}
+"""Canonical op name -> the kernel whose launch is inlined at symbolic sizes (checked guard-free on CPU)."""
 
 
 def _eps_is_literal(args: tuple[Any, ...]) -> str | None:
@@ -106,24 +123,27 @@ def _always(args: tuple[Any, ...]) -> str | None:
     return None
 
 
-_register(canonical.rms_norm, rms_norm_kernel, check_norm_call, perf.rms_norm_prefers, _eps_is_literal)
-_register(canonical.add_rms_norm, add_rms_norm_kernel, check_norm_call, perf.add_rms_norm_prefers, _eps_is_literal)
-_register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _always)
-_register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always)
-_register(canonical.rope_cache, rope_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always)
-_register(canonical.rope_qk_cache, rope_qk_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always)
+_register(canonical.rms_norm, rms_norm_kernel, check_norm_call, perf.rms_norm_prefers, _eps_is_literal, symbolic=True)
+_register(canonical.add_rms_norm, add_rms_norm_kernel, check_norm_call, perf.add_rms_norm_prefers, _eps_is_literal,
+          symbolic=True)
+_register(canonical.rope, rope_kernel, check_rope_call, perf.rope_prefers, _always, symbolic=True)
+_register(canonical.rope_qk, rope_qk_kernel, check_rope_call, perf.rope_prefers, _always, symbolic=True)
+_register(canonical.rope_cache, rope_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always,
+          symbolic=True)
+_register(canonical.rope_qk_cache, rope_qk_cache_kernel, check_rope_cache_call, perf.rope_cache_prefers, _always,
+          symbolic=True)
 _register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, perf.gemm_swiglu_prefers, _always,
           perf.gemm_swiglu_at_run_time)
 _register(canonical.grouped_gemm, grouped_gemm_kernel, check_grouped_gemm_call, perf.grouped_gemm_prefers, _always,
           perf.grouped_gemm_at_run_time)
 _register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, check_grouped_gemm_swiglu_call,
           perf.grouped_gemm_prefers, _always, perf.grouped_gemm_at_run_time)
-_register(canonical.moe_permute, moe_permute_kernel, check_moe_permute_call, None, _always)
-_register(canonical.moe_unpermute, moe_unpermute_kernel, check_moe_unpermute_call, None, _always)
+_register(canonical.moe_permute, moe_permute_kernel, check_moe_permute_call, None, _always, symbolic=True)
+_register(canonical.moe_unpermute, moe_unpermute_kernel, check_moe_unpermute_call, None, _always, symbolic=True)
 
 from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel  # noqa: E402
 
-_register(canonical.moe_gating, moe_gating_kernel, check_gating_call, perf.gating_prefers, _always)
+_register(canonical.moe_gating, moe_gating_kernel, check_gating_call, perf.gating_prefers, _always, symbolic=True)
 
 # --------------------------------------------------------------------------- W8A8 int8 experts (quant="w8a8_int8")
 from ep_fuse.ops import quant_ops as _quant_ops  # noqa: E402

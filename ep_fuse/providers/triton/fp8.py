@@ -1,9 +1,10 @@
 """Host side of the Triton FP8 providers: ``quant_fp8_group``, ``moe_permute_fp8``,
 ``grouped_gemm_fp8_swiglu_quant``, ``grouped_gemm_fp8`` (kernels in :mod:`ep_fuse.providers.triton.fp8_kernel`).
 
-The kernels have run only under the Triton interpreter: on CUDA every check below declines with
-``fp8:triton`` of :mod:`ep_fuse.providers.triton.unverified` unless ``EP_FUSE_UNVERIFIED_KERNELS=1``, and the FP8 stages
-run the pure-torch reference. No tensor value is read on the host (CUDA-graph capturable).
+Checked on H200 against the pure-torch reference (``tests/gpu/test_gpu_fp8.py``, 2026-11-30) and under the
+Triton interpreter on CPU. No tensor value is read on the host (CUDA-graph capturable). Which blocks
+``quant="fp8_block"`` quantizes on CUDA is decided by the measured rule
+:func:`ep_fuse.providers.triton.perf.fp8_block_quant_rule`.
 """
 
 from __future__ import annotations

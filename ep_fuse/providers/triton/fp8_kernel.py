@@ -48,7 +48,7 @@ from ep_fuse.providers.triton.rms_norm_kernel import (
     _round,
 )
 
-FP8_MAX = 448.0
+FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit

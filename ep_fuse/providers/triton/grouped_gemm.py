@@ -116,13 +116,20 @@ def _run(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
     if kernel_variant(x, w, traced=wrap is not None) == "tma":
-        from ep_fuse.providers.triton import grouped_gemm_tma_kernel as tk
+        from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
+            launch_grouped_gemm_swiglu_tma,
+            launch_grouped_gemm_tma,
+        )
 
-        launch = tk.launch_grouped_gemm_swiglu_tma if swiglu else tk.launch_grouped_gemm_tma
+        launch = launch_grouped_gemm_swiglu_tma if swiglu else launch_grouped_gemm_tma
     else:
-        from ep_fuse.providers.triton import grouped_gemm_kernel as gk
+        # imported by module path: the package attribute ``grouped_gemm_kernel`` is this file's function
+        from ep_fuse.providers.triton.grouped_gemm_kernel import (
+            launch_grouped_gemm,
+            launch_grouped_gemm_swiglu,
+        )
 
-        launch = gk.launch_grouped_gemm_swiglu if swiglu else gk.launch_grouped_gemm
+        launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
     launch(x, w, seg, y, wrap=wrap)
     return y
 

@@ -203,13 +203,14 @@ def _unpermute_kernel(
 
 def launch_permute_index(topk_ids: torch.Tensor, num_experts: int, seg_indptr: torch.Tensor,
                          cfg: IndexConfig | None = None, wrap=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Counts/rank and scan launches; returns ``(base [chunks, E] int32, rank [T*K] int32)`` and fills
-    ``seg_indptr``."""
+    """Counts/rank and scan launches; returns ``(base [chunks * E] int32, rank [T*K] int32)`` and fills
+    ``seg_indptr``. ``base`` is flat (row ``c`` at ``c * E``): a 2-D ``[chunks, E]`` buffer would make the
+    allocation's contiguity check guard on ``chunks == 1`` at symbolic sizes (a recompile past 256 slots)."""
     t, k = topk_ids.shape
     s, e = t * k, num_experts
     cfg = cfg or index_config(s, e)
     nc = triton.cdiv(s, cfg.chunk)
-    counts = torch.empty((nc, e), dtype=torch.int32, device=topk_ids.device)
+    counts = torch.empty((nc * e,), dtype=torch.int32, device=topk_ids.device)
     rank = torch.empty((s,), dtype=torch.int32, device=topk_ids.device)
     count_rank = wrap(_count_rank_kernel) if wrap is not None else _count_rank_kernel
     scan = wrap(_scan_kernel) if wrap is not None else _scan_kernel
@@ -219,7 +220,8 @@ def launch_permute_index(topk_ids: torch.Tensor, num_experts: int, seg_indptr: t
         BLOCK_J=min(cfg.block_j, cfg.chunk), num_warps=cfg.num_warps,
     )
     ep = triton.next_power_of_2(e)
-    cb = max(1, min(triton.next_power_of_2(nc), cfg.scan_tile // ep))
+    # a symbolic chunk count (dynamic shapes) takes the widest tile: next_power_of_2 would specialize it
+    cb = max(1, min(triton.next_power_of_2(nc), cfg.scan_tile // ep) if isinstance(nc, int) else cfg.scan_tile // ep)
     scan[(1,)](counts, seg_indptr, nc, e, CB=cb, EP=ep, num_warps=cfg.num_warps)
     return counts, rank
 

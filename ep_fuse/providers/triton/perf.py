@@ -197,3 +197,24 @@ def gating_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if rows < GATING_MIN_TOKENS:
         return f"{rows} tokens: Inductor's router code measured faster at decode sizes (0.75x at 128)"
     return None
+
+
+FP8_BLOCK_MAX_ROWS_PER_EXPERT = 4
+"""``quant="fp8_block"`` on bf16 weights, measured on H200 (``bench/bench_fp8.py``, 2026-11-30, DeepSeek-V3
+routed layer H7168 I2048 E256 k8): the Triton FP8 experts ran 1.84x the bf16 ep_fuse experts at T128 (4 rows
+per expert) and 0.32x at T4096 (128 rows per expert). Sizes in between are unmeasured, so only the measured
+win is taken."""
+
+
+def fp8_block_quant_rule(x: Any, top_k: int, experts: int) -> str | None:
+    """Why ``quant="fp8_block"`` keeps a block (tokens ``x`` [T, H]) with bf16 weights in bf16 on CUDA (``None``:
+    quantize it). Models whose experts already hold fp8 weights are not asked: they have no bf16 weights."""
+    t = _static_rows(x)
+    if t is None:
+        return ("symbolic token count: the FP8 experts measured faster only at decode sizes (<= "
+                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} rows per expert), and bf16 and fp8 weights cannot both be kept")
+    rows = t * top_k / max(experts, 1)
+    if rows > FP8_BLOCK_MAX_ROWS_PER_EXPERT:
+        return (f"{rows:.1f} rows per expert: the Triton FP8 experts measured faster than bf16 only up to "
+                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} (1.84x at 4; 0.32x at 128)")
+    return None

@@ -140,11 +140,24 @@ def _memory_order(lead: list[Any], xs: list[Any], *others: list[Any]) -> tuple[l
     Programs walk rows in that order: for a ``transpose`` view [B, H, S, D] of a [B, S, H, D] buffer,
     consecutive rows are then the heads of one token (contiguous in memory, one cos/sin row).
     """
-    try:
+    if all(is_concrete_int(v) for v in (*lead, *xs)):
         order = sorted(range(3), key=lambda i: (lead[i] != 1, -int(xs[i]), i))  # size-1 dims first
-    except TypeError:  # symbolic strides: keep the logical order
-        return (lead, xs, *others)
+    else:  # symbolic sizes: decide only what holds for every size (int() would specialize the graph)
+        order = sorted(range(3), key=functools.cmp_to_key(lambda i, j: _before(lead, xs, i, j)))
     return tuple([v[i] for i in order] for v in (lead, xs, *others))
+
+
+def _before(lead: list[Any], xs: list[Any], i: int, j: int) -> int:
+    """Order of leading dims ``i`` and ``j`` (size-1 dims first, then larger strides), from facts true at
+    every value of the symbolic sizes; undecided pairs keep their logical order."""
+    one_i, one_j = statically_known_true(lead[i] == 1), statically_known_true(lead[j] == 1)
+    if one_i != one_j:
+        return -1 if one_i else 1
+    if statically_known_true(xs[i] > xs[j]):
+        return -1
+    if statically_known_true(xs[i] < xs[j]):
+        return 1
+    return i - j
 
 
 def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.Tensor | None,

@@ -1,20 +1,26 @@
 """Benchmark of the FP8 block-scaled experts vs the bf16 ep_fuse experts (DeepSeek-V3 routed layer).
 
-    EP_FUSE_UNVERIFIED_KERNELS=1 python bench/bench_fp8.py [--only decode,prefill] [--no-reference]
+    python bench/bench_fp8.py [--only decode,prefill] [--no-reference] [--sweep] [--budget S]
 
-**Not run yet**: written in a session without a GPU; no numbers exist (``docs/benchmarks.md``).
+First run on H200 2026-11-30 (``docs/benchmarks.md``): decode 1.84x, prefill 0.32x the bf16 experts.
 Shapes: H7168 I2048 E256 top-8, decode T128 and prefill T4096. Rows are routed by top-k of random logits.
 Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both paths share the unpermute):
 
 * ``bf16``: ``grouped_gemm_swiglu`` + ``grouped_gemm`` (the ep_fuse Triton experts path), on permuted rows;
 * ``fp8 triton``: ``moe_permute_fp8`` (permute + 1 x 128 quant) + ``grouped_gemm_fp8_swiglu_quant`` +
-  ``grouped_gemm_fp8`` (needs ``EP_FUSE_UNVERIFIED_KERNELS=1``); ``+ bf16 permute`` is added to the bf16 time
+  ``grouped_gemm_fp8``; ``+ bf16 permute`` is added to the bf16 time
   so both include the permute;
 * ``fp8 reference``: the pure-torch reference chain (what runs by default on CUDA), timed once (host loop).
 
 Reports µs, TFLOP/s (``2 * rows * (2I*H + H*I)`` flops) and the output rel-L2 vs the bf16 path on
 random activations and on activations with outlier channels (a few channels x50). Targets (issue 17):
 decode >= 1.8x, prefill >= 1.6x. Writes ``$OUT/fp8.json`` / ``fp8.md``.
+
+``--sweep``: per shape, each FP8 GEMM (gate|up + SwiGLU + requant, and down) alone under a list of tile
+configs (:class:`~ep_fuse.providers.triton.gemm_tiles.GemmConfig`; SwiGLU tiles are ``BN = 128``, the requant
+group) next to the bf16 kernel of the same GEMM and the config ``config_for`` picks today, in µs and TFLOP/s;
+the fastest config per (shape, GEMM) is printed and written to ``$OUT/fp8_sweep.json``/``.md``. Stops starting
+new configs after ``--budget`` seconds.
 """
 
 from __future__ import annotations
@@ -118,10 +124,79 @@ def run_shape(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], ref
     return row
 
 
+def sweep_configs(decode: bool, swiglu: bool) -> list[Any]:
+    """Candidate tiles: swapped small-M tiles for decode, 64/128-row tiles with deeper pipelines for prefill."""
+    from ep_fuse.providers.triton.gemm_tiles import GemmConfig
+
+    bns = (128,) if swiglu else (128, 256)
+    out = []
+    if decode:
+        for bm in (16, 32, 64):
+            for bn in bns:
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    out.append(GemmConfig(bm, bn, 128, warps, stages, 1, swap_ab=bm < 64))
+        return out
+    for bm in (64, 128):
+        for bn in bns:
+            for bk in (64, 128):
+                for warps, stages in ((4, 3), (4, 4), (8, 3), (8, 4)):
+                    out.append(GemmConfig(bm, bn, bk, warps, stages, 8))
+    return out
+
+
+def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], deadline: float) -> list[dict[str, Any]]:
+    """Each FP8 GEMM of ``name`` alone under :func:`sweep_configs`, with the bf16 kernel and today's pick."""
+    from ep_fuse.providers.triton.fp8_kernel import config_for, launch_fp8_gemm
+    from ep_fuse.providers.triton.grouped_gemm_kernel import is_decode
+
+    t, h, i, e, k = shape
+    x, ids = tokens(t, h, e, k, False)
+    xq, xs, _src, seg = T.moe_permute_fp8_kernel(x, ids, e, BK)
+    rows, _s, seg16 = moe_permute_kernel(x, ids, e)
+    aq, a_s = T.grouped_gemm_fp8_swiglu_quant_kernel(xq, xs, w["q13"], w["s13"], seg, BN, BK)
+    act16 = grouped_gemm_swiglu_kernel(rows, w["w13"], seg16)
+    m = t * k
+    results = []
+    for gemm, swiglu in (("gate_up", True), ("down", False)):
+        n, kk = (i, h) if swiglu else (h, i)
+        flops = 2 * m * kk * (2 * n if swiglu else n)
+        if swiglu:
+            y, ys = torch.empty(m, n, dtype=R.FP8, device=DEVICE), torch.empty(m, n // BK, device=DEVICE)
+            args = (xq, xs, w["q13"], w["s13"], seg, y, ys, BN, BK)
+            bf16 = bench_graph_us(lambda: grouped_gemm_swiglu_kernel(rows, w["w13"], seg16))
+        else:
+            y, ys = torch.empty(m, n, dtype=BF16, device=DEVICE), None
+            args = (aq, a_s, w["q2"], w["s2"], seg, y, ys, BN, BK)
+            bf16 = bench_graph_us(lambda: grouped_gemm_kernel(act16, w["w2"], seg16))
+        today = config_for(m, n, kk, e, BK, swiglu=swiglu, interpret=False)
+        row = {"shape": name, "gemm": gemm, "bf16_us": bf16, "today": str(today), "configs": []}
+        for cfg in [today, *sweep_configs(is_decode(m, e), swiglu)]:
+            if time.monotonic() > deadline:
+                row["stopped"] = "budget"
+                break
+            try:
+                us = bench_graph_us(lambda cfg=cfg: launch_fp8_gemm(*args, swiglu=swiglu, config=cfg))
+            except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
+                row["configs"].append({"config": str(cfg), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                continue
+            row["configs"].append({"config": str(cfg), "us": us, "tflops": flops / us / 1e6})
+        timed = [c for c in row["configs"] if "us" in c]
+        if timed:
+            best = min(timed, key=lambda c: c["us"])
+            row.update(best=best["config"], best_us=best["us"], best_tflops=best["tflops"],
+                       today_us=timed[0]["us"], bf16_tflops=flops / bf16 / 1e6)
+        log(f"{name} {gemm}: bf16 {bf16:.1f} us; today {row['today']} {row.get('today_us', float('nan')):.1f} us; "
+            f"best {row.get('best')} {row.get('best_us', float('nan')):.1f} us")
+        results.append(row)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default=",".join(SHAPES))
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time tile configs per GEMM (see the module docstring)")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds of sweeping before no new config starts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU (sm90+)")
@@ -130,6 +205,15 @@ def main() -> None:
     info = env_info()
     log(info)
     w = make_weights(7168, 2048, 256)
+    if args.sweep:
+        deadline = time.monotonic() + args.budget
+        sweep = [r for name in args.only.split(",") for r in run_sweep(name, SHAPES[name], w, deadline)]
+        write_json("fp8_sweep.json", {"env": info, "rows": sweep})
+        (out_dir() / "fp8_sweep.md").write_text(markdown_table(
+            ["shape", "GEMM", "bf16 µs", "today's config", "today µs", "best config", "best µs", "best TFLOP/s",
+             "bf16 TFLOP/s"],
+            [[r["shape"], r["gemm"], r["bf16_us"], r["today"], r.get("today_us"), r.get("best"), r.get("best_us"),
+              r.get("best_tflops"), r.get("bf16_tflops")] for r in sweep]) + "\n")
     rows = [run_shape(name, SHAPES[name], w, not args.no_reference) for name in args.only.split(",")]
     write_json("fp8.json", {"env": info, "rows": rows})
     table = markdown_table(

@@ -118,3 +118,16 @@ def test_symbolic_launch_adds_no_guard(op: str, i: int) -> None:
 
 def test_every_symbolic_inline_op_is_checked() -> None:
     assert set(P.SYMBOLIC_INLINE) == set(CASES)
+
+
+def test_unbacked_sizes_keep_the_opaque_op() -> None:
+    """``ep_fuse.dynamic_batch`` sizes are unbacked: host code that branches on a size could not be traced."""
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    backed = mode.from_tensor(torch.empty(T, 3), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    with mode:
+        unbacked = torch.empty(env.create_unbacked_symint(), 3)
+    assert not P._unbacked((backed, 1e-6, None))
+    assert P._unbacked((backed, unbacked))
+    assert not P._unbacked((torch.empty(2, 3),))

@@ -76,7 +76,8 @@ def _static(args: tuple[Any, ...]) -> bool:
 
 
 INLINE_SYMBOLIC = True
-"""Inline the launches of the ops registered ``symbolic=True`` at symbolic sizes too (``dynamic=True``).
+"""Inline the launches of the ops registered ``symbolic=True`` at backed symbolic sizes too (``dynamic=True``;
+unbacked sizes from ``ep_fuse.dynamic_batch`` keep the opaque op).
 
 Their host code computes grids and arguments as size expressions without specialising them (no guard is
 added: ``tests/test_symbolic_launch.py``), so Inductor's generated code launches them with pre-bound
@@ -84,9 +85,17 @@ arguments at every size, instead of calling the opaque op through the dispatcher
 (about 80 µs of host time per call measured on H200, ``docs/benchmarks.md``)."""
 
 
+def _unbacked(args: tuple[Any, ...]) -> bool:
+    """Whether a size or stride is an unbacked symbol (``ep_fuse.dynamic_batch``): host code branching on it
+    (``if t * k == 0``) cannot be decided at trace time, so such calls stay opaque."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    return any(free_unbacked_symbols((*a.shape, *a.stride())) for a in args if isinstance(a, torch.Tensor))
+
+
 def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, symbolic: bool) -> Any:
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        sized_ok = _static(args) or (symbolic and INLINE_SYMBOLIC)
+        sized_ok = _static(args) or (symbolic and INLINE_SYMBOLIC and not _unbacked(args))
         if (not INLINE_IN_INDUCTOR or triton_interpret() or args[0].device.type != "cuda" or not sized_ok
                 or supports(args) is not None or inline_ok(args) is not None):
             return mode.__torch_dispatch__(op, types, args, kwargs)

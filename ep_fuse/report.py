@@ -66,6 +66,9 @@ class EpRecord:
     world: int
     capacity: int
     declined: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    payload: str = ""
+    """What the dispatch sends when it is not the tokens as they are: ``"fp8 e4m3 + 1xG fp32 scales"``
+    (``quant="fp8_block"`` quantizes before an ``all_to_all`` dispatch), else empty."""
 
 
 @dataclasses.dataclass
@@ -207,7 +210,8 @@ class GraphReport:
         if prov:
             text += f"; providers: {prov}"
         if self.ep:
-            backends = sorted({f"{e.backend} over {e.world} ranks" for e in self.ep})
+            backends = sorted({f"{e.backend} over {e.world} ranks" + (f" ({e.payload})" if e.payload else "")
+                               for e in self.ep})
             text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"
         if self.inductor is not None and not self.inductor.direct:
             text += f"; Inductor behind ep_fuse's AOT wrapper ({self.inductor.reason})"

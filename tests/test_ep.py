@@ -459,7 +459,48 @@ def sc_subgroups(world):
     _block_case(half, group=mine)
 
 
-SCENARIOS_2 = [sc_structured_dispatch, sc_graph_shape, sc_block_data_dependent_and_capacity, sc_edge_routing,
+def sc_fp8_dispatch(world):
+    """``quant="fp8_block"`` behind an all_to_all dispatch: tokens cross as fp8 codes + 1x128 scales, and the
+    output is bit for bit the output of dispatching bf16 and quantizing after (the quantization is per token);
+    both stay close to the bf16 full model. Data-dependent and capacity sizes, -1 slots, eager and Inductor."""
+    from ep_fuse.passes import quant
+
+    e, hidden = 2 * world, 256
+    full = CanonicalBlock(e, hidden=hidden, inter=64)
+    rank = dist.get_rank()
+    x, ids, w = _routing(13, e, 2, seed=300 + rank, invalid=0.15, hidden=hidden)
+    with torch.no_grad():
+        ref = full(x, ids, w)
+    model = ep_fuse.shard_experts(copy.deepcopy(full))
+    for executor, capacity in (("eager", None), ("eager", 16), ("inductor", 16)):
+        opts = ep_fuse.ep_options(model, backend="all_to_all", capacity=capacity, timeout_s=TIMEOUT_S)
+        outs = {}
+        try:
+            for on in (True, False):
+                quant.FP8_DISPATCH = on
+                torch._dynamo.reset()
+                with torch.no_grad():
+                    outs[on] = _compile(model, executor=executor, quant="fp8_block", **opts)(x, ids, w)
+                rep = ep_fuse.last_report()
+                (site,) = _sites()
+                ops = rep.ops_after
+                expanded = next(p.ops for p in rep.passes if p.name == "expand")  # before lowering inlines them
+                stages = {op.split(".")[1] for op in expanded if op.startswith("ep_fuse.")}
+                if on:
+                    assert site.payload == "fp8 e4m3 + 1x128 fp32 scales", site
+                    assert "moe_permute_fp8_q" in stages and "moe_permute_fp8" not in stages, stages
+                else:
+                    assert site.payload == "" and "moe_permute_fp8" in stages, stages
+                assert ops.get("ep_fuse.ep_dispatch.default") == 1 and ops.get("ep_fuse.ep_combine.default") == 1
+        finally:
+            quant.FP8_DISPATCH = True
+        assert torch.equal(outs[True], outs[False]), (executor, capacity)
+        rel = ((outs[True].float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel < 0.1, (executor, capacity, rel)
+
+
+SCENARIOS_2 = [sc_fp8_dispatch, sc_structured_dispatch, sc_graph_shape, sc_block_data_dependent_and_capacity,
+               sc_edge_routing,
                sc_hand_written_module, sc_hf_mixtral_bf16, sc_hf_qwen3_moe_fp32, sc_hf_deepseek_v3_fp32_capacity,
                sc_hf_mixtral_batched_mm, sc_opcheck, sc_deepep_double, sc_npu_double, sc_block_inductor, sc_errors,
                sc_unequal_batches, sc_timeout]

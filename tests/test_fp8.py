@@ -149,9 +149,32 @@ def test_canonical_ops_fake_impls():
     for op, args in ((ops.moe_permute_fp8.default, (x, ids, 3, 32)), (ops.quant_fp8_group.default, (x, 32)),
                      (ops.fp8_block_dequant.default, (q13, s13, 16, 32, BF16)),
                      (ops.grouped_gemm_fp8_swiglu_quant.default, (xq, xs, q13, s13, seg, 16, 32)),
-                     (ops.grouped_gemm_fp8.default, (aq, a_s, q2, s2, seg, 16, 32, BF16))):
+                     (ops.grouped_gemm_fp8.default, (aq, a_s, q2, s2, seg, 16, 32, BF16)),
+                     (ops.moe_permute_fp8_q.default, (*ops.quant_fp8_group(x, 32), ids, 3))):
         # test_schema compares fp8 tensors with allclose, which torch does not implement for float8
         torch.library.opcheck(op, args, test_utils=("test_faketensor",))
+
+
+def test_prequantized_block_equals_the_block_bit_for_bit():
+    """``moe_experts_fp8_q`` (tokens quantized before an EP dispatch) == ``moe_experts_fp8``: the activation
+    quantization is per token and group, so moving it before the permute changes no bit; -1 slots and
+    strided codes/scales (what the all_to_all receive buffer hands over) included."""
+    x, ids = routed(9, 2, 4, 256)
+    ids[0, 1] = -1
+    w = torch.rand(9, 2)
+    (q13, s13), (q2, s2) = fp8_weights(4, 256, 64, (128, 128))
+    ops = torch.ops.ep_fuse
+    xq, xs = ops.quant_fp8_group(x, 128)
+    wire = torch.zeros(9, 256 + 8 + 24, dtype=torch.uint8)  # a packed row: codes | scales | other bytes
+    wire[:, :256] = xq.view(torch.uint8)
+    wire[:, 256:264] = xs.view(torch.uint8)
+    rq, rs = wire[:, :256].view(R.FP8), wire[:, 256:264].view(torch.float32)
+    assert rq.stride(0) == 288 and rs.stride(0) == 72
+    want = ops.moe_experts_fp8(x, ids, w, q13, s13, q2, s2, 128, 128, BF16)
+    got = ops.moe_experts_fp8_q(rq, rs, ids, w, q13, s13, q2, s2, 128, 128, BF16, BF16)
+    assert torch.equal(got, want)
+    a, b = ops.moe_permute_fp8(x, ids, 4, 128), ops.moe_permute_fp8_q(rq, rs, ids, 4)
+    assert torch.equal(bits(a[0]), bits(b[0])) and all(torch.equal(u, v) for u, v in zip(a[1:], b[1:]))
 
 
 # --------------------------------------------------------------------------- Triton (interpreter) vs reference

@@ -54,3 +54,18 @@ moe_experts_fp8 = define_canonical(
     stages=("moe_permute_fp8", "grouped_gemm_fp8_swiglu_quant", "grouped_gemm_fp8", "moe_unpermute"))
 """The FP8 routed-expert block (``moe_experts`` with block-scaled E4M3 weights)."""
 
+
+moe_permute_fp8_q = define_canonical(
+    "moe_permute_fp8_q",
+    "(Tensor xq, Tensor x_scale, Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor, Tensor)",
+    _f.moe_permute_fp8_q_ref, fake=_f.moe_permute_fp8_q_fake)
+"""``moe_permute_fp8`` of tokens that arrive quantized (FP8 EP dispatch): codes and scales moved, no rounding.
+Reference only (a gather Inductor compiles): the rows are half the bytes of the bf16 permute's."""
+
+moe_experts_fp8_q = define_canonical(
+    "moe_experts_fp8_q",
+    "(Tensor xq, Tensor x_scale, Tensor topk_ids, Tensor topk_weights, Tensor w13_q, Tensor w13_scale, "
+    "Tensor w2_q, Tensor w2_scale, int block_n, int block_k, ScalarType act_dtype, ScalarType? out_dtype) -> Tensor",
+    _f.moe_experts_fp8_q_ref, block=True,
+    stages=("moe_permute_fp8_q", "grouped_gemm_fp8_swiglu_quant", "grouped_gemm_fp8", "moe_unpermute"))
+"""The FP8 block on pre-quantized tokens (the quant pass emits it behind an FP8 EP dispatch)."""

@@ -142,6 +142,20 @@ def moe_permute_fp8_fake(x, topk_ids, num_experts, group):
             x.new_empty(t * k, dtype=torch.int64), x.new_empty(num_experts + 1, dtype=torch.int64))
 
 
+def moe_permute_fp8_q_ref(xq: torch.Tensor, x_scale: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``moe_permute_fp8`` of rows that arrive already quantized (codes ``xq`` fp8 [T, H] and their scales
+    ``x_scale`` fp32 [T, G]; FP8 EP dispatch): the same ``(codes, scales, src2dst, seg_indptr)``, no rounding."""
+    rows, src2dst, seg_indptr = moe_permute_ref(xq.view(torch.uint8), topk_ids, num_experts)
+    return rows.view(FP8), _scatter_rows(x_scale, src2dst, topk_ids.shape[1]), src2dst, seg_indptr
+
+
+def moe_permute_fp8_q_fake(xq, x_scale, topk_ids, num_experts):
+    t, k = topk_ids.shape
+    return (xq.new_empty(t * k, xq.shape[-1]), x_scale.new_empty(t * k, x_scale.shape[-1]),
+            xq.new_empty(t * k, dtype=torch.int64), xq.new_empty(num_experts + 1, dtype=torch.int64))
+
+
 def _gemm_fp32(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, seg_indptr: torch.Tensor,
                block_n: int, block_k: int) -> torch.Tensor:
     """fp32 ``[M, N]``: per expert segment, dequantized rows times the dequantized ``w[e].T``; tail zero."""
@@ -200,4 +214,31 @@ def moe_experts_fp8_ref(
     xq, xs, src2dst, seg_indptr = ops.moe_permute_fp8(x, topk_ids, w13_q.shape[0], block_k)
     aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(xq, xs, w13_q, w13_scale, seg_indptr, block_n, block_k)
     y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, x.dtype)
+    return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
+
+
+def moe_experts_fp8_q_ref(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block_n: int,
+    block_k: int,
+    act_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """The FP8 block on tokens already quantized 1 x ``block_k`` (FP8 EP dispatch sends codes + scales)::
+
+        moe_permute_fp8_q -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute
+
+    ``act_dtype`` is the dtype of the tokens before quantization (the down GEMM's output dtype, as in
+    :func:`moe_experts_fp8_ref`). Equal to ``moe_experts_fp8`` of the unquantized tokens, bit for bit."""
+    ops = torch.ops.ep_fuse
+    rq, rs, src2dst, seg_indptr = ops.moe_permute_fp8_q(xq, x_scale, topk_ids, w13_q.shape[0])
+    aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k)
+    y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype)
     return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)

@@ -38,7 +38,11 @@ that are ``ep_fuse::fp8_block_dequant(q, scale_inv, bn, bk, dtype)`` of an fp8 t
 they are, with their own block; every other weight is evaluated from the static inputs as above and
 quantized once to E4M3 with 128 x 128 block scales
 (:func:`ep_fuse.ops.fp8_reference.quantize_weight_fp8`). Both weights of a block must share one
-block shape (the activation group is its ``block_k``); otherwise the block stays unquantized.
+block shape (the activation group is its ``block_k``); otherwise the block stays unquantized. On CUDA, bf16
+weights are quantized only where the FP8 experts measured faster (:func:`ep_fuse.providers.triton.perf.
+fp8_block_quant_rule`). Behind an ``all_to_all`` EP dispatch the activation quantization moves before the
+dispatch (:func:`_fp8_dispatch`: fp8 codes + scales on the wire) and the block becomes
+``moe_experts_fp8_q`` on the received codes and scales.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class QuantizeExperts(GraphPass):
             if node.op != "call_function" or node.target is not block:
                 continue
             x, ids, w, w13, w2, out_dtype = node.args
+            sent = None
             with gm.graph.inserting_before(node):
                 if fp8:
                     found = _fp8_weights(gm, ctx, node, w13, w2)
@@ -130,14 +135,24 @@ class QuantizeExperts(GraphPass):
                         continue
                     (q13, s13), (q2, s2), (bn, bk) = found
                     args = (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype)
+                    sent = _fp8_dispatch(gm, ctx, node, bk)
+                    if sent is not None:
+                        xq, xs, act_dtype = sent
+                        new = gm.graph.call_function(canonical._fp8_ops.moe_experts_fp8_q.op,
+                                                     (xq, xs, ids, w, q13, s13, q2, s2, bn, bk, act_dtype,
+                                                      out_dtype))
                 else:
                     q13 = _int8_weight(gm, ctx, w13, node, "w13")
                     q2 = _int8_weight(gm, ctx, w2, node, "w2") if q13 is not None else None
                     if q13 is None or q2 is None:
                         continue
                     args = (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype)
-                new = gm.graph.call_function(target, args)
+                if not (fp8 and sent is not None):
+                    new = gm.graph.call_function(target, args)
             new.meta.update(node.meta)
+            for rec in ctx.report.ep:
+                if rec.block == node.name:
+                    rec.block = new.name
             node.replace_all_uses_with(new)
             gm.graph.erase_node(node)
             if node.name in ctx.match_by_node:
@@ -149,6 +164,91 @@ class QuantizeExperts(GraphPass):
             if fp8:
                 _warn_fp8_reference(ctx.device)
         return changes
+
+
+FP8_DISPATCH = True
+"""Quantize before an ``all_to_all`` EP dispatch under ``quant="fp8_block"`` (tests turn it off to compare)."""
+
+FP8_DISPATCH_BACKENDS = ("all_to_all",)
+"""Dispatch engines that move rows of any element size bit for bit (``all_to_all``'s packed rows take 1-byte
+elements). DeepEP sends bf16 rows (its own ``use_fp8`` path is not wired), the ``expert``-layout engines
+(DeepEP low-latency, Ascend) have their own row formats, and ``symm_mem`` checks bf16 tokens."""
+
+
+def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
+                  ) -> tuple[fx.Node, fx.Node, torch.dtype] | None:
+    """Move the 1 x ``bk`` activation quantization of an FP8 block before its EP dispatch.
+
+    ``recv_x = ep_dispatch(x, ...)[0]`` feeding ``block`` becomes ``ep_dispatch(cat(codes, scales as
+    bytes), ...)[0]``: each token crosses the wire as ``H`` fp8 bytes + ``4 * ceil(H / bk)`` scale bytes
+    instead of ``2H`` (bf16), and the receiver's rows are the codes and scales the block would have computed
+    itself (the quantization is per token, so the result is bit for bit the same). Returns ``(received codes,
+    received scales, the tokens' dtype)``, or ``None`` when the dispatch is not one this applies to."""
+    import operator
+
+    from ep_fuse.ep.ops import ep_dispatch
+    from ep_fuse.fx_utils import val
+    from ep_fuse.ops import canonical
+
+    recv = block.args[0]
+    if not (FP8_DISPATCH and isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
+        return None
+    d = recv.args[0]
+    if not (isinstance(d, fx.Node) and d.target is ep_dispatch.op):
+        return None
+    x, backend, layout = d.args[0], d.args[5], d.args[6]
+    xv = val(x)
+    why = None
+    if backend not in FP8_DISPATCH_BACKENDS or layout != "rank":
+        why = f"the {backend} dispatch sends the tokens as they are (FP8 dispatch: {', '.join(FP8_DISPATCH_BACKENDS)})"
+    elif not isinstance(xv, torch.Tensor) or xv.dim() != 2 or not isinstance(xv.shape[1], int) or xv.shape[1] % 4:
+        why = "the token width is not a static multiple of 4 (the scales must start 4-byte aligned)"
+    elif len(recv.users) != 1:
+        why = "the received tokens have other users than the block"
+    if why is not None:
+        log.info("ep_fuse: quant: %s: bf16 dispatch: %s", block.name, why)
+        return None
+    h = int(xv.shape[1])
+    ng = cdiv(h, bk)
+    graph = gm.graph
+    u8, f32 = torch.uint8, torch.float32
+    with graph.inserting_before(d):
+        qn = graph.call_function(canonical._fp8_ops.quant_fp8_group.op, (x, bk))
+        codes, scales = (graph.call_function(operator.getitem, (qn, i)) for i in range(2))
+        packed = graph.call_function(aten.cat.default, ([graph.call_function(aten.view.dtype, (codes, u8)),
+                                                          graph.call_function(aten.view.dtype, (scales, u8))], 1))
+    d.args = (packed, *d.args[1:])
+    with graph.inserting_before(block):
+        rcodes = graph.call_function(aten.view.dtype, (graph.call_function(aten.slice.Tensor, (recv, 1, 0, h)), FP8))
+        rscales = graph.call_function(aten.view.dtype, (
+            graph.call_function(aten.slice.Tensor, (recv, 1, h, h + 4 * ng)), f32))
+    changed = [qn, codes, scales, *packed.args[0], packed, d, *(u for u in d.users), *rcodes.all_input_nodes,
+               rcodes, *rscales.all_input_nodes, rscales]
+    _refresh_vals(ctx, changed)
+    for rec in ctx.report.ep:
+        if rec.block == block.name:
+            rec.payload = f"fp8 e4m3 + 1x{bk} fp32 scales"
+    log.info("ep_fuse: quant: %s: the %s dispatch sends fp8 codes + 1x%d scales (%d + %d bytes per token, "
+             "bf16 would be %d)", block.name, backend, bk, h, 4 * ng, 2 * h)
+    return rcodes, rscales, xv.dtype
+
+
+def _refresh_vals(ctx: PassContext, nodes: list[fx.Node]) -> None:
+    """Recompute the fake ``val`` of ``nodes`` (given in graph order) from their inputs' vals."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ep_fuse.fx_utils import val
+
+    mode = ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+    seen: set[fx.Node] = set()
+    with mode:
+        for n in nodes:
+            if n in seen:
+                continue
+            seen.add(n)
+            args = fx.node.map_arg(n.args, val)
+            kwargs = fx.node.map_arg(n.kwargs, val)
+            n.meta["val"] = n.target(*args, **kwargs)
 
 
 def _warn_fp8_reference(device: str) -> None:

@@ -32,4 +32,5 @@ def gpu_unverified(variant: str, t: Any) -> str | None:
     """Why the kernel variant ``variant`` is declined for tensor ``t`` (``None`` when it may run)."""
     if t.device.type != "cuda" or cleared(variant):
         return None
-    return f"{variant}: this kernel variant is not cleared for GPUs yet ({UNVERIFIED_ON_GPU[variant]}; {ENV}=1 enables it)"
+    return (f"{variant}: this kernel variant is not cleared for GPUs yet ({UNVERIFIED_ON_GPU[variant]}; "
+            f"{ENV}=1 enables it)")

@@ -396,7 +396,7 @@ def test_unverified_kernel_variants_decline_on_cuda_only(monkeypatch):
     cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
     monkeypatch.delenv(ENV, raising=False)
     # the router forms, rope:rotate_pairs and fp8:triton passed their tests/gpu checks on H200 (2026-11-30)
-    assert set(UNVERIFIED_ON_GPU) == {"grouped_gemm:tma"}
+    assert set(UNVERIFIED_ON_GPU) == {"grouped_gemm:tma", "ep:fp8_dispatch"}
     for variant in UNVERIFIED_ON_GPU:
         assert "not cleared for GPUs" in gpu_unverified(variant, cuda)
         assert gpu_unverified(variant, cpu) is None  # the interpreter checks them on the CPU

@@ -196,10 +196,14 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     d = recv.args[0]
     if not (isinstance(d, fx.Node) and d.target is ep_dispatch.op):
         return None
+    from ep_fuse.providers.triton.unverified import cleared
+
     x, backend, layout = d.args[0], d.args[5], d.args[6]
     xv = val(x)
     why = None
-    if backend not in FP8_DISPATCH_BACKENDS or layout != "rank":
+    if ctx.device == "cuda" and not cleared("ep:fp8_dispatch"):
+        why = "FP8 dispatch has not run over NCCL yet (ep:fp8_dispatch in providers/triton/unverified.py)"
+    elif backend not in FP8_DISPATCH_BACKENDS or layout != "rank":
         why = f"the {backend} dispatch sends the tokens as they are (FP8 dispatch: {', '.join(FP8_DISPATCH_BACKENDS)})"
     elif not isinstance(xv, torch.Tensor) or xv.dim() != 2 or not isinstance(xv.shape[1], int) or xv.shape[1] % 4:
         why = "the token width is not a static multiple of 4 (the scales must start 4-byte aligned)"

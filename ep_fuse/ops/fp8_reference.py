@@ -210,10 +210,20 @@ def moe_experts_fp8_ref(
 
         moe_permute_fp8 -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute
     """
+    permuted = torch.ops.ep_fuse.moe_permute_fp8(x, topk_ids, w13_q.shape[0], block_k)
+    return _experts_on_permuted(permuted, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, block_n,
+                                block_k, x.dtype, out_dtype)
+
+
+def _experts_on_permuted(permuted: tuple[torch.Tensor, ...], topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                         w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
+                         block_n: int, block_k: int, act_dtype: torch.dtype, out_dtype: torch.dtype | None
+                         ) -> torch.Tensor:
+    """The stages after the permute, shared by both FP8 blocks: gate|up + SwiGLU + requant, down, unpermute."""
     ops = torch.ops.ep_fuse
-    xq, xs, src2dst, seg_indptr = ops.moe_permute_fp8(x, topk_ids, w13_q.shape[0], block_k)
-    aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(xq, xs, w13_q, w13_scale, seg_indptr, block_n, block_k)
-    y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, x.dtype)
+    rq, rs, src2dst, seg_indptr = permuted
+    aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k)
+    y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype)
     return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
 
 
@@ -237,8 +247,6 @@ def moe_experts_fp8_q_ref(
 
     ``act_dtype`` is the dtype of the tokens before quantization (the down GEMM's output dtype, as in
     :func:`moe_experts_fp8_ref`). Equal to ``moe_experts_fp8`` of the unquantized tokens, bit for bit."""
-    ops = torch.ops.ep_fuse
-    rq, rs, src2dst, seg_indptr = ops.moe_permute_fp8_q(xq, x_scale, topk_ids, w13_q.shape[0])
-    aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k)
-    y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype)
-    return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
+    permuted = torch.ops.ep_fuse.moe_permute_fp8_q(xq, x_scale, topk_ids, w13_q.shape[0])
+    return _experts_on_permuted(permuted, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, block_n,
+                                block_k, act_dtype, out_dtype)

@@ -48,6 +48,7 @@ dispatch (:func:`_fp8_dispatch`: fp8 codes + scales on the wire) and the block b
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from typing import Any
 
@@ -184,11 +185,10 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     instead of ``2H`` (bf16), and the receiver's rows are the codes and scales the block would have computed
     itself (the quantization is per token, so the result is bit for bit the same). Returns ``(received codes,
     received scales, the tokens' dtype)``, or ``None`` when the dispatch is not one this applies to."""
-    import operator
-
     from ep_fuse.ep.ops import ep_dispatch
     from ep_fuse.fx_utils import val
     from ep_fuse.ops import canonical
+    from ep_fuse.providers.triton.unverified import cleared
 
     recv = block.args[0]
     if not (FP8_DISPATCH and isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
@@ -196,15 +196,14 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     d = recv.args[0]
     if not (isinstance(d, fx.Node) and d.target is ep_dispatch.op):
         return None
-    from ep_fuse.providers.triton.unverified import cleared
-
     x, backend, layout = d.args[0], d.args[5], d.args[6]
     xv = val(x)
     why = None
     if ctx.device == "cuda" and not cleared("ep:fp8_dispatch"):
         why = "FP8 dispatch has not run over NCCL yet (ep:fp8_dispatch in providers/triton/unverified.py)"
     elif backend not in FP8_DISPATCH_BACKENDS or layout != "rank":
-        why = f"the {backend} dispatch sends the tokens as they are (FP8 dispatch: {', '.join(FP8_DISPATCH_BACKENDS)})"
+        why = (f"the {backend} dispatch sends the tokens as they are (FP8 dispatch: "
+               f"{', '.join(FP8_DISPATCH_BACKENDS)})")
     elif not isinstance(xv, torch.Tensor) or xv.dim() != 2 or not isinstance(xv.shape[1], int) or xv.shape[1] % 4:
         why = "the token width is not a static multiple of 4 (the scales must start 4-byte aligned)"
     elif len(recv.users) != 1:
@@ -215,44 +214,25 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     h = int(xv.shape[1])
     ng = cdiv(h, bk)
     graph = gm.graph
-    u8, f32 = torch.uint8, torch.float32
     with graph.inserting_before(d):
-        qn = graph.call_function(canonical._fp8_ops.quant_fp8_group.op, (x, bk))
-        codes, scales = (graph.call_function(operator.getitem, (qn, i)) for i in range(2))
-        packed = graph.call_function(aten.cat.default, ([graph.call_function(aten.view.dtype, (codes, u8)),
-                                                          graph.call_function(aten.view.dtype, (scales, u8))], 1))
+        qn = _call(ctx, gm, canonical._fp8_ops.quant_fp8_group.op, (x, bk))
+        as_bytes = [_call(ctx, gm, aten.view.dtype, (_call(ctx, gm, operator.getitem, (qn, i)), torch.uint8))
+                    for i in range(2)]
+        packed = _call(ctx, gm, aten.cat.default, (as_bytes, 1))
     d.args = (packed, *d.args[1:])
+    with _fake_mode(ctx):  # the dispatch and its outputs, now over the packed rows
+        d.meta["val"] = d.target(*fx.node.map_arg(d.args, val))
+        for out in d.users:
+            out.meta["val"] = d.meta["val"][out.args[1]]
     with graph.inserting_before(block):
-        rcodes = graph.call_function(aten.view.dtype, (graph.call_function(aten.slice.Tensor, (recv, 1, 0, h)), FP8))
-        rscales = graph.call_function(aten.view.dtype, (
-            graph.call_function(aten.slice.Tensor, (recv, 1, h, h + 4 * ng)), f32))
-    changed = [qn, codes, scales, *packed.args[0], packed, d, *(u for u in d.users), *rcodes.all_input_nodes,
-               rcodes, *rscales.all_input_nodes, rscales]
-    _refresh_vals(ctx, changed)
+        rcodes, rscales = (_call(ctx, gm, aten.view.dtype, (_call(ctx, gm, aten.slice.Tensor, (recv, 1, lo, hi)), dt))
+                           for lo, hi, dt in ((0, h, FP8), (h, h + 4 * ng, torch.float32)))
     for rec in ctx.report.ep:
         if rec.block == block.name:
             rec.payload = f"fp8 e4m3 + 1x{bk} fp32 scales"
     log.info("ep_fuse: quant: %s: the %s dispatch sends fp8 codes + 1x%d scales (%d + %d bytes per token, "
              "bf16 would be %d)", block.name, backend, bk, h, 4 * ng, 2 * h)
     return rcodes, rscales, xv.dtype
-
-
-def _refresh_vals(ctx: PassContext, nodes: list[fx.Node]) -> None:
-    """Recompute the fake ``val`` of ``nodes`` (given in graph order) from their inputs' vals."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from ep_fuse.fx_utils import val
-
-    mode = ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
-    seen: set[fx.Node] = set()
-    with mode:
-        for n in nodes:
-            if n in seen:
-                continue
-            seen.add(n)
-            args = fx.node.map_arg(n.args, val)
-            kwargs = fx.node.map_arg(n.kwargs, val)
-            n.meta["val"] = n.target(*args, **kwargs)
 
 
 def _warn_fp8_reference(device: str) -> None:

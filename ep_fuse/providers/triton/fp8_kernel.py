@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import GemmConfig
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _operand_ptrs
 from ep_fuse.providers.triton.grouped_gemm_kernel import (
     _tile_rows,
     _work_item,
@@ -38,6 +38,7 @@ from ep_fuse.providers.triton.grouped_gemm_kernel import (
     num_programs,
 )
 from ep_fuse.providers.triton.moe_permute_kernel import (
+    _token_destinations,
     index_config,
     launch_permute_index,
 )
@@ -98,17 +99,7 @@ def _permute_quant_kernel(
     pid = tl.program_id(0)
     t = pid // NG
     g = pid % NG
-    kk = tl.arange(0, KP)
-    km = kk < K
-    i = t * K + kk
-    ids = tl.load(IDS + t.to(tl.int64) * st0 + kk * st1, mask=km, other=-1)
-    valid = km & (ids >= 0) & (ids < E)
-    key = tl.where(valid, ids, 0).to(tl.int32)
-    base = tl.load(BASE + (i // CHUNK) * E + key, mask=valid, other=0)
-    rank = tl.load(RANK + i, mask=valid, other=0)
-    dst = (base + rank).to(tl.int64)
-    if g == 0:
-        tl.store(SRC2DST + i, tl.where(valid, dst, -1), mask=km)
+    i, km, valid, dst = _token_destinations(IDS, RANK, BASE, SRC2DST, t, g == 0, E, st0, st1, K, KP, CHUNK)
     cols = g * G + tl.arange(0, GP)
     cm = (tl.arange(0, GP) < G) & (cols < H)
     x = tl.load(X + t.to(tl.int64) * sx + cols, mask=cm, other=0.0).to(tl.float32)
@@ -145,14 +136,11 @@ def _fp8_gemm_kernel(
     rn_c = tl.minimum(rn, N - 1)
     w_e = W + e.to(tl.int64) * swe
     ws_e = WS + e.to(tl.int64) * swse
+    xp, wp = _operand_ptrs(X, w_e, rm_c, rn_c, rk, sxm, swn, SWAP_AB)
     if SWAP_AB:
-        xp = X + rm_c[None, :].to(tl.int64) * sxm + rk[:, None]
-        wp = w_e + rn_c[:, None].to(tl.int64) * swn + rk[None, :]
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
     else:
-        xp = X + rm_c[:, None].to(tl.int64) * sxm + rk[None, :]
-        wp = w_e + rn_c[None, :].to(tl.int64) * swn + rk[:, None]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     up = wp + N * swn

@@ -126,13 +126,11 @@ def _scan_kernel(COUNTS, SEG, NC, E, CB: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
-def _scatter_rows_kernel(
-    X, IDS, RANK, BASE, SEG, ROWS, SRC2DST, H, E, NHB, sx, st0, st1,
-    K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, H_ITERS: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    t = pid // NHB
-    hb = pid - t * NHB
+def _token_destinations(IDS, RANK, BASE, SRC2DST, t, first, E, st0, st1, K: tl.constexpr, KP: tl.constexpr,
+                        CHUNK: tl.constexpr):
+    """Token ``t``'s slots ``i = t*K + k``: the valid mask and the permuted row ``dst = base[chunk, key] + rank``
+    of each; the program with ``first`` set also writes ``src2dst`` (-1 for invalid slots). Shared by the
+    bf16 scatter and the fp8 permute-quant kernels."""
     kk = tl.arange(0, KP)
     km = kk < K
     i = t * K + kk
@@ -142,8 +140,20 @@ def _scatter_rows_kernel(
     base = tl.load(BASE + (i // CHUNK) * E + key, mask=valid, other=0)
     rank = tl.load(RANK + i, mask=valid, other=0)
     dst = (base + rank).to(tl.int64)
-    if hb == 0:
+    if first:
         tl.store(SRC2DST + i, tl.where(valid, dst, -1), mask=km)
+    return i, km, valid, dst
+
+
+@triton.jit
+def _scatter_rows_kernel(
+    X, IDS, RANK, BASE, SEG, ROWS, SRC2DST, H, E, NHB, sx, st0, st1,
+    K: tl.constexpr, KP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr, H_ITERS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = pid // NHB
+    hb = pid - t * NHB
+    i, km, valid, dst = _token_destinations(IDS, RANK, BASE, SRC2DST, t, hb == 0, E, st0, st1, K, KP, CHUNK)
     x_row = X + t.to(tl.int64) * sx
     out = ROWS + dst[:, None] * H
     for j in tl.static_range(H_ITERS):

@@ -129,3 +129,14 @@ class RoutedClampedBatched(ClampedBatched):
 
 MODULES = {"argsort_index_add": ArgsortIndexAdd, "scatter_add": ScatterAddCombine, "sglang_layout": SglangLayout,
            "sentinel_masked": SentinelMasked}
+
+
+def routed_case(t: int = 13, h: int = 64, e: int = 4, i: int = 32, k: int = 2
+                ) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """An :class:`ArgsortIndexAdd` block and its inputs: bf16 tokens, distinct experts per token, softmax weights."""
+    mod = ArgsortIndexAdd(e, h, i)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t, h, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    w = torch.softmax(torch.randn(t, k, generator=g), -1)
+    return mod, (x, ids, w)

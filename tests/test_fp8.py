@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_modules import ArgsortIndexAdd
+from moe_modules import routed_case
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ep_fuse
@@ -281,18 +281,9 @@ def test_quant_option_is_validated():
         EpFuseConfig.from_options({"quant": "fp8"})
 
 
-def _module_case(t=13, h=64, e=4, i=32, k=2):
-    mod = ArgsortIndexAdd(e, h, i)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(t, h, generator=g).to(BF16)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    w = torch.softmax(torch.randn(t, k, generator=g), -1)
-    return mod, (x, ids, w)
-
-
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 def test_quant_pass_on_module(executor):
-    mod, args = _module_case()
+    mod, args = routed_case()
     WEIGHT_CACHE.clear()
     with torch.no_grad():
         ref = mod(*args)

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_modules import ArgsortIndexAdd
+from moe_modules import routed_case
 
 import ep_fuse
 from ep_fuse import tiny_models
@@ -159,18 +159,9 @@ def test_quant_option_is_validated():
         EpFuseConfig.from_options({"quant": "w8a8"})
 
 
-def _module_case(t=13, h=64, e=4, i=32, k=2):
-    mod = ArgsortIndexAdd(e, h, i)
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(t, h, generator=g).to(BF16)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    w = torch.softmax(torch.randn(t, k, generator=g), -1)
-    return mod, (x, ids, w)
-
-
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 def test_quant_pass_on_module(executor):
-    mod, args = _module_case()
+    mod, args = routed_case()
     WEIGHT_CACHE.clear()
     with torch.no_grad():
         ref = mod(*args)
@@ -197,7 +188,7 @@ def test_quant_pass_on_module(executor):
 
 
 def test_without_quant_option_nothing_changes():
-    mod, args = _module_case()
+    mod, args = routed_case()
     compile_and_run(mod, *args, executor="eager")
     assert not any(name in op for op in ep_fuse.last_report().ops_after for name in W8A8_OPS)
 
@@ -235,7 +226,7 @@ class Int8Experts(torch.nn.Module):
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 def test_prequantized_module_is_used_as_is(executor):
     mod = Int8Experts(4, 64, 32)
-    _m, args = _module_case()
+    _m, args = routed_case()
     WEIGHT_CACHE.clear()
     with torch.no_grad():
         ref = mod(*args)

@@ -130,6 +130,34 @@ def test_run_time_rules_use_the_measured_thresholds():
         "no torch._grouped_mm for fp16: the kernel beats the reference's host loop"
 
 
+def test_dense_tma_wins_keep_gemm_swiglu_at_prefill(monkeypatch):
+    """The dense TMA kernel's measured wins (>= 2048 rows, I >= 11008) keep ``gemm_swiglu`` at prefill sizes,
+    at compile time and per call; CPU tensors and narrow MLPs keep cuBLAS + SwiGLU."""
+    assert perf.dense_tma_size_wins(2048, 11008) and perf.dense_tma_size_wins(8192, 18432)
+    assert not perf.dense_tma_size_wins(1024, 11008)  # 0.94x
+    assert not perf.dense_tma_size_wins(8192, 2048)  # the DeepSeek-V3 shared expert: 0.95-1.00x
+    x, wg = torch.empty(4096, 64, dtype=BF16), torch.empty(11008, 64, dtype=BF16)
+    assert "cuBLAS" in perf.gemm_swiglu_prefers((x, wg, wg), "inductor"), "CPU tensors: no TMA win"
+    assert perf.gemm_swiglu_at_run_time((x, wg, wg)) is not None
+    monkeypatch.setattr(perf, "_dense_tma_wins", lambda x, wg, wu, rows: True)
+    assert perf.gemm_swiglu_prefers((x, wg, wg), "inductor") is None
+    assert perf.gemm_swiglu_at_run_time((x, wg, wg)) is None
+
+
+def test_tma_kernel_lifts_the_grouped_mm_threshold(monkeypatch):
+    """Above 256 rows per expert the provider keeps the call where the TMA kernel takes it (measured faster
+    than torch._grouped_mm up to 2048 rows per expert), at compile time and per call; CPU tensors never count."""
+    w = torch.empty(4, 16, 8, dtype=BF16)
+    x = torch.empty(perf.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4 + 4, 8, dtype=BF16)
+    assert not perf._tma_takes(x, w), "CPU tensors: the rule is about CUDA"
+    monkeypatch.setattr(perf, "_tma_takes", lambda x, w: True)
+    assert perf.grouped_gemm_at_run_time((x, w)) is None
+    assert perf.grouped_gemm_prefers((x, w, None), "inductor") is None
+    monkeypatch.setattr(perf, "_tma_takes", lambda x, w: False)
+    assert "torch._grouped_mm" in perf.grouped_gemm_at_run_time((x, w))
+    assert "TMA kernel does not take" in perf.grouped_gemm_prefers((x, w, None), "inductor")
+
+
 def test_by_size_ops_run_the_kernel_or_the_reference():
     from ep_fuse.ops.moe_reference import grouped_gemm_ref
     from ep_fuse.ops.reference import gemm_swiglu_ref

@@ -245,18 +245,19 @@ def test_triton_takes_cuda_fp8_calls(monkeypatch):
 
 
 def test_fp8_block_quant_rule_takes_only_the_measured_win():
-    """bf16 weights become fp8 on CUDA only at sizes measured faster (<= 4 rows per expert: 1.84x at T128 on
-    DeepSeek-V3's E256 k8; 0.32x at T4096)."""
+    """bf16 weights become fp8 on CUDA only at sizes measured faster (<= 128 rows per expert: 1.92x at T128 on
+    DeepSeek-V3's E256 k8, 1.08x at T4096; 0.90x at T16384)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from ep_fuse.providers.triton.perf import FP8_BLOCK_MAX_ROWS_PER_EXPERT, fp8_block_quant_rule
 
-    assert FP8_BLOCK_MAX_ROWS_PER_EXPERT == 4
+    assert FP8_BLOCK_MAX_ROWS_PER_EXPERT == 128
     assert fp8_block_quant_rule(torch.empty(128, 7168, device="meta"), 8, 256) is None
     assert fp8_block_quant_rule(torch.empty(1, 7168, device="meta"), 8, 256) is None
-    why = fp8_block_quant_rule(torch.empty(4096, 7168, device="meta"), 8, 256)
-    assert why is not None and "128.0 rows per expert" in why
-    assert fp8_block_quant_rule(torch.empty(132, 7168, device="meta"), 8, 256) is not None
+    assert fp8_block_quant_rule(torch.empty(4096, 7168, device="meta"), 8, 256) is None
+    why = fp8_block_quant_rule(torch.empty(16384, 7168, device="meta"), 8, 256)
+    assert why is not None and "512.0 rows per expert" in why
+    assert fp8_block_quant_rule(torch.empty(4100, 7168, device="meta"), 8, 256) is not None
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
 

@@ -124,13 +124,18 @@ def test_tma_declines_what_it_cannot_address():
     assert host.kernel_variant(x.float(), w.float()) == "default"
 
 
-def test_declined_on_cuda_until_measured_faster(monkeypatch):
+def test_cleared_on_cuda_and_taken_by_size(monkeypatch):
+    """Cleared for CUDA (GPU check passed, measured faster than torch._grouped_mm on H200): on CUDA tensors
+    the size rule is what declines it."""
     from types import SimpleNamespace
+
+    from ep_fuse.providers.triton.unverified import gpu_unverified
 
     monkeypatch.delenv(ENV, raising=False)
     x = SimpleNamespace(shape=(4096, 64), device=torch.device("cuda"))
-    w = SimpleNamespace(shape=(8, 32, 64))
-    assert "not cleared for GPUs" in host.tma_declined(x, w) and "speed not yet measured" in host.tma_declined(x, w)
+    assert gpu_unverified(host.TMA_VARIANT, x) is None
+    w = SimpleNamespace(shape=(64, 32, 64))  # 64 rows per expert
+    assert "rows per expert < 128" in host.tma_declined(x, w)
 
 
 def test_launch_reads_no_host_values():
@@ -151,7 +156,8 @@ def test_launch_reads_no_host_values():
     bound = -(-1000 // 128) + 8
     assert prep_grid == (-(-bound // tk.TABLE_BLOCK_T),) and prep_args[1].shape == (tk.TABLE_HEADER + 4 * bound,)
     assert grid == (min(132, bound * 1),) and kw["SWIGLU"] and kw["DESC"] == tk.DESC_MODES["device"]
-    assert args[2] is prep_args[1]  # the GEMM walks the table the first launch fills
+    assert args[3] is prep_args[1]  # the GEMM walks the table the first launch fills
+    assert args[2] is args[1] and not kw["SPLIT_UP"]  # no separate up weight: gate|up halves of w13
 
 
 def test_opcheck_on_the_tma_path(monkeypatch):
@@ -161,9 +167,47 @@ def test_opcheck_on_the_tma_path(monkeypatch):
         raise AssertionError(f"{provider} {op} fell back to the reference: {error}")
 
     monkeypatch.setattr(registry, "_warn_once", no_fallback)
-    x, w, seg = case([90, 0, 110], 4, 16, 32, BF16)
+    x, w, seg = case([190, 0, 210], 4, 16, 32, BF16)  # 135 rows per expert (>= 128)
     assert host.kernel_variant(x, w) == "tma"
     ops = torch.ops.ep_fuse_triton
     for op, swiglu in ((ops.grouped_gemm.default, False), (ops.grouped_gemm_swiglu.default, True)):
         torch.library.opcheck(op, (x, w, seg))
         assert_matches(op(x, w, seg), loop_ref(x, w, seg, swiglu), seg, BF16)
+
+
+# --------------------------------------------------------------------------- dense GEMM + SwiGLU (one expert)
+@pytest.mark.parametrize("desc", DESCS)
+@pytest.mark.parametrize("m,h,i", [(37, 32, 48), (70, 48, 16), (1, 32, 32), (129, 16, 40)])
+def test_dense_gemm_swiglu_matches_the_reference(desc, m, h, i):
+    """The one-expert launch with the gate and up weights read in place (two descriptors): bitwise the
+    reference in bf16 (each GEMM output, the silu and the product rounded like the unfused model)."""
+    from ep_fuse.ops.reference import gemm_swiglu_ref
+
+    g = torch.Generator().manual_seed(m * h + i)
+    x = torch.randn(m, h, generator=g).to(BF16)
+    wg, wu = ((torch.randn(i, h, generator=g) * 0.2).to(BF16) for _ in range(2))
+    y = torch.full((m, i), float("nan"), dtype=BF16)
+    tk.launch_gemm_swiglu_tma(x, wg, wu, y, config=dataclasses.replace(tk.dense_config_for(m, i, h), desc=desc))
+    assert torch.equal(y, gemm_swiglu_ref(x, wg, wu))
+
+
+def test_dense_provider_takes_the_tma_kernel_from_the_row_threshold(monkeypatch):
+    """``gemm_swiglu`` runs the TMA kernel from ``GEMM_SWIGLU_TMA_MIN_ROWS`` rows (fp16 within rounding, row
+    slices of a wider input included), the one-tile-per-program kernel below."""
+    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.providers.triton import gemm_swiglu as dense
+
+    calls = []
+    real = tk.launch_gemm_swiglu_tma
+    monkeypatch.setattr(tk, "launch_gemm_swiglu_tma", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
+    monkeypatch.setattr(perf, "GEMM_SWIGLU_TMA_MIN_ROWS", 40)
+    g = torch.Generator().manual_seed(3)
+    wg, wu = ((torch.randn(24, 32, generator=g) * 0.2).to(F16) for _ in range(2))
+    wide = torch.randn(45, 48, generator=g).to(F16)
+    for x, tma in ((wide[:, :32], True), (wide[:39, :32], False), (wide[:2, :32].reshape(1, 2, 32), False)):
+        x2 = x.reshape(-1, 32)
+        assert dense.dense_variant(x2, wg, wu) == ("tma" if tma else "default")
+        calls.clear()
+        out = torch.ops.ep_fuse_triton.gemm_swiglu(x, wg, wu)
+        assert calls == ([1] if tma else [])
+        torch.testing.assert_close(out, gemm_swiglu_ref(x, wg, wu), rtol=2e-3, atol=2e-3)

@@ -1,7 +1,7 @@
 """GPU check of the Hopper TMA grouped GEMM (``grouped_gemm:tma``, ``providers/triton/grouped_gemm_tma_kernel.py``).
 
-Until this file has passed on a GPU the variant stays in ``UNVERIFIED_ON_GPU`` and the provider keeps the
-existing kernel on CUDA; every test here sets ``EP_FUSE_UNVERIFIED_KERNELS=1``. bf16 (and fp16 on the edge
+It passed on H200 (2026-11-30), which (with ``bench/bench_grouped_gemm_tma.py``) cleared the variant from
+``UNVERIFIED_ON_GPU``; the tests still set ``EP_FUSE_UNVERIFIED_KERNELS=1``. bf16 (and fp16 on the edge
 cases) against an fp32 per-expert loop, relative L2 error, outputs poisoned with NaN before each launch:
 model shapes (DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B experts; gate|up + SwiGLU and down), ragged
 routings (0-row experts, one expert taking every row, row counts off the tile, a zero tail), the three
@@ -158,7 +158,7 @@ def test_descriptor_modes(desc):
         check(x, w, seg, swiglu, cfg, compare_default=False)
 
 
-def test_provider_dispatch_and_default_off(monkeypatch):
+def test_provider_dispatch(monkeypatch):
     from ep_fuse.providers.triton import grouped_gemm as host
     from ep_fuse.providers.triton.unverified import ENV
 
@@ -169,9 +169,8 @@ def test_provider_dispatch_and_default_off(monkeypatch):
     assert rel_l2(host.grouped_gemm_swiglu_kernel(rows, w13, seg), loop_ref(rows, w13, seg, True)) < 1e-2
     decode_rows, decode_seg = routed(16, h, e, k, seed=3)
     assert host.kernel_variant(decode_rows, w13) == "default"
-    monkeypatch.delenv(ENV)
-    assert host.kernel_variant(rows, w13) == "default"
-    assert "has not run on a GPU" in host.tma_declined(rows, w13)
+    monkeypatch.delenv(ENV)  # cleared (2026-11-30): taken without the override
+    assert host.kernel_variant(rows, w13) == "tma"
 
 
 def test_cuda_graph_replay_with_a_new_routing():
@@ -218,3 +217,28 @@ def test_inlined_in_inductor():
     out, code = run_and_get_code(torch.compile(experts, dynamic=False), rows, w13, w2, seg)
     assert any("_grouped_gemm_tma_kernel" in c for c in code), "the TMA kernel was not inlined"
     torch.testing.assert_close(out, experts(rows, w13, w2, seg))
+
+
+# --------------------------------------------------------------------------- dense GEMM + SwiGLU (one expert)
+@pytest.mark.parametrize("h,i,m", [(4096, 11008, 4096), (7168, 2048, 1000), (7168, 18432, 1024)])
+@pytest.mark.parametrize("desc", ["device", "host"])
+def test_dense_gemm_swiglu(h, i, m, desc):
+    """The one-expert launch, gate and up weights read in place, against an fp32 reference; through the
+    provider op at the row threshold, and inlined by Inductor."""
+    from ep_fuse.providers.triton import gemm_swiglu as dense
+    from ep_fuse.providers.triton import perf
+
+    g = torch.Generator(device="cuda").manual_seed(m + i)
+    x = torch.randn(m, h, device="cuda", dtype=BF16, generator=g)
+    wg, wu = (torch.randn(i, h, device="cuda", generator=g).mul_(h**-0.5).to(BF16) for _ in range(2))
+    ref = torch.nn.functional.silu(x.float() @ wg.float().T) * (x.float() @ wu.float().T)
+    y = torch.full((m, i), float("nan"), device="cuda", dtype=BF16)
+    cfg = dataclasses.replace(tk().dense_config_for(m, i, h), desc=desc)
+    tk().launch_gemm_swiglu_tma(x, wg, wu, y, config=cfg)
+    assert not y.isnan().any() and rel_l2(y, ref) < 1e-2
+    if desc == "device" and m >= perf.GEMM_SWIGLU_TMA_MIN_ROWS:
+        assert dense.dense_variant(x, wg, wu) == "tma"
+        assert rel_l2(torch.ops.ep_fuse_triton.gemm_swiglu(x, wg, wu), ref) < 1e-2
+        torch._dynamo.reset()
+        out = torch.compile(lambda a: torch.ops.ep_fuse_triton.gemm_swiglu(a, wg, wu), dynamic=False)(x)
+        assert rel_l2(out, ref) < 1e-2

@@ -1,4 +1,10 @@
-"""Host side of the Triton GEMM + SwiGLU provider."""
+"""Host side of the Triton GEMM + SwiGLU provider.
+
+Two kernels behind ``gemm_swiglu``, chosen per call from static sizes (:func:`dense_variant`): the
+one-tile-per-program kernel (:mod:`~ep_fuse.providers.triton.gemm_swiglu_kernel`, swapped decode tiles), and
+from :data:`~ep_fuse.providers.triton.perf.GEMM_SWIGLU_TMA_MIN_ROWS` rows the Hopper TMA persistent kernel of
+the grouped GEMMs run as one expert (:func:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel.launch_gemm_swiglu_tma`,
+the gate and up weights read in place)."""
 
 from __future__ import annotations
 
@@ -22,14 +28,26 @@ def check_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     return None
 
 
+def dense_variant(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, traced: bool = False) -> str:
+    """``"tma"`` or ``"default"``: the kernel that runs ``x2 [M, H]`` (static sizes)."""
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import dense_tma_unsupported
+    from ep_fuse.providers.triton.perf import GEMM_SWIGLU_TMA_MIN_ROWS
+
+    if x2.shape[0] < GEMM_SWIGLU_TMA_MIN_ROWS or x2.shape[0] == 0 or w_gate.shape[0] == 0:
+        return "default"
+    return "default" if dense_tma_unsupported(x2, w_gate, w_up, traced) else "tma"
+
+
 def gemm_swiglu_kernel(x, w_gate, w_up, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_triton::gemm_swiglu``."""
-    from ep_fuse.providers.triton.gemm_swiglu_kernel import launch
-
     h = x.shape[-1]
     rs = row_stride(x)
     assert rs is not None
     x2 = x.as_strided((x.numel() // max(h, 1), h), (rs, 1)) if x.dim() != 2 else x
     y = torch.empty((*x.shape[:-1], w_gate.shape[0]), dtype=x.dtype, device=x.device)
+    if dense_variant(x2, w_gate, w_up, traced=wrap is not None) == "tma":
+        from ep_fuse.providers.triton.grouped_gemm_tma_kernel import launch_gemm_swiglu_tma as launch
+    else:
+        from ep_fuse.providers.triton.gemm_swiglu_kernel import launch
     launch(x2, w_gate, w_up, y.view(-1, w_gate.shape[0]), wrap=wrap)
     return y

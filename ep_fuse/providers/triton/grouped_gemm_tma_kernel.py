@@ -138,20 +138,27 @@ def _load_k(src, row, k0, rows, rk, K, W_ROWS_OR_M, sr, DESC: tl.constexpr, UPCA
 
 @triton.jit
 def _grouped_gemm_tma_kernel(
-    X, W, TABLE, Y, M, N, K, W_ROWS, NW,
-    sxm, swn, sym,
+    X, W, WU, TABLE, Y, M, N, K, W_ROWS, NW,
+    sxm, swn, sun, sym,
     NUM_PROGRAMS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    DESC: tl.constexpr, SWIGLU: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    EMULATE_RTNE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DESC: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_UP: tl.constexpr, CODE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, EMULATE_RTNE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """``Y [M, N] = X @ W[e].T`` per tile of the table; ``W`` is read as [W_ROWS = E * NW, K] (``NW`` rows per
-    expert: ``N``, or ``2N`` for the gate|up weight when ``SWIGLU``)."""
+    expert: ``N``, or ``2N`` for the gate|up weight when ``SWIGLU``). ``SPLIT_UP`` (dense GEMM + SwiGLU, one
+    "expert"): the up rows come from their own [W_ROWS, K] weight ``WU`` (row stride ``sun``), at the gate's
+    row, so the two nn.Linear weights are read in place."""
     if DESC == 1:
         xs = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
         ws = tl.make_tensor_descriptor(W, shape=[W_ROWS, K], strides=[swn, 1], block_shape=[BN, BK])
+        if SPLIT_UP:
+            us = tl.make_tensor_descriptor(WU, shape=[W_ROWS, K], strides=[sun, 1], block_shape=[BN, BK])
+        else:
+            us = ws
     else:  # host descriptors (DESC 2) or pointers (DESC 0)
         xs = X
         ws = W
+        us = WU
     rows_m = tl.arange(0, BM)
     rows_n = tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -174,7 +181,10 @@ def _grouped_gemm_tma_kernel(
             b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
             acc = tl.dot(a, b.T, acc)
             if SWIGLU:
-                bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+                if SPLIT_UP:
+                    bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
+                else:
+                    bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
                 acc_u = tl.dot(a, bu.T, acc_u)
         if SWIGLU:
             y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
@@ -209,15 +219,19 @@ def num_programs(x: torch.Tensor, m: int, n: int, e: int, cfg: TmaGemmConfig) ->
 
 
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config (not yet measured on a GPU: ``bench/bench_grouped_gemm_tma.py`` sweeps the alternatives).
+    """Tile config, from ``bench/bench_grouped_gemm_tma.py``'s sweep on H200 (2026-11-30).
 
-    128x256-class tiles: one [128, 256] fp32 accumulator, or two [128, 128] for gate|up + SwiGLU. The
-    interpreter gets small tiles of the same structure."""
+    Many small experts (DeepSeek-V3 E256, Qwen3-30B-A3B E128): gate|up + SwiGLU on 64 x 256 tiles (1.07-1.32x
+    ``torch._grouped_mm``, vs 1.03-1.27x on 128 x 128), down on 128 x 256 with 4 stages. Few large experts
+    (Mixtral E8, ``e <= 16``): gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x),
+    down on 128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8). The interpreter gets small tiles
+    of the same structure."""
     if interpret:
         return TmaGemmConfig(32, 16, 16, 4, 2, 2) if swiglu else TmaGemmConfig(32, 32, 16, 4, 2, 2)
+    few = e <= 16
     if swiglu:
-        return TmaGemmConfig(128, 128, 64, 8, 4, 8)
-    return TmaGemmConfig(128, 256, 64, 8, 3, 8)
+        return TmaGemmConfig(128, 128, 64, 8, 3, 8) if few else TmaGemmConfig(64, 256, 64, 8, 3, 8)
+    return TmaGemmConfig(128, 256, 64, 8, 3, 16) if few else TmaGemmConfig(128, 256, 64, 8, 4, 8)
 
 
 def _null_allocator() -> bool:
@@ -281,27 +295,29 @@ def build_tile_table(seg: torch.Tensor, m: int, e: int, bm: int,
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
-            cfg: TmaGemmConfig, wrap: Callable[[Any], Any] | None) -> None:
+            cfg: TmaGemmConfig, wrap: Callable[[Any], Any] | None, w_up: torch.Tensor | None = None) -> None:
     m, k = x.shape
     e, nw = w.shape[0], w.shape[1]
     table = build_tile_table(seg, m, e, cfg.bm, wrap)
     mode = DESC_MODES[cfg.desc]
     xs: Any = x
     ws: Any = w
+    us: Any = w_up if w_up is not None else w
     if mode == 2:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         xs = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
         w2d = w.as_strided((e * nw, k), (w.stride(1), 1), w.storage_offset())  # checked: one [E * rows, K] tensor
         ws = TensorDescriptor.from_tensor(w2d, [cfg.bn, cfg.bk])
+        us = TensorDescriptor.from_tensor(w_up, [cfg.bn, cfg.bk]) if w_up is not None else ws
     elif mode == 1 and x.device.type == "cuda":
         ensure_allocator()
     grid = (num_programs(x, m, n, e, cfg),)
     fn = wrap(_grouped_gemm_tma_kernel) if wrap is not None else _grouped_gemm_tma_kernel
     fn[grid](
-        xs, ws, table, y, m, n, k, e * nw, nw,
-        x.stride(0), w.stride(1), y.stride(0), grid[0],
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, DESC=mode, SWIGLU=swiglu,
+        xs, ws, us, table, y, m, n, k, e * nw, nw,
+        x.stride(0), w.stride(1), (w_up if w_up is not None else w).stride(-2), y.stride(0), grid[0],
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, DESC=mode, SWIGLU=swiglu, SPLIT_UP=w_up is not None,
         CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET, EMULATE_RTNE=int(INTERPRET),
         WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -322,3 +338,24 @@ def launch_grouped_gemm_swiglu_tma(x: torch.Tensor, w13: torch.Tensor, seg: torc
     m, k = x.shape
     e, n = w13.shape[0], w13.shape[1] // 2
     _launch(x, w13, seg, y, n, True, config or config_for(m, n, k, e, swiglu=True), wrap)
+
+
+def dense_config_for(m: int, n: int, k: int, interpret: bool = INTERPRET) -> TmaGemmConfig:
+    """Tile config of the dense GEMM + SwiGLU (one expert): the few-large-experts gate|up config."""
+    return config_for(m, n, k, 1, swiglu=True, interpret=interpret)
+
+
+def launch_gemm_swiglu_tma(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, y: torch.Tensor,
+                           config: TmaGemmConfig | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
+    """Dense ``y [M, I] = silu(x @ w_gate.T) * (x @ w_up.T)`` (``w_gate``/``w_up`` [I, K], read in place) on the
+    grouped kernel with one expert whose segment is every row (``seg = [0, M]``, built on the device)."""
+    m, k = x.shape
+    n = w_gate.shape[0]
+    seg = torch.arange(2, dtype=torch.int32, device=x.device) * m
+    _launch(x, w_gate.unsqueeze(0), seg, y, n, True, config or dense_config_for(m, n, k), wrap, w_up=w_up)
+
+
+def dense_tma_unsupported(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                          traced: bool = False) -> str | None:
+    """:func:`tma_unsupported` for the dense GEMM + SwiGLU (both weights addressed by TMA)."""
+    return tma_unsupported(x, w_gate.unsqueeze(0), traced) or tma_unsupported(x, w_up.unsqueeze(0), traced)

@@ -16,8 +16,9 @@ H200 runs (GPU time from CUDA-graph replays, 2026-11-29):
 * ``rope`` / ``rope_qk`` / ``rope_cache`` / ``rope_qk_cache``: with bf16/fp16 heads (exact rounding by packed
   ``fma.rn``) 1.06-1.19x Inductor on the baseline grid and 1.31-2.35x in the cos/sin-cache form, so used;
   fp32 heads and the complex form decline under Inductor.
-* ``gemm_swiglu``: faster than cuBLAS + Inductor's SwiGLU only at decode sizes (<= 32 rows: 1.02-1.26x
-  on four shapes), so declined above that under both executors (:data:`GEMM_SWIGLU_MAX_ROWS`).
+* ``gemm_swiglu``: the one-tile-per-program kernel is faster than cuBLAS + Inductor's SwiGLU only at decode
+  sizes (<= 32 rows: 1.02-1.26x on four shapes); the Hopper TMA kernel from 2048 rows on MLPs at least 11008
+  wide (1.00-1.06x, :data:`GEMM_SWIGLU_TMA_MIN_I`). Declined elsewhere under both executors.
 
 Every rule takes ``(args, executor)``; the eager executor's baseline is the unfused ATen ops.
 
@@ -26,8 +27,8 @@ would add a guard and recompile the graph per size). Where the faster choice dep
 the rule answers :class:`~ep_fuse.ops.registry.AtRunTime` and the node runs the provider's
 ``<op>_by_size`` op, which applies the ``*_at_run_time`` rule below to the real sizes of each call:
 
-* ``gemm_swiglu``: the kernel up to :data:`GEMM_SWIGLU_MAX_ROWS` rows, the reference (two cuBLAS GEMMs,
-  silu, mul) above;
+* ``gemm_swiglu``: the kernel up to :data:`GEMM_SWIGLU_MAX_ROWS` rows and where the TMA kernel measured
+  faster, the reference (two cuBLAS GEMMs, silu, mul) elsewhere;
 * ``grouped_gemm`` / ``grouped_gemm_swiglu`` (Inductor executor): the kernel up to
   :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert, ``torch._grouped_mm`` (the reference, bf16)
   above; where ``torch._grouped_mm`` does not run (fp16/fp32) the kernel at every size (the reference
@@ -47,7 +48,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ep_fuse.ops.moe_reference import grouped_mm_supported
 from ep_fuse.ops.registry import AtRunTime
-from ep_fuse.providers.common import unpack_norm_args
+from ep_fuse.providers.common import row_stride, unpack_norm_args
 from ep_fuse.symbolic import concrete_int
 
 LARGE_BATCH_ROWS = 4096
@@ -112,31 +113,91 @@ and 32 rows on all four measured shapes (H4096/I11008, H7168/I18432, H7168/I2048
 (0.77-0.87x at 1024 and 8192). Eager cuBLAS was 1-8% slower than Inductor at these sizes."""
 
 
+GEMM_SWIGLU_TMA_MIN_ROWS = 2048
+"""From this many rows ``gemm_swiglu`` runs the Hopper TMA kernel (the grouped GEMM as one expert, gate and up
+weights read in place) instead of the one-tile-per-program kernel, where TMA can address the operands."""
+
+GEMM_SWIGLU_TMA_MIN_I = 11008
+"""...and the TMA kernel is kept under ``perf_guard`` for MLPs at least this wide. Measured on H200
+(``bench/bench_gemm_swiglu_prefill.py``, 2026-11-30, vs cuBLAS + Inductor's SwiGLU): H4096/I11008 1.04x,
+1.06x, 1.01x at 2048, 4096, 8192 rows (0.94x at 1024); H7168/I18432 1.04x, 1.00x, 1.01x, 1.03x at 1024 to
+8192; the narrow DeepSeek-V3 shared expert H7168/I2048 0.95-0.97x at 1024-4096 (1.00x at 8192), so narrower
+MLPs keep cuBLAS. The one-tile-per-program kernel was 0.72-0.89x at every one of these sizes."""
+
+
+def dense_tma_size_wins(rows: int, inter: int | None) -> bool:
+    """Whether ``rows`` x ``[inter, H]`` gate/up weights is a measured win of the dense TMA kernel."""
+    return rows >= GEMM_SWIGLU_TMA_MIN_ROWS and inter is not None and inter >= GEMM_SWIGLU_TMA_MIN_I
+
+
+def _dense_tma_wins(x: Any, w_gate: Any, w_up: Any, rows: int) -> bool:
+    """The measured TMA win (:data:`GEMM_SWIGLU_TMA_MIN_I`, :data:`GEMM_SWIGLU_TMA_MIN_ROWS`) on a CUDA call the
+    TMA kernel takes."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import dense_tma_unsupported
+
+    if not dense_tma_size_wins(rows, concrete_int(w_gate.shape[0]) if w_gate is not None else None):
+        return False
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        return False
+    rs = row_stride(x)
+    if rs is None:
+        return False
+    x2 = x.as_strided((rows, x.shape[-1]), (rs, 1)) if x.dim() != 2 else x  # what the provider launches on
+    return dense_tma_unsupported(x2, w_gate, w_up, traced=is_fake(x)) is None
+
+
 def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
-    x, w_gate, _w_up = args
+    x, w_gate, w_up = args
     rows = _static_rows(x)
     if rows is None:
-        return AtRunTime(f"the kernel up to {GEMM_SWIGLU_MAX_ROWS} rows, the reference (cuBLAS + SwiGLU) above")
-    if rows > GEMM_SWIGLU_MAX_ROWS:
+        return AtRunTime(f"the kernel up to {GEMM_SWIGLU_MAX_ROWS} rows and on the TMA kernel's measured wins, "
+                         "the reference (cuBLAS + SwiGLU) elsewhere")
+    if rows > GEMM_SWIGLU_MAX_ROWS and not _dense_tma_wins(x, w_gate, w_up, rows):
         return (f"{rows} rows (H={x.shape[-1]} I={w_gate.shape[0]}): cuBLAS + the unfused SwiGLU "
-                f"measured faster above {GEMM_SWIGLU_MAX_ROWS} rows")
+                f"measured faster above {GEMM_SWIGLU_MAX_ROWS} rows (the TMA kernel only from "
+                f"{GEMM_SWIGLU_TMA_MIN_ROWS} rows at I >= {GEMM_SWIGLU_TMA_MIN_I}, on Hopper)")
     return None
 
 
 def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
-    """Per call of ``gemm_swiglu_by_size`` (real tensors): the kernel up to 32 rows."""
-    x = args[0]
+    """Per call of ``gemm_swiglu_by_size`` (real tensors): the kernel up to 32 rows or on a TMA win."""
+    x, w_gate, w_up = args
     rows = x.numel() // max(x.shape[-1], 1)
-    return f"{rows} rows > {GEMM_SWIGLU_MAX_ROWS}" if rows > GEMM_SWIGLU_MAX_ROWS else None
+    if rows <= GEMM_SWIGLU_MAX_ROWS or _dense_tma_wins(x, w_gate, w_up, rows):
+        return None
+    return f"{rows} rows > {GEMM_SWIGLU_MAX_ROWS}"
 
 
-# --------------------------------------------------------------------------- MoE (H200, 2026-11-29)
+# --------------------------------------------------------------------------- MoE (H200, 2026-11-29/30)
 GROUPED_GEMM_MAX_ROWS_PER_EXPERT = 256
-"""The Triton grouped GEMMs measured faster than ``torch._grouped_mm`` (eager or under Inductor) at 4
-rows per expert (DeepSeek-V3 decode, T128 k8 E256: 4978 vs 6970 us for both GEMMs, 1.40x) and 128
+"""The one-tile-per-program grouped GEMMs measured faster than ``torch._grouped_mm`` (eager or under Inductor)
+at 4 rows per expert (DeepSeek-V3 decode, T128 k8 E256: 4978 vs 6970 us for both GEMMs, 1.40x) and 128
 (prefill T4096: 9376 vs 10213 us, 1.09x), and slower at 1536 (T16384 k6 E64: 3410 vs 3081 us, 0.90x).
-Above 256 rows per expert (unmeasured between 128 and 1536) the provider declines under Inductor; eager
-``torch._grouped_mm`` was slower than the kernel at every size (3475 vs 3410 us at 1536 rows per expert)."""
+Above 256 rows per expert (unmeasured between 128 and 1536) the provider declines under Inductor, unless the
+Hopper TMA kernel takes the call (:data:`GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT`); eager ``torch._grouped_mm``
+was slower than the kernel at every size (3475 vs 3410 us at 1536 rows per expert)."""
+
+GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = 128
+"""From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
+(:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size. Measured on H200
+(``bench/bench_grouped_gemm_tma.py``, 2026-11-30, CUDA-graph replays) at 128 to 2048 rows per expert on five
+prefill shapes: gate|up + SwiGLU 1.16-1.44x ``torch._grouped_mm`` followed by the SwiGLU (0.95-1.32x the
+GEMM alone), down 1.02-1.25x ``torch._grouped_mm``, and faster than the one-tile-per-program kernel
+everywhere (1.13-1.40x at 128 rows per expert, DeepSeek-V3 T4096). Below 128 rows per expert it is
+unmeasured, so the other kernel keeps those sizes."""
+
+
+def _tma_takes(x: Any, w: Any) -> bool:
+    """Whether a CUDA call on these (fake or real, static-size) tensors runs the TMA grouped GEMM."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from ep_fuse.providers.triton.grouped_gemm import tma_declined
+
+    if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        return False
+    return tma_declined(x, w, traced=is_fake(x)) is None
 
 
 def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
@@ -145,36 +206,27 @@ def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTim
     x, w = args[0], args[1]
     rows, experts = concrete_int(x.shape[0]), concrete_int(w.shape[0])
     if rows is None or experts is None:  # int() would specialize the graph on this row count
-        return AtRunTime(f"the kernel up to {GROUPED_GEMM_MAX_ROWS_PER_EXPERT} rows per expert, "
-                         "torch._grouped_mm above (bf16)")
+        return AtRunTime(f"the kernel up to {GROUPED_GEMM_MAX_ROWS_PER_EXPERT} rows per expert (any size on the "
+                         "TMA kernel), torch._grouped_mm above (bf16)")
     per_expert = rows / max(experts, 1)
-    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT:
+    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT and not _tma_takes(x, w):
         return (f"{per_expert:.0f} rows per expert: torch._grouped_mm measured faster above "
-                f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.90x at 1536)")
+                f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.90x at 1536) and the TMA kernel does not take this call")
     return None
 
 
 def grouped_gemm_at_run_time(args: tuple[Any, ...]) -> str | None:
-    """Per call of ``grouped_gemm[_swiglu]_by_size`` (real tensors): the kernel up to 256 rows per expert,
-    then the reference (``torch._grouped_mm``) where it runs."""
+    """Per call of ``grouped_gemm[_swiglu]_by_size`` (real tensors): the TMA kernel where it takes the call,
+    else the kernel up to 256 rows per expert, then the reference (``torch._grouped_mm``) where it runs."""
     x, w = args[0], args[1]
     per_expert = x.shape[0] / max(w.shape[0], 1)
-    if per_expert <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT or not grouped_mm_supported(x, w):
+    if per_expert <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT or not grouped_mm_supported(x, w) or _tma_takes(x, w):
         return None
     return f"{per_expert:.0f} rows per expert > {GROUPED_GEMM_MAX_ROWS_PER_EXPERT}: torch._grouped_mm"
 
 
-GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = 64
-"""From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
-(:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`) instead of the one-tile-per-program kernel, where
-the TMA kernel can address the operands. **Not measured**: the boundary where the existing kernel's own
-config switches to 128-row tiles, a starting point for ``bench/bench_grouped_gemm_tma.py`` to replace. The
-variant is off on CUDA until its GPU check has run (:mod:`~ep_fuse.providers.triton.unverified`), so on CUDA
-this rule changes nothing yet; :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` still applies to both kernels."""
-
-
 def grouped_gemm_tma_rule(x: Any, w: Any) -> str | None:
-    """Per call (real sizes): why not the TMA variant on these sizes (``None``: take it)."""
+    """Per call (static sizes): why not the TMA variant on these sizes (``None``: take it)."""
     per_expert = x.shape[0] / max(w.shape[0], 1)
     if per_expert < GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT:
         return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
@@ -199,11 +251,11 @@ def gating_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     return None
 
 
-FP8_BLOCK_MAX_ROWS_PER_EXPERT = 4
+FP8_BLOCK_MAX_ROWS_PER_EXPERT = 128
 """``quant="fp8_block"`` on bf16 weights, measured on H200 (``bench/bench_fp8.py``, 2026-11-30, DeepSeek-V3
-routed layer H7168 I2048 E256 k8): the Triton FP8 experts ran 1.84x the bf16 ep_fuse experts at T128 (4 rows
-per expert) and 0.32x at T4096 (128 rows per expert). Sizes in between are unmeasured, so only the measured
-win is taken."""
+routed layer H7168 I2048 E256 k8, tile configs from its ``--sweep``): the Triton FP8 experts ran 1.92x the
+bf16 ep_fuse experts at 4 rows per expert (T128), 2.17x at 16, 1.59x at 32, 1.30x at 64, 1.08x at 128
+(T4096) and 0.90x at 512 (T16384). Above 128 (unmeasured up to 512) the block stays bf16."""
 
 
 def fp8_block_quant_rule(x: Any, top_k: int, experts: int) -> str | None:
@@ -211,10 +263,10 @@ def fp8_block_quant_rule(x: Any, top_k: int, experts: int) -> str | None:
     quantize it). Models whose experts already hold fp8 weights are not asked: they have no bf16 weights."""
     t = _static_rows(x)
     if t is None:
-        return ("symbolic token count: the FP8 experts measured faster only at decode sizes (<= "
-                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} rows per expert), and bf16 and fp8 weights cannot both be kept")
+        return ("symbolic token count: the FP8 experts measured faster only up to "
+                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} rows per expert, and bf16 and fp8 weights cannot both be kept")
     rows = t * top_k / max(experts, 1)
     if rows > FP8_BLOCK_MAX_ROWS_PER_EXPERT:
         return (f"{rows:.1f} rows per expert: the Triton FP8 experts measured faster than bf16 only up to "
-                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} (1.84x at 4; 0.32x at 128)")
+                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} (1.08x at 128; 0.90x at 512)")
     return None

@@ -9,7 +9,8 @@
 # $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench_grouped_gemm_tma.py with $GG_ARGS),
 # profile_dynamic (bench/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
-# (bench_gemm_swiglu_prefill.py with $DENSE_ARGS), moe (bench_moe.py), pack (tar every log and
+# (bench_gemm_swiglu_prefill.py with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
+# $FWD_ARGS), pack (tar every log and
 # result into $OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -72,6 +73,8 @@ for s in "$@"; do
       step fp8_dispatch timeout 200 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_fp8_dispatch.py" ;;
     dense)
       step dense timeout ${DENSE_TIMEOUT:-300} python3 "$repo/bench/bench_gemm_swiglu_prefill.py" ${DENSE_ARGS:-} ;;
+    forward)
+      step forward timeout ${FWD_TIMEOUT:-400} python3 "$repo/bench/bench_forward.py" ${FWD_ARGS:-} ;;
     moe)
       step moe timeout ${MOE_TIMEOUT:-300} python3 "$repo/bench/bench_moe.py" ${MOE_ARGS:-} ;;
     profile_dynamic)  # host time per call, ep_fuse vs Inductor, static and dynamic (issue 14)

@@ -2,8 +2,9 @@
 
     python bench/bench_fp8.py [--only decode,prefill] [--no-reference] [--sweep] [--budget S]
 
-First run on H200 2026-11-30 (``docs/benchmarks.md``): decode 1.84x, prefill 0.32x the bf16 experts.
-Shapes: H7168 I2048 E256 top-8, decode T128 and prefill T4096. Rows are routed by top-k of random logits.
+H200, 2026-11-30 (``docs/benchmarks.md``), with the swept configs: decode 1.92x, prefill 1.08x the bf16 experts.
+Shapes: H7168 I2048 E256 top-8, decode T128, T512-T2048, prefill T4096 and T16384 (``--only`` picks). Rows are
+routed by top-k of random logits.
 Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both paths share the unpermute):
 
 * ``bf16``: ``grouped_gemm_swiglu`` + ``grouped_gemm`` (the ep_fuse Triton experts path), on permuted rows;
@@ -14,7 +15,8 @@ Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both path
 
 Reports µs, TFLOP/s (``2 * rows * (2I*H + H*I)`` flops) and the output rel-L2 vs the bf16 path on
 random activations and on activations with outlier channels (a few channels x50). Targets (issue 17):
-decode >= 1.8x, prefill >= 1.6x. Writes ``$OUT/fp8.json`` / ``fp8.md``.
+decode >= 1.8x, prefill >= 1.6x; the other shapes feed ``perf.FP8_BLOCK_MAX_ROWS_PER_EXPERT`` (>= 1.0x).
+Writes ``$OUT/fp8.json`` / ``fp8.md``.
 
 ``--sweep``: per shape, each FP8 GEMM (gate|up + SwiGLU + requant, and down) alone under a list of tile
 configs (:class:`~ep_fuse.providers.triton.gemm_tiles.GemmConfig`; SwiGLU tiles are ``BN = 128``, the requant

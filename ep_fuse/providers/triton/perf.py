@@ -183,10 +183,10 @@ GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = 128
 """From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
 (:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size. Measured on H200
 (``bench/bench_grouped_gemm_tma.py``, 2026-11-30, CUDA-graph replays) at 128 to 2048 rows per expert on five
-prefill shapes: gate|up + SwiGLU 1.16-1.44x ``torch._grouped_mm`` followed by the SwiGLU (0.95-1.32x the
-GEMM alone), down 1.02-1.25x ``torch._grouped_mm``, and faster than the one-tile-per-program kernel
-everywhere (1.13-1.40x at 128 rows per expert, DeepSeek-V3 T4096). Below 128 rows per expert it is
-unmeasured, so the other kernel keeps those sizes."""
+prefill shapes with the configs of ``config_for``: gate|up + SwiGLU 1.10-1.36x ``torch._grouped_mm`` followed
+by the SwiGLU (0.97-1.30x the GEMM alone), down 1.00-1.29x ``torch._grouped_mm``, and faster than the
+one-tile-per-program kernel everywhere (1.12x / 1.27x at 128 rows per expert, DeepSeek-V3 T4096). Below 128
+rows per expert it is unmeasured, so the other kernel keeps those sizes."""
 
 
 def _tma_takes(x: Any, w: Any) -> bool:

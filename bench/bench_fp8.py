@@ -1,6 +1,6 @@
 """Benchmark of the FP8 block-scaled experts vs the bf16 ep_fuse experts (DeepSeek-V3 routed layer).
 
-    python bench/bench_fp8.py [--only decode,prefill] [--no-reference] [--sweep] [--budget S]
+    python bench/bench_fp8.py [--only decode,prefill] [--no-reference] [--sweep] [--tma] [--budget S]
 
 H200, 2026-11-30 (``docs/benchmarks.md``), with the swept configs: decode 1.92x, prefill 1.08x the bf16 experts.
 Shapes: H7168 I2048 E256 top-8, decode T128, T512-T2048, prefill T4096 and T16384 (``--only`` picks). Rows are
@@ -23,6 +23,8 @@ configs (:class:`~ep_fuse.providers.triton.gemm_tiles.GemmConfig`; SwiGLU tiles 
 group) next to the bf16 kernel of the same GEMM and the config ``config_for`` picks today, in µs and TFLOP/s;
 the fastest config per (shape, GEMM) is printed and written to ``$OUT/fp8_sweep.json``/``.md``. Stops starting
 new configs after ``--budget`` seconds.
+``--tma``: the same per-GEMM timing for the persistent TMA FP8 kernel (``fp8:tma``, :func:`tma_configs`),
+alone or next to ``--sweep``'s configs.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def run_shape(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], ref
         if f"{key}_us" in row:
             row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
     row["speedup"] = row["bf16_us"] / row["fp8_triton_us"]
+    xq, _xs, _src, _seg = T.moe_permute_fp8_kernel(*tokens(t, h, e, k, False), e, BK)
+    row["fp8_gemm_kernel"] = T.gemm_variant(xq, w["q13"])  # "tma" only where fp8:tma is enabled
     log(row)
     return row
 
@@ -154,9 +158,23 @@ def sweep_configs(decode: bool, swiglu: bool) -> list[Any]:
     return out
 
 
-def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], deadline: float) -> list[dict[str, Any]]:
-    """Each FP8 GEMM of ``name`` alone under :func:`sweep_configs`, with the bf16 kernel and today's pick."""
+def tma_configs(swiglu: bool) -> list[Any]:
+    """Candidate tiles of the persistent TMA FP8 kernel (``fp8:tma``): ``BK = 128`` (one scale block per step)."""
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import TmaGemmConfig as C
+
+    if swiglu:
+        return [C(64, 128, 128, 8, 4, 8), C(64, 128, 128, 8, 3, 8), C(128, 128, 128, 8, 3, 8),
+                C(64, 128, 128, 4, 4, 8), C(64, 128, 128, 8, 4, 16), C(64, 128, 128, 8, 4, 8, desc="host")]
+    return [C(64, 128, 128, 4, 3, 8), C(64, 128, 128, 8, 4, 8), C(64, 256, 128, 8, 3, 8), C(128, 128, 128, 8, 3, 8),
+            C(128, 256, 128, 8, 3, 8), C(64, 128, 128, 4, 3, 16)]
+
+
+def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], deadline: float,
+              pointer: bool = True, tma: bool = False) -> list[dict[str, Any]]:
+    """Each FP8 GEMM of ``name`` alone under :func:`sweep_configs` (``pointer``) and/or :func:`tma_configs`
+    (``tma``), with the bf16 kernel and today's pick of the one-tile-per-program kernel."""
     from ep_fuse.providers.triton.fp8_kernel import config_for, launch_fp8_gemm
+    from ep_fuse.providers.triton.fp8_tma_kernel import launch_fp8_gemm_tma
     from ep_fuse.providers.triton.grouped_gemm_kernel import is_decode
 
     t, h, i, e, k = shape
@@ -180,16 +198,19 @@ def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], dea
             bf16 = bench_graph_us(lambda: grouped_gemm_kernel(act16, w["w2"], seg16))
         today = config_for(m, n, kk, e, BK, swiglu=swiglu, interpret=False)
         row = {"shape": name, "gemm": gemm, "bf16_us": bf16, "today": str(today), "configs": []}
-        for cfg in [today, *sweep_configs(is_decode(m, e), swiglu)]:
+        cands = [(str(today), launch_fp8_gemm, today)]
+        cands += [(str(c), launch_fp8_gemm, c) for c in (sweep_configs(is_decode(m, e), swiglu) if pointer else [])]
+        cands += [(f"tma [{c}]", launch_fp8_gemm_tma, c) for c in (tma_configs(swiglu) if tma else [])]
+        for label, launch, cfg in cands:
             if time.monotonic() > deadline:
                 row["stopped"] = "budget"
                 break
             try:
-                us = bench_graph_us(lambda cfg=cfg: launch_fp8_gemm(*args, swiglu=swiglu, config=cfg))
+                us = bench_graph_us(lambda launch=launch, cfg=cfg: launch(*args, swiglu=swiglu, config=cfg))
             except Exception as exc:  # a config Triton cannot compile (shared memory, registers)
-                row["configs"].append({"config": str(cfg), "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                row["configs"].append({"config": label, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
                 continue
-            row["configs"].append({"config": str(cfg), "us": us, "tflops": flops / us / 1e6})
+            row["configs"].append({"config": label, "us": us, "tflops": flops / us / 1e6})
         timed = [c for c in row["configs"] if "us" in c]
         if timed:
             best = min(timed, key=lambda c: c["us"])
@@ -206,6 +227,7 @@ def main() -> None:
     ap.add_argument("--only", default=",".join(SHAPES))
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time tile configs per GEMM (see the module docstring)")
+    ap.add_argument("--tma", action="store_true", help="time the persistent TMA FP8 kernel's configs per GEMM")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds of sweeping before no new config starts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -215,9 +237,10 @@ def main() -> None:
     info = env_info()
     log(info)
     w = make_weights(7168, 2048, 256)
-    if args.sweep:
+    if args.sweep or args.tma:
         deadline = time.monotonic() + args.budget
-        sweep = [r for name in args.only.split(",") for r in run_sweep(name, SHAPES[name], w, deadline)]
+        sweep = [r for name in args.only.split(",")
+                 for r in run_sweep(name, SHAPES[name], w, deadline, pointer=args.sweep, tma=args.tma)]
         write_json("fp8_sweep.json", {"env": info, "rows": sweep})
         (out_dir() / "fp8_sweep.md").write_text(markdown_table(
             ["shape", "GEMM", "bf16 µs", "today's config", "today µs", "best config", "best µs", "best TFLOP/s",

@@ -208,6 +208,55 @@ def test_triton_kernels_match_reference(t, k, e, h, i, block):
         torch.testing.assert_close(y, yr, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("desc", ["device", "host", "pointer"])
+@pytest.mark.parametrize("t, k, e, h, i, block", [TRITON_CASES[0], TRITON_CASES[2]])
+def test_fp8_tma_kernel_matches_reference(t, k, e, h, i, block, desc):
+    """The FP8 GEMMs on the persistent TMA walk (``fp8:tma``), every descriptor mode: SwiGLU scales and codes
+    and the down GEMM against the references, as for the one-tile-per-program kernel (zero tail included)."""
+    import dataclasses
+
+    from ep_fuse.providers.triton import fp8_tma_kernel as F
+
+    bn, bk = block
+    x, ids = routed(t, k, e, h, seed=t)
+    (q13, s13), (q2, s2) = fp8_weights(e, h, i, block, seed=t + 1)
+    xq, xs, _src, seg = R.moe_permute_fp8_ref(x, ids, e, bk)
+    m = xq.shape[0]
+    aqr, asr = R.grouped_gemm_fp8_swiglu_quant_ref(xq, xs, q13, s13, seg, bn, bk)
+    aq = torch.empty(m, i, dtype=FP8)
+    a_s = torch.full((m, R.cdiv(i, bk)), float("nan"))
+    cfg = dataclasses.replace(F.config_for(m, i, h, e, bk, swiglu=True), desc=desc)
+    F.launch_fp8_gemm_tma(xq, xs, q13, s13, seg, aq, a_s, bn, bk, swiglu=True, config=cfg)
+    torch.testing.assert_close(a_s, asr, rtol=1e-5, atol=1e-9)
+    assert (bits(aq) != bits(aqr)).float().mean() < 0.01
+    y = torch.full((m, h), float("nan"), dtype=BF16)
+    cfg = dataclasses.replace(F.config_for(m, h, i, e, bk), desc=desc)
+    F.launch_fp8_gemm_tma(aqr, asr, q2, s2, seg, y, None, bn, bk, swiglu=False, config=cfg)
+    torch.testing.assert_close(y, R.grouped_gemm_fp8_ref(aqr, asr, q2, s2, seg, bn, bk, BF16), rtol=8e-3, atol=1e-6)
+
+
+def test_fp8_provider_takes_the_tma_kernel_by_size_and_alignment(monkeypatch):
+    """From ``perf.FP8_TMA_MIN_ROWS_PER_EXPERT`` rows per expert and 16-byte fp8 rows the provider launches the
+    TMA kernel; below, or with K = 70, the one-tile-per-program kernel."""
+    from ep_fuse.providers.triton import fp8_tma_kernel as F
+    from ep_fuse.providers.triton import perf
+
+    calls = []
+    real = F.launch_fp8_gemm_tma
+    monkeypatch.setattr(F, "launch_fp8_gemm_tma", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
+    monkeypatch.setattr(perf, "FP8_TMA_MIN_ROWS_PER_EXPERT", 4)
+    for t, h, tma in ((9, 64, True), (3, 64, False), (9, 70, False)):
+        x, ids = routed(t, 2, 4, h, seed=t)
+        (q13, s13), _ = fp8_weights(4, h, 48, (16, 32), seed=2)
+        xq, xs, _src, seg = R.moe_permute_fp8_ref(x, ids, 4, 32)
+        assert T.gemm_variant(xq, q13) == ("tma" if tma else "default")
+        calls.clear()
+        aq, a_s = T.grouped_gemm_fp8_swiglu_quant_kernel(xq, xs, q13, s13, seg, 16, 32)
+        assert calls == ([1] if tma else [])
+        torch.testing.assert_close(a_s, R.grouped_gemm_fp8_swiglu_quant_ref(xq, xs, q13, s13, seg, 16, 32)[1],
+                                   rtol=1e-5, atol=1e-9)
+
+
 def test_triton_rounding_matches_torch_at_ties_and_binade_edges():
     """The kernel's E4M3 rounding (on fp32 bits) equals torch's cast at every midpoint between fp8 values,
     including the ones that carry into the next binade (where the interpreter's own cast is wrong)."""

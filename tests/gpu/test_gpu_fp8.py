@@ -94,3 +94,26 @@ def test_fp8_block_is_lowered_to_triton_when_enabled():
     rep = ep_fuse.last_report()
     assert any("ep_fuse_triton.grouped_gemm_fp8" in op for op in rep.ops_after), rep.ops_after
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.08
+
+
+def test_fp8_tma_variant_matches_the_default_kernel():
+    """``fp8:tma`` (persistent TMA walk) at a prefill size it takes (128 rows per expert): chosen by the
+    provider, and its SwiGLU scales / codes and down output agree with the one-tile-per-program kernel."""
+    from ep_fuse.providers.triton import fp8 as T
+    from ep_fuse.providers.triton.fp8_kernel import launch_fp8_gemm
+
+    t, h, i, e, k = 4096, 7168, 2048, 256, 8
+    x, ids, (q13, s13), (q2, s2) = _case(t, h, i, e, k)
+    xq, xs, _src, seg = T.moe_permute_fp8_kernel(x, ids, e, 128)
+    assert T.gemm_variant(xq, q13) == "tma"
+    aq, a_s = T.grouped_gemm_fp8_swiglu_quant_kernel(xq, xs, q13, s13, seg, 128, 128)
+    m = xq.shape[0]
+    aqd, asd = torch.empty_like(aq), torch.empty_like(a_s)
+    launch_fp8_gemm(xq, xs, q13, s13, seg, aqd, asd, 128, 128, swiglu=True)
+    torch.testing.assert_close(a_s, asd, rtol=1e-2, atol=1e-9)
+    assert (bits(aq) != bits(aqd)).float().mean() < 0.05
+    y = T.grouped_gemm_fp8_kernel(aqd, asd, q2, s2, seg, 128, 128, BF16)
+    yd = torch.empty(m, h, device="cuda", dtype=BF16)
+    launch_fp8_gemm(aqd, asd, q2, s2, seg, yd, None, 128, 128, swiglu=False)
+    assert rel_l2(y, yd) < 1e-2
+    assert not y[int(seg[-1]):].any()

@@ -26,6 +26,7 @@ MAX_GROUP = 1024
 
 
 VARIANT = "fp8:triton"
+TMA_VARIANT = "fp8:tma"
 
 
 def _gate(t: torch.Tensor) -> str | None:
@@ -119,9 +120,20 @@ def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, wrap=None):
     return q, s, src2dst, seg
 
 
+def gemm_variant(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False) -> str:
+    """``"tma"`` (the persistent TMA kernel, :mod:`~ep_fuse.providers.triton.fp8_tma_kernel`) or ``"default"``:
+    the FP8 grouped-GEMM kernel that runs this call (static sizes)."""
+    from ep_fuse.providers.triton.fp8_tma_kernel import fp8_tma_unsupported
+    from ep_fuse.providers.triton.perf import fp8_tma_rule
+
+    why = fp8_tma_rule(xq, wq) or gpu_unverified(TMA_VARIANT, xq) or fp8_tma_unsupported(xq, wq, traced)
+    return "default" if why else "tma"
+
+
 def _gemm(xq, xs, wq, ws, seg, bn: int, bk: int, dtype: torch.dtype | None, swiglu: bool,
           wrap: Callable[[Any], Any] | None) -> Any:
     from ep_fuse.providers.triton.fp8_kernel import launch_fp8_gemm
+    from ep_fuse.providers.triton.fp8_tma_kernel import launch_fp8_gemm_tma
 
     m = xq.shape[0]
     n = wq.shape[1] // 2 if swiglu else wq.shape[1]
@@ -138,7 +150,8 @@ def _gemm(xq, xs, wq, ws, seg, bn: int, bk: int, dtype: torch.dtype | None, swig
         if ys is not None:
             ys.zero_()
         return (y, ys) if swiglu else y
-    launch_fp8_gemm(xq, xs, wq, ws, seg, y, ys, bn, bk, swiglu=swiglu, wrap=wrap)
+    launch = launch_fp8_gemm_tma if gemm_variant(xq, wq, traced=wrap is not None) == "tma" else launch_fp8_gemm
+    launch(xq, xs, wq, ws, seg, y, ys, bn, bk, swiglu=swiglu, wrap=wrap)
     return (y, ys) if swiglu else y
 
 

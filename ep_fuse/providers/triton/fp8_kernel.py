@@ -183,6 +183,15 @@ def _fp8_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
+    _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU, CODE, INTERP, EMULATE_RTNE)
+
+
+@triton.jit
+def _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU: tl.constexpr, CODE: tl.constexpr,
+                  INTERP: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """Store a [BM, BN] tile: ``SWIGLU``: fp8 codes of ``silu(acc) * acc_u`` and one scale per row (``BN`` is
+    the requant group, column group ``pid_n``); else ``acc`` rounded to ``CODE``. Rows from ``m_end`` on and
+    columns from ``N`` on are not written."""
     row_ok = rm < m_end
     col_ok = rn < N
     mask = row_ok[:, None] & col_ok[None, :]

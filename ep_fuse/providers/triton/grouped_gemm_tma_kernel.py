@@ -47,6 +47,7 @@ from ep_fuse.providers.triton.gemm_tiles import swiglu_rounded
 from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store, _round
 
 TMA_DTYPES = (torch.bfloat16, torch.float16)
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8 e4m3"}
 DESC_MODES = {"pointer": 0, "device": 1, "host": 2}
 TABLE_HEADER = 4
 """int32 slots before the first tile entry (slot 0: tile count); each entry is 4 slots (16 bytes)."""
@@ -253,14 +254,15 @@ def ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> str | None:
+def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False,
+                    dtypes: tuple[torch.dtype, ...] = TMA_DTYPES) -> str | None:
     """``None`` when the TMA kernel can address ``x [M, K]`` and ``w [E, rows, K]``, else why not.
 
     TMA needs 16-byte aligned bases and row strides, unit K stride and int32 coordinates; ``w`` is read as
     one [E * rows, K] tensor. ``traced``: the tensors are fake (Inductor inlining), so only the storage
     offset's alignment can be checked (fresh allocations and parameters are aligned)."""
-    if x.dtype not in TMA_DTYPES or w.dtype != x.dtype:
-        return f"dtype {x.dtype} (the TMA kernel takes bf16/fp16)"
+    if x.dtype not in dtypes or w.dtype != x.dtype:
+        return f"dtype {x.dtype} (this TMA kernel takes {'/'.join(_SHORT.get(d, str(d)) for d in dtypes)})"
     if x.device.type == "cuda":
         if not INTERPRET and torch.cuda.get_device_capability(x.device)[0] < 9:
             return "TMA needs compute capability 9.0 or newer"

@@ -233,6 +233,21 @@ def grouped_gemm_tma_rule(x: Any, w: Any) -> str | None:
     return None
 
 
+FP8_TMA_MIN_ROWS_PER_EXPERT = 128
+"""From this many rows per expert the FP8 grouped GEMMs would take the persistent TMA kernel
+(:mod:`~ep_fuse.providers.triton.fp8_tma_kernel`). **Not measured**: the bf16 TMA kernel's boundary; the variant
+is off on CUDA (``fp8:tma`` in :mod:`~ep_fuse.providers.triton.unverified`) until ``bench/bench_fp8.py --tma``
+has measured it, so on CUDA this rule changes nothing yet."""
+
+
+def fp8_tma_rule(xq: Any, wq: Any) -> str | None:
+    """Per call (static sizes): why not the FP8 TMA variant on these sizes (``None``: take it)."""
+    per_expert = xq.shape[0] / max(wq.shape[0], 1)
+    if per_expert < FP8_TMA_MIN_ROWS_PER_EXPERT:
+        return f"{per_expert:.0f} rows per expert < {FP8_TMA_MIN_ROWS_PER_EXPERT}"
+    return None
+
+
 GATING_MIN_TOKENS = 2048
 """The fused gating kernel measured 4.2x (Mixtral softmax, T4096 E8 k2: 6.0 vs 25.2 us), 5.0x (Qwen3-MoE,
 T4096 E128 k8: 9.8 vs 48.7 us) and 1.85x (DeepSeek-V3 grouped sigmoid, T4096 E256 k8: 84.8 vs 156.9 us)

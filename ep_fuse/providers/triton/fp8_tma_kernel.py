@@ -1,0 +1,147 @@
+"""FP8 (E4M3, block-scaled) grouped GEMMs on the Hopper persistent machinery of
+:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`: the device-built tile table, persistent programs
+walking (row tile, column tile) items ``GROUP_M`` tiles at a time, activation and weight codes fetched by TMA.
+
+Same contract and numerics as ``_fp8_gemm_kernel`` in :mod:`~ep_fuse.providers.triton.fp8_kernel`: ``BK``
+divides ``block_k``, so each K slice has one activation scale per row and one weight scale per output
+column; ``acc += dot(xq, wq.T) * (x_scale * w_scale)`` with an fp8 x fp8 -> fp32 dot, and the same epilogue
+(:func:`~ep_fuse.providers.triton.fp8_kernel._fp8_epilogue`: SwiGLU + 1 x ``BN`` requant, or the rounded
+output). Scales are loaded by pointer (row clamped), codes by descriptor (``DESC=1`` device-side,
+``DESC=2`` host-side) or by pointer on the same walk (``DESC=0``). Rows TMA fetches past a tile's segment
+belong to the next expert: computed and not stored, as in the bf16 kernel.
+
+**Not measured on a GPU** (``fp8:tma`` in :mod:`~ep_fuse.providers.triton.unverified`): the provider keeps
+``_fp8_gemm_kernel`` on CUDA until ``tests/gpu/test_gpu_fp8.py`` and ``bench/bench_fp8.py --tma`` have run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from ep_fuse.providers.triton.fp8_kernel import _fp8_epilogue
+from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
+    DESC_MODES,
+    TmaGemmConfig,
+    _item,
+    _load_k,
+    build_tile_table,
+    ensure_allocator,
+    num_programs,
+    tma_unsupported,
+)
+from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
+
+
+@triton.jit
+def _fp8_gemm_tma_kernel(
+    X, XS, W, WS, TABLE, Y, YS, M, N, K, W_ROWS, NW,
+    sxm, sxsm, swn, swse, swsn, sym, sysm, NUM_PROGRAMS,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DESC: tl.constexpr, SWIGLU: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
+):
+    """``Y [M, N]``: block-dequantized ``X @ W[e].T`` per tile of the table; ``W`` read as [W_ROWS = E * NW, K]
+    (``SWIGLU``: N = I, gate rows ``n``, up rows ``I + n``; fp8 codes ``Y`` and 1 x ``BN`` scales ``YS``)."""
+    if DESC == 1:
+        xd = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
+        wd = tl.make_tensor_descriptor(W, shape=[W_ROWS, K], strides=[swn, 1], block_shape=[BN, BK])
+    else:
+        xd = X
+        wd = W
+    rows_m = tl.arange(0, BM)
+    rows_n = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    num_tiles = tl.load(TABLE)
+    num_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
+        tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
+        entry = TABLE + 4 + 4 * tile
+        e = tl.load(entry)
+        m_start = tl.load(entry + 1)
+        m_end = tl.load(entry + 2)
+        e_c = tl.maximum(e, 0)
+        w_row = e_c * NW + pid_n * BN
+        rm = m_start + rows_m
+        rn = pid_n * BN + rows_n
+        rm_c = tl.minimum(rm, M - 1)
+        rn_c = tl.minimum(rn, N - 1)
+        ws_e = WS + e_c.to(tl.int64) * swse
+        ws_row = (rn_c // BLOCK_N) * swsn
+        wsu_row = ((N + rn_c) // BLOCK_N) * swsn
+        num_k = tl.where(e >= 0, k_tiles, 0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for kk in tl.range(0, num_k):
+            k0 = kk * BK
+            kb = k0 // BLOCK_K
+            a = _load_k(xd, m_start, k0, rows_m, rk, K, M, sxm, DESC, INTERP)
+            b = _load_k(wd, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, INTERP)
+            sx = tl.load(XS + rm_c.to(tl.int64) * sxsm + kb)
+            sw = tl.load(ws_e + ws_row + kb)
+            acc += tl.dot(a, b.T) * (sx[:, None] * sw[None, :])
+            if SWIGLU:
+                bu = _load_k(wd, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, INTERP)
+                swu = tl.load(ws_e + wsu_row + kb)
+                acc_u += tl.dot(a, bu.T) * (sx[:, None] * swu[None, :])
+        _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU, CODE, INTERP, EMULATE_RTNE)
+
+
+def fp8_tma_unsupported(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False) -> str | None:
+    """``None`` when TMA can address the fp8 codes ``xq [M, K]`` and ``wq [E, N, K]`` (16-byte rows: K a
+    multiple of 16), else why not."""
+    return tma_unsupported(xq, wq, traced, dtypes=(torch.float8_e4m3fn,))
+
+
+def config_for(m: int, n: int, k: int, e: int, block_k: int, *, swiglu: bool = False,
+               interpret: bool = INTERPRET) -> TmaGemmConfig:
+    """Tile config (**unmeasured**: the non-TMA FP8 kernel's swept prefill tiles, ``BK = block_k``). ``SWIGLU``
+    tiles are ``BN = block_k`` wide (the requant group)."""
+    if interpret:
+        return TmaGemmConfig(32, block_k if swiglu else 32, min(block_k, 32), 4, 2, 2)
+    bk = min(block_k, 128)
+    if swiglu:
+        return TmaGemmConfig(64, block_k, bk, 8, 4, 8)
+    return TmaGemmConfig(64, 128, bk, 4, 3, 8)
+
+
+def launch_fp8_gemm_tma(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, seg: torch.Tensor,
+                        y: torch.Tensor, ys: torch.Tensor | None, block_n: int, block_k: int, *, swiglu: bool,
+                        config: TmaGemmConfig | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
+    """As :func:`~ep_fuse.providers.triton.fp8_kernel.launch_fp8_gemm`, on the persistent TMA walk
+    (:func:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel.tma_unsupported` must pass for ``xq``/``wq``)."""
+    m, k = xq.shape
+    e, nw = wq.shape[0], wq.shape[1]
+    n = nw // 2 if swiglu else nw
+    cfg = config or config_for(m, n, k, e, block_k, swiglu=swiglu)
+    if swiglu and cfg.bn != block_k:
+        raise ValueError(f"the SwiGLU requant epilogue needs BN == block_k ({cfg.bn} != {block_k})")
+    if block_k % cfg.bk:
+        raise ValueError(f"BK {cfg.bk} does not divide block_k {block_k}")
+    table = build_tile_table(seg, m, e, cfg.bm, wrap)
+    mode = DESC_MODES[cfg.desc]
+    xd: Any = xq
+    wd: Any = wq
+    if mode == 2:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xd = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
+        wd = TensorDescriptor.from_tensor(wq.as_strided((e * nw, k), (wq.stride(1), 1), wq.storage_offset()),
+                                          [cfg.bn, cfg.bk])
+    elif mode == 1 and xq.device.type == "cuda":
+        ensure_allocator()
+    ys_ = ys if ys is not None else y
+    grid = (num_programs(xq, m, n, e, cfg),)
+    fn = wrap(_fp8_gemm_tma_kernel) if wrap is not None else _fp8_gemm_tma_kernel
+    fn[grid](
+        xd, xs, wd, ws, table, y, ys_, m, n, k, e * nw, nw,
+        xq.stride(0), xs.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), y.stride(0), ys_.stride(0), grid[0],
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BLOCK_N=block_n, BLOCK_K=block_k, DESC=mode,
+        SWIGLU=swiglu, CODE=DTYPE_CODES[torch.float32 if swiglu else y.dtype], INTERP=INTERPRET,
+        EMULATE_RTNE=int(INTERPRET), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

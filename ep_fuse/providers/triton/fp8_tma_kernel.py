@@ -25,14 +25,12 @@ import triton.language as tl
 
 from ep_fuse.providers.triton.fp8_kernel import _fp8_epilogue
 from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
-    DESC_MODES,
     TmaGemmConfig,
     _item,
     _load_k,
-    build_tile_table,
-    ensure_allocator,
     num_programs,
     tma_unsupported,
+    walk_operands,
 )
 from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
 
@@ -123,18 +121,7 @@ def launch_fp8_gemm_tma(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws
         raise ValueError(f"the SwiGLU requant epilogue needs BN == block_k ({cfg.bn} != {block_k})")
     if block_k % cfg.bk:
         raise ValueError(f"BK {cfg.bk} does not divide block_k {block_k}")
-    table = build_tile_table(seg, m, e, cfg.bm, wrap)
-    mode = DESC_MODES[cfg.desc]
-    xd: Any = xq
-    wd: Any = wq
-    if mode == 2:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        xd = TensorDescriptor.from_tensor(xq, [cfg.bm, cfg.bk])
-        wd = TensorDescriptor.from_tensor(wq.as_strided((e * nw, k), (wq.stride(1), 1), wq.storage_offset()),
-                                          [cfg.bn, cfg.bk])
-    elif mode == 1 and xq.device.type == "cuda":
-        ensure_allocator()
+    table, xd, wd, _ud, mode = walk_operands(xq, wq, seg, cfg, wrap)
     ys_ = ys if ys is not None else y
     grid = (num_programs(xq, m, n, e, cfg),)
     fn = wrap(_fp8_gemm_tma_kernel) if wrap is not None else _fp8_gemm_tma_kernel

@@ -33,7 +33,7 @@ def dense_variant(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tr
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import dense_tma_unsupported
     from ep_fuse.providers.triton.perf import GEMM_SWIGLU_TMA_MIN_ROWS
 
-    if x2.shape[0] < GEMM_SWIGLU_TMA_MIN_ROWS or x2.shape[0] == 0 or w_gate.shape[0] == 0:
+    if x2.shape[0] < GEMM_SWIGLU_TMA_MIN_ROWS or w_gate.shape[0] == 0:  # the threshold is >= 1 row
         return "default"
     return "default" if dense_tma_unsupported(x2, w_gate, w_up, traced) else "tma"
 

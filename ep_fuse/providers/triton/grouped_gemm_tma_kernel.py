@@ -296,24 +296,33 @@ def build_tile_table(seg: torch.Tensor, m: int, e: int, bm: int,
     return table
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
-            cfg: TmaGemmConfig, wrap: Callable[[Any], Any] | None, w_up: torch.Tensor | None = None) -> None:
+def walk_operands(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, cfg: TmaGemmConfig,
+                  wrap: Callable[[Any], Any] | None, w_up: torch.Tensor | None = None) -> tuple[Any, ...]:
+    """What a persistent walk launch takes besides its outputs: ``(table, x, w, w_up, mode)`` with the operands
+    in ``cfg.desc``'s form (host ``TensorDescriptor`` s for mode 2, the tensors otherwise; ``w`` as one
+    [E * rows, K] tensor), the tile table built on the device, and Triton's scratch allocator installed for
+    device-side descriptors."""
     m, k = x.shape
     e, nw = w.shape[0], w.shape[1]
     table = build_tile_table(seg, m, e, cfg.bm, wrap)
     mode = DESC_MODES[cfg.desc]
-    xs: Any = x
-    ws: Any = w
-    us: Any = w_up if w_up is not None else w
     if mode == 2:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        xs = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
         w2d = w.as_strided((e * nw, k), (w.stride(1), 1), w.storage_offset())  # checked: one [E * rows, K] tensor
-        ws = TensorDescriptor.from_tensor(w2d, [cfg.bn, cfg.bk])
-        us = TensorDescriptor.from_tensor(w_up, [cfg.bn, cfg.bk]) if w_up is not None else ws
-    elif mode == 1 and x.device.type == "cuda":
+        wd = TensorDescriptor.from_tensor(w2d, [cfg.bn, cfg.bk])
+        ud = TensorDescriptor.from_tensor(w_up, [cfg.bn, cfg.bk]) if w_up is not None else wd
+        return table, TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk]), wd, ud, mode
+    if mode == 1 and x.device.type == "cuda":
         ensure_allocator()
+    return table, x, w, w_up if w_up is not None else w, mode
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
+            cfg: TmaGemmConfig, wrap: Callable[[Any], Any] | None, w_up: torch.Tensor | None = None) -> None:
+    m, k = x.shape
+    e, nw = w.shape[0], w.shape[1]
+    table, xs, ws, us, mode = walk_operands(x, w, seg, cfg, wrap, w_up)
     grid = (num_programs(x, m, n, e, cfg),)
     fn = wrap(_grouped_gemm_tma_kernel) if wrap is not None else _grouped_gemm_tma_kernel
     fn[grid](

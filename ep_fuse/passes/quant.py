@@ -128,28 +128,26 @@ class QuantizeExperts(GraphPass):
             if node.op != "call_function" or node.target is not block:
                 continue
             x, ids, w, w13, w2, out_dtype = node.args
-            sent = None
             with gm.graph.inserting_before(node):
                 if fp8:
                     found = _fp8_weights(gm, ctx, node, w13, w2)
                     if found is None:
                         continue
                     (q13, s13), (q2, s2), (bn, bk) = found
-                    args = (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype)
                     sent = _fp8_dispatch(gm, ctx, node, bk)
-                    if sent is not None:
+                    if sent is not None:  # the block on the received codes and scales
                         xq, xs, act_dtype = sent
                         new = gm.graph.call_function(canonical._fp8_ops.moe_experts_fp8_q.op,
                                                      (xq, xs, ids, w, q13, s13, q2, s2, bn, bk, act_dtype,
                                                       out_dtype))
+                    else:
+                        new = gm.graph.call_function(target, (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype))
                 else:
                     q13 = _int8_weight(gm, ctx, w13, node, "w13")
                     q2 = _int8_weight(gm, ctx, w2, node, "w2") if q13 is not None else None
                     if q13 is None or q2 is None:
                         continue
-                    args = (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype)
-                if not (fp8 and sent is not None):
-                    new = gm.graph.call_function(target, args)
+                    new = gm.graph.call_function(target, (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype))
             new.meta.update(node.meta)
             for rec in ctx.report.ep:
                 if rec.block == node.name:

@@ -163,10 +163,10 @@ def tma_configs(swiglu: bool) -> list[Any]:
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import TmaGemmConfig as C
 
     if swiglu:
-        return [C(64, 128, 128, 8, 4, 8), C(64, 128, 128, 8, 3, 8), C(128, 128, 128, 8, 3, 8),
-                C(64, 128, 128, 4, 4, 8), C(64, 128, 128, 8, 4, 16), C(64, 128, 128, 8, 4, 8, desc="host")]
-    return [C(64, 128, 128, 4, 3, 8), C(64, 128, 128, 8, 4, 8), C(64, 256, 128, 8, 3, 8), C(128, 128, 128, 8, 3, 8),
-            C(128, 256, 128, 8, 3, 8), C(64, 128, 128, 4, 3, 16)]
+        return [C(64, 128, 128, 4, 4, 8), C(64, 128, 128, 4, 2, 8, promote="pair"),
+                C(64, 128, 128, 8, 2, 8, promote="pair"), C(64, 128, 128, 4, 4, 8, desc="host")]
+    return [C(64, 256, 128, 8, 3, 8), C(64, 256, 128, 8, 4, 8), C(64, 256, 128, 8, 2, 8, promote="pair"),
+            C(64, 128, 128, 4, 2, 8, promote="pair"), C(64, 256, 128, 8, 4, 8, desc="host")]
 
 
 def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], deadline: float,

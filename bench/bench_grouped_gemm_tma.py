@@ -1,6 +1,6 @@
 """Hopper TMA grouped GEMM vs the existing kernel, ``torch._grouped_mm`` and a dense cuBLAS ceiling (one run).
 
-    python bench/bench_grouped_gemm_tma.py [--only deepseek_v3_T4096,...] [--budget 300]
+    python bench/bench_grouped_gemm_tma.py [--only deepseek_v3_T4096,...] [--shape NAME=T,H,I,E,K ...] [--budget 300]
 
 For each shape: tokens routed by top-k of random logits, rows permuted expert-major, then per GEMM
 (gate|up + SwiGLU, and down on the SwiGLU output): (a) the existing Triton kernel at its default config,
@@ -230,15 +230,19 @@ def tables(res: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default=",".join(SHAPES))
+    ap.add_argument("--only", default=None, help="names from SHAPES (default: all, unless --shape is given)")
+    ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra shape (repeatable)")
     ap.add_argument("--budget", type=float, default=200.0, help="stop starting sweep configs after this many seconds")
     ap.add_argument("--no-sweep", action="store_true")
     opts = ap.parse_args()
+    for spec in opts.shape:
+        name, dims = spec.split("=")
+        SHAPES[name] = tuple(int(v) for v in dims.split(","))
     t0 = time.time()
     res: dict[str, Any] = {"env": env_info(), "shapes": []}
     log(res["env"])
     weights: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    names = opts.only.split(",")
+    names = opts.only.split(",") if opts.only else [s.split("=")[0] for s in opts.shape] or list(SHAPES)
     for name in names:
         _t, h, i, e, _k = SHAPES[name]
         if (h, i, e) not in weights:

@@ -1,12 +1,13 @@
 """GPU check + benchmark of the routed-expert GEMMs: torch._grouped_mm (eager, Inductor) vs ep_fuse Triton.
 
-    python bench/bench_moe_experts.py [--no-sweep] [--only decode,prefill,prefill_e64]
+    python bench/bench_moe_experts.py [--no-sweep] [--only decode,prefill,prefill_e64] [--shape NAME=T,H,I,E,K ...]
 
 For each shape: tokens routed by top-k of random logits, rows permuted expert-major with the
 reference permute, then ``silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T) @ w2[e].T`` per expert.
 Variants: (a) ``torch._grouped_mm`` x2 + eager SwiGLU, (b) the same under Inductor, (c) ep_fuse's
-``grouped_gemm_swiglu`` + ``grouped_gemm`` launched directly, (d) the ep_fuse_triton ops under
-Inductor (the kernels traced through ``wrap_triton``). Correctness first: relative L2 against an fp32
+``grouped_gemm_swiglu`` + ``grouped_gemm`` launched directly (the variant the provider picks), (d) the
+ep_fuse_triton ops under Inductor (the kernels traced through ``wrap_triton``), (e) the Hopper TMA kernels
+forced at any size (``ep_fuse_tma``, where TMA takes the operands). Correctness first: relative L2 against an fp32
 per-expert loop. GPU time from CUDA-graph replays; decode also reports the share of copy bandwidth
 that streaming the active experts' weights once would take. Then sweeps tile configs per kernel.
 Writes ``$OUT/moe_experts.json`` / ``moe_experts.md``.
@@ -63,9 +64,10 @@ def sweep_configs(decode: bool, swiglu: bool) -> list[Any]:
                 C(16, 64, 256, 4, 3, 1, True), C(16, 64, 128, 4, 4, 1, False), C(16, 128, 64, 4, 6, 1, True)]
     if swiglu:
         return [C(128, 128, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 8), C(64, 128, 64, 4, 4, 8), C(64, 256, 64, 8, 3, 8),
-                C(128, 64, 64, 4, 4, 8), C(128, 128, 64, 8, 3, 1)]
+                C(128, 64, 64, 4, 4, 8), C(128, 128, 64, 8, 3, 1), C(32, 128, 64, 4, 4, 8), C(64, 64, 128, 4, 4, 8),
+                C(32, 64, 128, 4, 4, 1, True)]
     return [C(128, 256, 64, 8, 3, 8), C(128, 256, 64, 8, 4, 8), C(128, 128, 64, 8, 4, 8), C(64, 256, 64, 8, 3, 8),
-            C(64, 128, 64, 4, 4, 8), C(128, 256, 64, 8, 3, 1)]
+            C(64, 128, 64, 4, 4, 8), C(128, 256, 64, 8, 3, 1), C(32, 128, 64, 4, 4, 8), C(64, 256, 64, 8, 4, 8)]
 
 
 def make_weights(h: int, i: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +93,15 @@ def eager_experts(rows, w13, w2, seg):
 
 def ep_fuse_experts(rows, w13, w2, seg):
     return grouped_gemm_kernel(grouped_gemm_swiglu_kernel(rows, w13, seg), w2, seg)
+
+
+def ep_fuse_tma(rows, w13, w2, seg):
+    tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
+    act = torch.empty(rows.shape[0], w13.shape[1] // 2, device=rows.device, dtype=rows.dtype)
+    tk.launch_grouped_gemm_swiglu_tma(rows, w13, seg, act)
+    y = torch.empty(rows.shape[0], w2.shape[1], device=rows.device, dtype=rows.dtype)
+    tk.launch_grouped_gemm_tma(act, w2, seg, y)
+    return y
 
 
 def ep_fuse_ops(rows, w13, w2, seg):
@@ -167,7 +178,8 @@ def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, to
         row["err_ep_fuse_act"] = rel_l2(grouped_gemm_swiglu_kernel(rows, w13, seg), act_ref)
         torch._dynamo.reset()
         variants = {"eager": eager_experts, "inductor": torch.compile(eager_experts, dynamic=False),
-                    "ep_fuse": ep_fuse_experts, "ep_fuse_inductor": torch.compile(ep_fuse_ops, dynamic=False)}
+                    "ep_fuse": ep_fuse_experts, "ep_fuse_inductor": torch.compile(ep_fuse_ops, dynamic=False),
+                    "ep_fuse_tma": ep_fuse_tma}
         for label, fn in variants.items():
             try:
                 row[f"err_{label}"] = rel_l2(fn(rows, w13, w2, seg), y_ref)
@@ -189,8 +201,13 @@ def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, to
                 row["best_us"] = row["best_swiglu_us"] + row["best_gemm_us"]
                 row["best_tflops"] = flops / (row["best_us"] * 1e-6) / 1e12
                 row["best_weight_bw_pct"] = 100 * weight_bytes / (row["best_us"] * 1e-6) / 1e9 / copy_gbs
+    gk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")
+    row["kernel_variant"] = importlib.import_module("ep_fuse.providers.triton.grouped_gemm").kernel_variant(rows, w13)
+    row["config_swiglu"] = str(gk.config_for(m, i, h, e, swiglu=True))
     if row.get("ep_fuse") and row.get("inductor"):
         row["speedup_vs_inductor"] = row["inductor"] / row["ep_fuse"]
+    if row.get("ep_fuse_tma") and row.get("inductor"):
+        row["tma_vs_inductor"] = row["inductor"] / row["ep_fuse_tma"]
     summary = " ".join(f"{v} {row[v]:.1f}us ({row[v + '_tflops']:.0f} TF/s, {row[v + '_weight_bw_pct']:.0f}% wBW)"
                        for v in variants if row.get(v))
     log(f"{name} T{t} H{h} I{i} E{e} K{k}: {summary}")
@@ -203,14 +220,19 @@ def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, to
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--only", default=",".join(SHAPES))
+    ap.add_argument("--only", default=None, help="names from SHAPES (default: all, unless --shape is given)")
+    ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra shape (repeatable)")
     opts = ap.parse_args()
+    for spec in opts.shape:
+        name, dims = spec.split("=")
+        SHAPES[name] = tuple(int(v) for v in dims.split(","))
+    names = opts.only.split(",") if opts.only else [s.split("=")[0] for s in opts.shape] or list(SHAPES)
     t0 = time.time()
     res: dict[str, Any] = {"env": env_info(), "rows": []}
     res["env"]["copy_bandwidth_gbs"] = copy_gbs = copy_bandwidth_gbs()
     log(res["env"])
     weights: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for name in opts.only.split(","):
+    for name in names:
         _t, h, i, e, _k = SHAPES[name]
         if (h, i, e) not in weights:
             weights.clear()
@@ -218,11 +240,15 @@ def main() -> None:
             weights[(h, i, e)] = make_weights(h, i, e)
         res["rows"].append(run_shape(name, SHAPES[name], weights[(h, i, e)], copy_gbs, not opts.no_sweep, t0))
         write_json("moe_experts.json", res)
-    head = ["shape", "T", "E", "eager µs", "Inductor µs", "ep_fuse µs", "ep_fuse+Ind µs", "ep_fuse TF/s",
-            "ep_fuse wBW %", "vs Inductor", "best swept µs", "best TF/s"]
-    table = markdown_table(head, [[r["shape"], r["T"], r["E"], r.get("eager"), r.get("inductor"), r.get("ep_fuse"),
+    head = ["shape", "T", "E", "rows/expert", "eager µs", "Inductor µs", "ep_fuse µs (variant)", "ep_fuse+Ind µs",
+            "ep_fuse TF/s", "ep_fuse wBW %", "vs Inductor", "TMA µs", "TMA vs Inductor", "best swept µs",
+            "best TF/s"]
+    table = markdown_table(head, [[r["shape"], r["T"], r["E"], f"{r['rows'] / r['E']:.1f}", r.get("eager"),
+                                   r.get("inductor"), f"{r.get('ep_fuse') or 0:.1f} ({r.get('kernel_variant')})",
                                    r.get("ep_fuse_inductor"), r.get("ep_fuse_tflops"), r.get("ep_fuse_weight_bw_pct"),
                                    f"{r['speedup_vs_inductor']:.2f}×" if "speedup_vs_inductor" in r else None,
+                                   r.get("ep_fuse_tma"),
+                                   f"{r['tma_vs_inductor']:.2f}×" if "tma_vs_inductor" in r else None,
                                    r.get("best_us"), r.get("best_tflops")] for r in res["rows"]])
     (out_dir() / "moe_experts.md").write_text(table + "\n")
     log(table)

@@ -98,9 +98,13 @@ def measure(model: torch.nn.Module, backend: str, args: argparse.Namespace) -> d
     launches = sum(e.count for e in events if "LaunchKernel" in e.key) / n_prof
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     rows = [[e.key[:70], e.count // n_prof, round(e.self_cpu_time_total / n_prof, 1)] for e in top]
+    dev = [e for e in events if getattr(e, "self_device_time_total", 0) > 0 and e.device_type != torch.autograd.DeviceType.CPU]
+    busy = sum(e.self_device_time_total for e in dev) / n_prof
+    top_dev = sorted(dev, key=lambda e: e.self_device_time_total, reverse=True)[: args.top]
+    dev_rows = [[e.key[:70], e.count // n_prof, round(e.self_device_time_total / n_prof, 1)] for e in top_dev]
     graphs = len(ep_fuse.reports()) if backend == "ep_fuse" else None
-    return {"backend": backend, "wall_us": wall, "gpu_us": gpu, "launches_per_call": launches,
-            "graphs": graphs, "top_self_cpu": rows}
+    return {"backend": backend, "wall_us": wall, "gpu_us": gpu, "gpu_busy_us": busy, "launches_per_call": launches,
+            "graphs": graphs, "top_self_cpu": rows, "top_gpu": dev_rows}
 
 
 def main() -> int:
@@ -116,10 +120,13 @@ def main() -> int:
     results = [measure(model, b, args) for b in ("inductor", "ep_fuse")]
     md = [f"# Host time per call, shape {args.shape}, dynamic={args.dynamic}, mode {args.mode or 'default'}, "
           f"{args.layers} layers", ""]
-    md.append(markdown_table(["backend", "wall µs/call", "GPU µs/call", "kernel launches/call"],
+    md.append(markdown_table(["backend", "wall µs/call", "GPU µs/call (events)", "GPU busy µs/call (kernels)",
+                              "kernel launches/call"],
                              [[r["backend"], round(r["wall_us"], 1), r["gpu_us"] and round(r["gpu_us"], 1),
-                               r["launches_per_call"]] for r in results]))
+                               round(r["gpu_busy_us"], 1), r["launches_per_call"]] for r in results]))
     for r in results:
+        md += ["", f"## {r['backend']}: kernels by GPU time (µs per call)", "",
+               markdown_table(["kernel", "calls/call", "GPU µs"], r["top_gpu"])]
         md += ["", f"## {r['backend']}: ops by self CPU time (µs per call)", "",
                markdown_table(["op", "calls/call", "self CPU µs"], r["top_self_cpu"])]
     text = "\n".join(md) + "\n"

@@ -189,7 +189,9 @@ class Buffer:
         _check_deterministic()
         if isinstance(x, tuple):
             raise NotImplementedError("deepep_double: FP8 dispatch is not implemented")
-        assert x.dtype == torch.bfloat16 and x.dim() == 2, "dispatch takes BF16 [T, H]"
+        # the real intranode dispatch is dtype-agnostic: 2-D, contiguous rows of 16-byte words (csrc/deep_ep.cpp)
+        assert x.dim() == 2 and x.is_contiguous(), "dispatch takes a contiguous [T, H]"
+        assert x.shape[1] * x.element_size() % 16 == 0, "dispatch rows must be a multiple of 16 bytes"
         assert handle is None, "deepep_double: cached dispatch is not implemented"
         assert (topk_idx is None) == (topk_weights is None)
         assert topk_idx.dtype == topk_idx_t and topk_weights.dtype == torch.float32
@@ -228,7 +230,8 @@ class Buffer:
         if num_worst_tokens:
             assert n <= num_worst_tokens
             pad = num_worst_tokens - n
-            recv_x = torch.cat([recv_x, torch.full((pad, x.shape[1]), float("nan"), dtype=x.dtype)])
+            junk = float("nan") if x.dtype.is_floating_point else 0xFF  # uninitialised rows (0xFF.. is NaN too)
+            recv_x = torch.cat([recv_x, torch.full((pad, x.shape[1]), junk, dtype=x.dtype)])
             recv_idx = torch.cat([recv_idx, torch.full((pad, idx.shape[1]), -1, dtype=idx.dtype)])
             recv_w = torch.cat([recv_w, torch.full((pad, idx.shape[1]), float("nan"))])  # torch::empty
             src_idx = torch.cat([src_idx, torch.full((pad,), -1, dtype=torch.int32)])

@@ -145,15 +145,15 @@ def test_dense_tma_wins_keep_gemm_swiglu_at_prefill(monkeypatch):
 
 
 def test_tma_kernel_lifts_the_grouped_mm_threshold(monkeypatch):
-    """Above 256 rows per expert the provider keeps the call where the TMA kernel takes it (measured faster
+    """Above 128 rows per expert the provider keeps the call where the TMA kernel takes it (measured faster
     than torch._grouped_mm up to 2048 rows per expert), at compile time and per call; CPU tensors never count."""
     w = torch.empty(4, 16, 8, dtype=BF16)
     x = torch.empty(perf.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4 + 4, 8, dtype=BF16)
     assert not perf._tma_takes(x, w), "CPU tensors: the rule is about CUDA"
-    monkeypatch.setattr(perf, "_tma_takes", lambda x, w: True)
+    monkeypatch.setattr(perf, "_tma_takes", lambda x, w, swiglu=False: True)
     assert perf.grouped_gemm_at_run_time((x, w)) is None
     assert perf.grouped_gemm_prefers((x, w, None), "inductor") is None
-    monkeypatch.setattr(perf, "_tma_takes", lambda x, w: False)
+    monkeypatch.setattr(perf, "_tma_takes", lambda x, w, swiglu=False: False)
     assert "torch._grouped_mm" in perf.grouped_gemm_at_run_time((x, w))
     assert "TMA kernel does not take" in perf.grouped_gemm_prefers((x, w, None), "inductor")
 

@@ -459,21 +459,20 @@ def sc_subgroups(world):
     _block_case(half, group=mine)
 
 
-def sc_fp8_dispatch(world):
-    """``quant="fp8_block"`` behind an all_to_all dispatch: tokens cross as fp8 codes + 1x128 scales, and the
-    output is bit for bit the output of dispatching bf16 and quantizing after (the quantization is per token);
-    both stay close to the bf16 full model. Data-dependent and capacity sizes, -1 slots, eager and Inductor."""
+def _fp8_dispatch_case(world, backend, hidden, runs, expect_sent=True):
+    """``quant="fp8_block"`` behind a ``backend`` dispatch: with ``quant.FP8_DISPATCH`` on and off, the payload
+    recorded, the stages, and outputs equal bit for bit (the quantization is per token), close to bf16."""
     from ep_fuse.passes import quant
 
-    e, hidden = 2 * world, 256
+    e = 2 * world
     full = CanonicalBlock(e, hidden=hidden, inter=64)
     rank = dist.get_rank()
     x, ids, w = _routing(13, e, 2, seed=300 + rank, invalid=0.15, hidden=hidden)
     with torch.no_grad():
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    for executor, capacity in (("eager", None), ("eager", 16), ("inductor", 16)):
-        opts = ep_fuse.ep_options(model, backend="all_to_all", capacity=capacity, timeout_s=TIMEOUT_S)
+    for executor, capacity in runs:
+        opts = ep_fuse.ep_options(model, backend=backend, capacity=capacity, timeout_s=TIMEOUT_S)
         outs = {}
         try:
             for on in (True, False):
@@ -483,10 +482,11 @@ def sc_fp8_dispatch(world):
                     outs[on] = _compile(model, executor=executor, quant="fp8_block", **opts)(x, ids, w)
                 rep = ep_fuse.last_report()
                 (site,) = _sites()
+                assert site.backend == backend, site
                 ops = rep.ops_after
                 expanded = next(p.ops for p in rep.passes if p.name == "expand")  # before lowering inlines them
                 stages = {op.split(".")[1] for op in expanded if op.startswith("ep_fuse.")}
-                if on:
+                if on and expect_sent:
                     assert site.payload == "fp8 e4m3 + 1x128 fp32 scales", site
                     assert "moe_permute_fp8_q" in stages and "moe_permute_fp8" not in stages, stages
                 else:
@@ -494,12 +494,39 @@ def sc_fp8_dispatch(world):
                 assert ops.get("ep_fuse.ep_dispatch.default") == 1 and ops.get("ep_fuse.ep_combine.default") == 1
         finally:
             quant.FP8_DISPATCH = True
-        assert torch.equal(outs[True], outs[False]), (executor, capacity)
+        assert torch.equal(outs[True], outs[False]), (backend, executor, capacity)
         rel = ((outs[True].float() - ref.float()).norm() / ref.float().norm()).item()
-        assert rel < 0.1, (executor, capacity, rel)
+        assert rel < 0.1, (backend, executor, capacity, rel)
 
 
-SCENARIOS_2 = [sc_fp8_dispatch, sc_structured_dispatch, sc_graph_shape, sc_block_data_dependent_and_capacity,
+def sc_fp8_dispatch(world):
+    """``quant="fp8_block"`` behind an all_to_all dispatch: tokens cross as fp8 codes + 1x128 scales, and the
+    output is bit for bit the output of dispatching bf16 and quantizing after (the quantization is per token);
+    both stay close to the bf16 full model. Data-dependent and capacity sizes, -1 slots, eager and Inductor."""
+    _fp8_dispatch_case(world, "all_to_all", 256, (("eager", None), ("eager", 16), ("inductor", 16)))
+
+
+def sc_fp8_dispatch_deepep(world):
+    """The same through DeepEP's normal dispatch (the test double, bound to DeepEP's host checks): the codes +
+    scales cross as one uint8 row of 16-byte words (H = 512: 512 + 16 bytes); a width whose row is not a
+    multiple of 16 bytes (H = 256: 264 bytes) keeps the bf16 dispatch, with the reason logged."""
+    import deepep_double
+
+    from ep_fuse.ep import deepep
+
+    _install("deep_ep", deepep_double.make_module())
+    deepep.available.cache_clear()
+    deepep._BUFFERS.clear()
+    try:
+        _fp8_dispatch_case(world, "deepep", 512, (("eager", None), ("eager", 16), ("inductor", 16)))
+        _fp8_dispatch_case(world, "deepep", 256, (("eager", 16),), expect_sent=False)
+    finally:
+        deepep.destroy_buffers()
+        sys.modules.pop("deep_ep", None)
+        deepep.available.cache_clear()
+
+
+SCENARIOS_2 = [sc_fp8_dispatch, sc_fp8_dispatch_deepep, sc_structured_dispatch, sc_graph_shape, sc_block_data_dependent_and_capacity,
                sc_edge_routing,
                sc_hand_written_module, sc_hf_mixtral_bf16, sc_hf_qwen3_moe_fp32, sc_hf_deepseek_v3_fp32_capacity,
                sc_hf_mixtral_batched_mm, sc_opcheck, sc_deepep_double, sc_npu_double, sc_block_inductor, sc_errors,

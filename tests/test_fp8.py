@@ -209,10 +209,11 @@ def test_triton_kernels_match_reference(t, k, e, h, i, block):
 
 
 @pytest.mark.parametrize("desc", ["device", "host", "pointer"])
-@pytest.mark.parametrize("t, k, e, h, i, block", [TRITON_CASES[0], TRITON_CASES[2]])
+@pytest.mark.parametrize("t, k, e, h, i, block", [TRITON_CASES[0], TRITON_CASES[2], (7, 2, 4, 96, 80, (16, 32))])
 def test_fp8_tma_kernel_matches_reference(t, k, e, h, i, block, desc):
-    """The FP8 GEMMs on the persistent TMA walk (``fp8:tma``), every descriptor mode: SwiGLU scales and codes
-    and the down GEMM against the references, as for the one-tile-per-program kernel (zero tail included)."""
+    """The FP8 GEMMs on the persistent TMA walk (``fp8:tma``), every descriptor mode (K-block counts odd and
+    even): SwiGLU scales and codes and the down GEMM against the references, as for the one-tile-per-program
+    kernel (zero tail included)."""
     import dataclasses
 
     from ep_fuse.providers.triton import fp8_tma_kernel as F

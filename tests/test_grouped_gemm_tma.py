@@ -138,6 +138,32 @@ def test_cleared_on_cuda_and_taken_by_size(monkeypatch):
     assert "rows per expert < 128" in host.tma_declined(x, w)
 
 
+@pytest.mark.parametrize("columns, swiglu, takes", [
+    ((2048, 7168), True, True), ((7168, 2048), False, True),     # DeepSeek-V3: measured 1.07-1.30x
+    ((768, 2048), True, True), ((2048, 768), False, True),       # Qwen3-30B-A3B
+    ((14336, 4096), True, True), ((4096, 14336), False, True),   # Mixtral (E8: 128-wide gate|up tiles)
+    ((1408, 2880), True, False), ((2880, 1408), False, False),   # E60 H2880 I1408: measured 0.92-0.96x
+])
+def test_tma_rule_takes_only_shapes_whose_columns_fill_its_tiles(columns, swiglu, takes):
+    """On CUDA from 128 rows per expert the TMA kernel takes a GEMM only where its output columns are a
+    multiple of the config's column tile: where they are not (1408 and 2880 on 256-wide tiles) H200 measured
+    it slower than ``torch._grouped_mm`` at every swept config, and the default kernel slower above 128 rows
+    per expert, so such calls keep Inductor's code there."""
+    from types import SimpleNamespace
+
+    n, k = columns
+    e = 8 if n in (14336, 4096) and k in (4096, 14336) else 64
+    x = SimpleNamespace(shape=(256 * e, k), device=torch.device("cuda"))  # 256 rows per expert
+    w = SimpleNamespace(shape=(e, 2 * n if swiglu else n, k))
+    reason = perf.grouped_gemm_tma_rule(x, w, swiglu)
+    assert (reason is None) == takes, reason
+    if not takes:
+        assert "column tiles" in reason
+        assert "does not take" in perf._grouped_prefers((x, w), "inductor", swiglu)
+    cpu = SimpleNamespace(shape=x.shape, device=torch.device("cpu"))  # the interpreter keeps its own tiles
+    assert perf.grouped_gemm_tma_rule(cpu, w, swiglu) is None
+
+
 def test_launch_reads_no_host_values():
     """Table and grid sizes come from static shapes: both launches run on meta tensors (what ``wrap_triton``
     traces), and the grid never exceeds the items the table can hold."""

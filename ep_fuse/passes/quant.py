@@ -41,7 +41,7 @@ quantized once to E4M3 with 128 x 128 block scales
 block shape (the activation group is its ``block_k``); otherwise the block stays unquantized. On CUDA, bf16
 weights are quantized only where the FP8 experts measured faster (:func:`ep_fuse.providers.triton.perf.
 fp8_block_quant_rule`). Behind an ``all_to_all`` EP dispatch the activation quantization moves before the
-dispatch (:func:`_fp8_dispatch`: fp8 codes + scales on the wire) and the block becomes
+dispatch (:func:`_fp8_dispatch`: fp8 codes + scales on the wire, ``all_to_all`` and DeepEP normal) and the block becomes
 ``moe_experts_fp8_q`` on the received codes and scales.
 """
 
@@ -168,10 +168,16 @@ class QuantizeExperts(GraphPass):
 FP8_DISPATCH = True
 """Quantize before an ``all_to_all`` EP dispatch under ``quant="fp8_block"`` (tests turn it off to compare)."""
 
-FP8_DISPATCH_BACKENDS = ("all_to_all",)
-"""Dispatch engines that move rows of any element size bit for bit (``all_to_all``'s packed rows take 1-byte
-elements). DeepEP sends bf16 rows (its own ``use_fp8`` path is not wired), the ``expert``-layout engines
-(DeepEP low-latency, Ascend) have their own row formats, and ``symm_mem`` checks bf16 tokens."""
+FP8_DISPATCH_BACKENDS = ("all_to_all", "deepep")
+"""Dispatch engines that move rows of any element size bit for bit: ``all_to_all``'s packed rows take 1-byte
+elements, and DeepEP's normal (intranode) dispatch copies rows as 16-byte words whatever their dtype (its host
+checks: 2-D, contiguous, ``H * element_size % 16 == 0``; DeepEP V1 ``csrc/deep_ep.cpp``), so the codes + scales
+row crosses it as one uint8 row, the same bytes its own ``(x_fp8, x_scales)`` form would send. The
+``expert``-layout engines (DeepEP low-latency, Ascend) have their own row formats, and ``symm_mem`` checks bf16
+tokens."""
+
+ROW_ALIGN = {"deepep": 16}
+"""Bytes a dispatched row must be a multiple of, per engine (DeepEP copies rows as 16-byte words)."""
 
 
 def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
@@ -204,6 +210,9 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
                f"{', '.join(FP8_DISPATCH_BACKENDS)})")
     elif not isinstance(xv, torch.Tensor) or xv.dim() != 2 or not isinstance(xv.shape[1], int) or xv.shape[1] % 4:
         why = "the token width is not a static multiple of 4 (the scales must start 4-byte aligned)"
+    elif (int(xv.shape[1]) + 4 * cdiv(int(xv.shape[1]), bk)) % ROW_ALIGN.get(backend, 1):
+        why = (f"{backend} moves rows in {ROW_ALIGN[backend]}-byte words and the codes + scales row of "
+               f"{int(xv.shape[1]) + 4 * cdiv(int(xv.shape[1]), bk)} bytes is not a multiple")
     elif len(recv.users) != 1:
         why = "the received tokens have other users than the block"
     if why is not None:

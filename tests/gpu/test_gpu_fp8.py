@@ -1,7 +1,6 @@
 """One GPU (Hopper, sm90+): the Triton FP8 kernels against the pure-torch reference on DeepSeek-V3-like
-bf16 shapes. This file sets ``EP_FUSE_UNVERIFIED_KERNELS=1``: ``fp8:triton`` passed here on H200 (2026-11-30);
-``fp8:tma`` (the persistent TMA variant, taken from 128 rows per expert) is listed in ``unverified.py`` until
-it has."""
+bf16 shapes. This file sets ``EP_FUSE_UNVERIFIED_KERNELS=1`` (for variants not yet cleared); ``fp8:triton``
+and ``fp8:tma`` (the persistent TMA variant, taken from 64 rows per expert) passed here on H200 (2026-11-30)."""
 
 import pytest
 import torch

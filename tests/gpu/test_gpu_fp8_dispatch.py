@@ -1,4 +1,4 @@
-"""GPU check of the FP8 EP dispatch (``quant="fp8_block"`` behind ``all_to_all``) on 2 NCCL processes.
+"""GPU check of the FP8 EP dispatch (``quant="fp8_block"`` behind ``all_to_all`` and DeepEP normal) on 2 processes.
 
     python -m pytest -q tests/gpu/test_gpu_fp8_dispatch.py
 
@@ -6,7 +6,8 @@ It clears ``ep:fp8_dispatch`` in ``ep_fuse/providers/triton/unverified.py`` (thi
 ``EP_FUSE_UNVERIFIED_KERNELS=1`` in the workers). Per rank, the DeepSeek-V3 routed layer at decode size
 (T128, capacity, Inductor executor): the output with fp8 codes + scales on the wire equals, bit for bit, the
 output with bf16 on the wire and the quantization after the dispatch (both run the same Triton FP8 stage
-kernels), the EP record says what was sent, and both stay close to the unsharded bf16 layer.
+kernels), the EP record says what was sent, and both stay close to the unsharded bf16 layer. The DeepEP
+scenario needs ``deep_ep`` importable (``bash bench/device_run.sh deepep`` builds it) and is skipped without it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 BF16 = torch.bfloat16
-SCENARIOS = ["sc_fp8_dispatch_decode"]
+SCENARIOS = ["sc_fp8_dispatch_decode", "sc_fp8_dispatch_decode_deepep"]
 
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
@@ -36,7 +37,7 @@ class _Block(torch.nn.Module):
         return torch.ops.ep_fuse.moe_experts(x, ids, w, self.w13, self.w2, BF16)
 
 
-def sc_fp8_dispatch_decode(world):
+def sc_fp8_dispatch_decode(world, backend="all_to_all"):
     import os
 
     import torch.distributed as dist
@@ -56,7 +57,7 @@ def sc_fp8_dispatch_decode(world):
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
     del full
-    opts = {**ep_fuse.ep_options(model, backend="all_to_all", capacity=t), "executor": "inductor",
+    opts = {**ep_fuse.ep_options(model, backend=backend, capacity=t), "executor": "inductor",
             "quant": "fp8_block"}
     outs, payloads = {}, {}
     rule = perf.FP8_BLOCK_MAX_ROWS_PER_EXPERT
@@ -68,6 +69,7 @@ def sc_fp8_dispatch_decode(world):
             with torch.no_grad():
                 outs[on] = torch.compile(model, backend="ep_fuse", options=opts)(x, ids, w)
             (site,) = ep_sites(ep_fuse.last_report())
+            assert site.backend == backend, site
             payloads[on] = site.payload
     finally:
         quant.FP8_DISPATCH = True
@@ -82,6 +84,17 @@ def sc_fp8_dispatch_decode(world):
     assert all(v[1].item() < 0.1 for v in gathered), f"rel-L2 vs the bf16 layer: {gathered}"
 
 
+def sc_fp8_dispatch_decode_deepep(world):
+    """The same through DeepEP's normal dispatch with ``num_worst_tokens`` (codes + scales as one uint8 row of
+    7392 bytes); the test below skips it when ``deep_ep`` cannot be imported."""
+    try:
+        sc_fp8_dispatch_decode(world, backend="deepep")
+    finally:
+        from ep_fuse.ep import deepep
+
+        deepep.destroy_buffers()
+
+
 # ----------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def results():
@@ -94,6 +107,10 @@ def results():
 @needs_sm90
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_fp8_dispatch_two_gpus(results, name):
+    import importlib.util
+
     from dist_harness import check
 
+    if name.endswith("_deepep") and importlib.util.find_spec("deep_ep") is None:
+        pytest.skip("deep_ep is not importable (bash bench/device_run.sh deepep builds it)")
     check(results, name)

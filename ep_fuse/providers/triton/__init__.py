@@ -146,7 +146,7 @@ _register(canonical.gemm_swiglu, gemm_swiglu_kernel, check_gemm_swiglu_call, per
 _register(canonical.grouped_gemm, grouped_gemm_kernel, check_grouped_gemm_call, perf.grouped_gemm_prefers, _always,
           perf.grouped_gemm_at_run_time)
 _register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, check_grouped_gemm_swiglu_call,
-          perf.grouped_gemm_prefers, _always, perf.grouped_gemm_at_run_time)
+          perf.grouped_gemm_swiglu_prefers, _always, perf.grouped_gemm_swiglu_at_run_time)
 _register(canonical.moe_permute, moe_permute_kernel, check_moe_permute_call, None, _always, symbolic=True)
 _register(canonical.moe_unpermute, moe_unpermute_kernel, check_moe_unpermute_call, None, _always, symbolic=True)
 

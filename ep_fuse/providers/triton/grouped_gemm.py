@@ -87,18 +87,20 @@ def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     return reason
 
 
-def tma_declined(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> str | None:
-    """Why this call does not take the TMA kernel (``None``: it does)."""
+def tma_declined(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False) -> str | None:
+    """Why this call (``swiglu``: of ``grouped_gemm_swiglu``, ``w`` = [E, 2I, K]) does not take the TMA kernel
+    (``None``: it does)."""
     from ep_fuse.providers.triton import perf
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import tma_unsupported
     from ep_fuse.providers.triton.unverified import gpu_unverified
 
-    return perf.grouped_gemm_tma_rule(x, w) or gpu_unverified(TMA_VARIANT, x) or tma_unsupported(x, w, traced)
+    return (perf.grouped_gemm_tma_rule(x, w, swiglu) or gpu_unverified(TMA_VARIANT, x)
+            or tma_unsupported(x, w, traced))
 
 
-def kernel_variant(x: torch.Tensor, w: torch.Tensor, traced: bool = False) -> str:
+def kernel_variant(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False) -> str:
     """``"tma"`` or ``"default"``: the kernel that runs this call."""
-    reason = tma_declined(x, w, traced)
+    reason = tma_declined(x, w, traced, swiglu)
     if reason is not None:
         log.debug("grouped GEMM %s x %s: default kernel (%s)", tuple(x.shape), tuple(w.shape), reason)
         return "default"
@@ -113,7 +115,7 @@ def _run(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
         return y
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
-    if kernel_variant(x, w, traced=wrap is not None) == "tma":
+    if kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu) == "tma":
         from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
             launch_grouped_gemm_swiglu_tma,
             launch_grouped_gemm_tma,

@@ -30,8 +30,8 @@ the rule answers :class:`~ep_fuse.ops.registry.AtRunTime` and the node runs the 
 * ``gemm_swiglu``: the kernel up to :data:`GEMM_SWIGLU_MAX_ROWS` rows and where the TMA kernel measured
   faster, the reference (two cuBLAS GEMMs, silu, mul) elsewhere;
 * ``grouped_gemm`` / ``grouped_gemm_swiglu`` (Inductor executor): the kernel up to
-  :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert, ``torch._grouped_mm`` (the reference, bf16)
-  above; where ``torch._grouped_mm`` does not run (fp16/fp32) the kernel at every size (the reference
+  :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert or where the TMA kernel takes the call,
+  ``torch._grouped_mm`` (the reference, bf16) elsewhere; where ``torch._grouped_mm`` does not run (fp16/fp32) the kernel at every size (the reference
   would loop over the experts on the host).
 
 ``moe_gating`` and ``add_rms_norm`` with a symbolic token count use the kernel: below their thresholds the
@@ -171,17 +171,19 @@ def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
 
 
 # --------------------------------------------------------------------------- MoE (H200, 2026-11-29/30)
-GROUPED_GEMM_MAX_ROWS_PER_EXPERT = 256
+GROUPED_GEMM_MAX_ROWS_PER_EXPERT = 128
 """The one-tile-per-program grouped GEMMs measured faster than ``torch._grouped_mm`` (eager or under Inductor)
-at 4 rows per expert (DeepSeek-V3 decode, T128 k8 E256: 4978 vs 6970 us for both GEMMs, 1.40x) and 128
-(prefill T4096: 9376 vs 10213 us, 1.09x), and slower at 1536 (T16384 k6 E64: 3410 vs 3081 us, 0.90x).
-Above 256 rows per expert (unmeasured between 128 and 1536) the provider declines under Inductor, unless the
-Hopper TMA kernel takes the call (:data:`GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT`); eager ``torch._grouped_mm``
-was slower than the kernel at every size (3475 vs 3410 us at 1536 rows per expert)."""
+at 4 rows per expert (DeepSeek-V3 decode, T128 k8 E256: 4978 vs 6970 us for both GEMMs, 1.40x), 6 to 102 on
+an E60 H2880 I1408 model (1.04-1.52x, ``bench/bench_moe_experts.py``, 2026-11-30) and 128 (DeepSeek-V3 prefill
+T4096: 9376 vs 10213 us, 1.09x), and slower at 205 (the E60 model at T2048: best swept config 0.82x) and 1536
+(T16384 k6 E64: 3410 vs 3081 us, 0.90x). Above 128 rows per expert the provider declines under Inductor,
+unless the Hopper TMA kernel takes the call (:data:`GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT`); eager
+``torch._grouped_mm`` was slower than the kernel at every size (3475 vs 3410 us at 1536 rows per expert)."""
 
 GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = 128
 """From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
-(:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size. Measured on H200
+(:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size, where the GEMM's output
+columns fill its column tiles (:func:`grouped_gemm_tma_rule`). Measured on H200
 (``bench/bench_grouped_gemm_tma.py``, 2026-11-30, CUDA-graph replays) at 128 to 2048 rows per expert on five
 prefill shapes with the configs of ``config_for``: gate|up + SwiGLU 1.10-1.36x ``torch._grouped_mm`` followed
 by the SwiGLU (0.97-1.30x the GEMM alone), down 1.00-1.29x ``torch._grouped_mm``, and faster than the
@@ -189,7 +191,11 @@ one-tile-per-program kernel everywhere (1.12x / 1.27x at 128 rows per expert, De
 rows per expert it is unmeasured, so the other kernel keeps those sizes."""
 
 
-def _tma_takes(x: Any, w: Any) -> bool:
+def _gemm_columns(w: Any, swiglu: bool) -> Any:
+    return w.shape[1] // 2 if swiglu else w.shape[1]
+
+
+def _tma_takes(x: Any, w: Any, swiglu: bool = False) -> bool:
     """Whether a CUDA call on these (fake or real, static-size) tensors runs the TMA grouped GEMM."""
     from torch._subclasses.fake_tensor import is_fake
 
@@ -197,10 +203,10 @@ def _tma_takes(x: Any, w: Any) -> bool:
 
     if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return False
-    return tma_declined(x, w, traced=is_fake(x)) is None
+    return tma_declined(x, w, traced=is_fake(x), swiglu=swiglu) is None
 
 
-def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
+def _grouped_prefers(args: tuple[Any, ...], executor: str, swiglu: bool) -> str | AtRunTime | None:
     if executor != "inductor":  # eager torch._grouped_mm measured slower than the kernel at every size
         return None
     x, w = args[0], args[1]
@@ -209,35 +215,69 @@ def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTim
         return AtRunTime(f"the kernel up to {GROUPED_GEMM_MAX_ROWS_PER_EXPERT} rows per expert (any size on the "
                          "TMA kernel), torch._grouped_mm above (bf16)")
     per_expert = rows / max(experts, 1)
-    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT and not _tma_takes(x, w):
+    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT and not _tma_takes(x, w, swiglu):
         return (f"{per_expert:.0f} rows per expert: torch._grouped_mm measured faster above "
-                f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.90x at 1536) and the TMA kernel does not take this call")
+                f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.82x at 205, 0.90x at 1536) and the TMA kernel does not "
+                "take this call")
     return None
 
 
-def grouped_gemm_at_run_time(args: tuple[Any, ...]) -> str | None:
-    """Per call of ``grouped_gemm[_swiglu]_by_size`` (real tensors): the TMA kernel where it takes the call,
-    else the kernel up to 256 rows per expert, then the reference (``torch._grouped_mm``) where it runs."""
+def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
+    return _grouped_prefers(args, executor, swiglu=False)
+
+
+def grouped_gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
+    return _grouped_prefers(args, executor, swiglu=True)
+
+
+def _grouped_at_run_time(args: tuple[Any, ...], swiglu: bool) -> str | None:
     x, w = args[0], args[1]
     per_expert = x.shape[0] / max(w.shape[0], 1)
-    if per_expert <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT or not grouped_mm_supported(x, w) or _tma_takes(x, w):
+    if (per_expert <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT or not grouped_mm_supported(x, w)
+            or _tma_takes(x, w, swiglu)):
         return None
     return f"{per_expert:.0f} rows per expert > {GROUPED_GEMM_MAX_ROWS_PER_EXPERT}: torch._grouped_mm"
 
 
-def grouped_gemm_tma_rule(x: Any, w: Any) -> str | None:
-    """Per call (static sizes): why not the TMA variant on these sizes (``None``: take it)."""
+def grouped_gemm_at_run_time(args: tuple[Any, ...]) -> str | None:
+    """Per call of ``grouped_gemm_by_size`` (real tensors): the TMA kernel where it takes the call, else the
+    kernel up to :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert, then the reference
+    (``torch._grouped_mm``) where it runs."""
+    return _grouped_at_run_time(args, swiglu=False)
+
+
+def grouped_gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
+    """As :func:`grouped_gemm_at_run_time`, for ``grouped_gemm_swiglu_by_size``."""
+    return _grouped_at_run_time(args, swiglu=True)
+
+
+def grouped_gemm_tma_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
+    """Per call (static sizes): why not the TMA variant on these sizes (``None``: take it). The GEMM's output
+    columns (``I`` for gate|up + SwiGLU, ``w.shape[1]`` otherwise) must fill the config's column tiles: on an
+    E60 H2880 I1408 model (1408 and 2880 columns on 256-wide tiles) the TMA kernel ran 0.92-0.96x
+    ``torch._grouped_mm`` at 205 and 410 rows per expert, every swept config."""
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for
+
     per_expert = x.shape[0] / max(w.shape[0], 1)
     if per_expert < GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT:
         return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
+    if x.device.type != "cuda":  # a GPU measurement: the interpreter's tiles are not the GPU's
+        return None
+    n, k, e = _gemm_columns(w, swiglu), w.shape[2], w.shape[0]
+    bn = config_for(x.shape[0], n, k, e, swiglu=swiglu, interpret=False).bn
+    if n % bn:
+        return (f"{n} output columns do not fill the TMA kernel's {bn}-column tiles (measured 0.92-0.96x "
+                "torch._grouped_mm on such a shape)")
     return None
 
 
-FP8_TMA_MIN_ROWS_PER_EXPERT = 128
-"""From this many rows per expert the FP8 grouped GEMMs would take the persistent TMA kernel
-(:mod:`~ep_fuse.providers.triton.fp8_tma_kernel`). **Not measured**: the bf16 TMA kernel's boundary; the variant
-is off on CUDA (``fp8:tma`` in :mod:`~ep_fuse.providers.triton.unverified`) until ``bench/bench_fp8.py --tma``
-has measured it, so on CUDA this rule changes nothing yet."""
+FP8_TMA_MIN_ROWS_PER_EXPERT = 64
+"""From this many rows per expert the FP8 grouped GEMMs take the persistent TMA kernel
+(:mod:`~ep_fuse.providers.triton.fp8_tma_kernel`). Measured on H200 (``bench/bench_fp8.py --tma``, 2026-11-30,
+DeepSeek-V3 routed layer, each GEMM alone, its best config vs the one-tile-per-program kernel's): gate|up +
+SwiGLU + requant 1.06x at 64 rows per expert (T2048: 2767 vs 2921 us), 1.09x at 128 (T4096: 4138 vs 4495) and
+1.08x at 512 (T16384: 13420 vs 14466); down 1.10x / 1.10x / 1.06x. Below 64 rows per expert (decode's swapped
+small-M tiles) it is unmeasured, so the other kernel keeps those sizes."""
 
 
 def fp8_tma_rule(xq: Any, wq: Any) -> str | None:

@@ -11,18 +11,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
-UNVERIFIED_ON_GPU: dict[str, str] = {
-    "fp8:tma": "the FP8 grouped GEMMs on the persistent TMA walk: checked under the Triton interpreter only "
-               "(tests/test_fp8.py); not yet run on a GPU (tests/gpu/test_gpu_fp8.py) nor measured "
-               "(bench/bench_fp8.py --tma)",
-}
+UNVERIFIED_ON_GPU: dict[str, str] = {}
 """``"<op>:<variant>" -> what it still lacks``. Cleared on 2026-11-30 after their ``tests/gpu/``
 checks passed on H200: the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
 (``tests/gpu/test_gpu_fp8.py``), ``grouped_gemm:tma`` (``tests/gpu/test_gpu_grouped_gemm_tma.py``, then
-measured faster than ``torch._grouped_mm`` by ``bench/bench_grouped_gemm_tma.py``) and ``ep:fp8_dispatch``
-(``tests/gpu/test_gpu_fp8_dispatch.py``: 2 NCCL ranks, bit-identical to the bf16 dispatch). A new variant is
-added here until its GPU check has run."""
+measured faster than ``torch._grouped_mm`` by ``bench/bench_grouped_gemm_tma.py``), ``ep:fp8_dispatch``
+(``tests/gpu/test_gpu_fp8_dispatch.py``: 2 NCCL ranks, bit-identical to the bf16 dispatch) and ``fp8:tma``
+(``tests/gpu/test_gpu_fp8.py``, then measured faster than the one-tile-per-program FP8 kernel by
+``bench/bench_fp8.py --tma``). A new variant is added here until its GPU check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
 

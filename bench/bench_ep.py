@@ -17,6 +17,10 @@ Per MoE layer shape and EP provider (every rank runs its own tokens, ``ep_fuse.s
   data-dependent modes sync the host and are timed from launches. Every rank replays the same fixed
   number of iterations between two events after a barrier.
 
+``--fp8-wire``: for the ``rank``-layout engines (``all_to_all``, DeepEP normal) also the dispatch of the same tokens
+as fp8 codes + 1 x 128 fp32 scales in one uint8 row (what ``quant="fp8_block"`` sends, 1.03 B per element instead
+of 2), timed like the bf16 dispatch: ``dispatch_fp8_us`` and its speed against the bf16 dispatch.
+
 ``--e2e``: a 4-layer Qwen3-30B-A3B-sized HF model (``hf_models.py``): tokens/s of the pair (prefill,
 4096 tokens per rank, DeepEP normal; decode 128 x 1 per rank, low-latency under CUDA graphs) against one
 GPU running the whole model on one rank's tokens, logits checked per rank.
@@ -175,7 +179,7 @@ def one_gpu_us(full: Block, x, ids, w, iters: int, device: torch.device) -> floa
     return sec * 1e6
 
 
-def run_shape(name, t, h, inter, e, k, modes, iters, device) -> list[dict[str, Any]]:
+def run_shape(name, t, h, inter, e, k, modes, iters, device, fp8_wire=False) -> list[dict[str, Any]]:
     world, rank = dist.get_world_size(), dist.get_rank()
     rows: list[dict[str, Any]] = []
     if e % world:
@@ -243,6 +247,17 @@ def run_shape(name, t, h, inter, e, k, modes, iters, device) -> list[dict[str, A
                     row.update(dispatch_us=round(t_disp * 1e6, 1), combine_us=round(t_comb * 1e6, 1),
                                dispatch_gbs_recv=round(recv * h * 2 / t_disp / 1e9, 1),
                                combine_gbs_recv=round(recv * h * 2 / t_comb / 1e9, 1))
+                    if fp8_wire and layout == "rank" and ran in ("all_to_all", "deepep"):
+                        q, sc = ops.quant_fp8_group(x, 128)
+                        packed = torch.cat([q.view(torch.uint8), sc.view(torch.uint8)], 1).contiguous()
+
+                        def disp8(common=common, packed=packed):
+                            return ops.ep_dispatch(packed, ids, w, *common)
+
+                        t8 = loop_seconds(disp8, iters, device, graph)
+                        handles.clear()
+                        row.update(dispatch_fp8_us=round(t8 * 1e6, 1), fp8_vs_bf16_dispatch=round(t_disp / t8, 2),
+                                   dispatch_fp8_gbs_recv=round(recv * packed.shape[1] / t8 / 1e9, 1))
             row.update(layer_us=round(layer * 1e6, 1), layer_vs_one_gpu=round(layer * 1e6 / base_us, 3),
                        graph=graph, tokens_s_per_rank=round(t / layer))
         except Exception as exc:  # one backend failing must not hide the others
@@ -310,6 +325,7 @@ def main() -> None:
     ap.add_argument("--backends", default=None, help="restrict to these providers (default: all)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--e2e", action="store_true", help="also the 4-layer Qwen3-30B-A3B-sized HF model")
+    ap.add_argument("--fp8-wire", action="store_true", help="also time the dispatch of fp8 codes + scales rows")
     ap.add_argument("--e2e-cases", default="prefill,decode")
     ap.add_argument("--deepep-config", default=None,
                     help="dispatch SMs,NVL chunk,combine SMs,NVL chunk for DeepEP normal (from its own tuning)")
@@ -331,7 +347,7 @@ def main() -> None:
     for shape in shapes:
         modes = DECODE_MODES if shape[1] <= 512 else PREFILL_MODES
         modes = [m for m in modes if keep is None or m[0] in keep]
-        rows += run_shape(*shape, modes, args.iters, device)
+        rows += run_shape(*shape, modes, args.iters, device, fp8_wire=args.fp8_wire)
     e2e = run_e2e(max(5, args.iters // 2), device, args.e2e_cases.split(",")) \
         if args.e2e and device.type == "cuda" else []
     if dist.get_rank() == 0:
@@ -343,7 +359,8 @@ def main() -> None:
         (out / "ep.json").write_text(json.dumps(dict(meta=meta, rows=rows, e2e=e2e), indent=2))
         head = ["shape", "mode", "ran", "layer_us", "one_gpu_us", "layer_vs_one_gpu", "one_gpu_total_us",
                 "dispatch_us", "combine_us", "dispatch_combine_us", "dispatch_gbs_recv", "combine_gbs_recv",
-                "gbs_remote", "rel_l2_vs_one_gpu", "graph", "declined", "failed"]
+                "gbs_remote", "dispatch_fp8_us", "fp8_vs_bf16_dispatch", "dispatch_fp8_gbs_recv", "rel_l2_vs_one_gpu",
+                "graph", "declined", "failed"]
         lines = [f"EP benchmark ({note}; {meta['gpu'] or 'CPU'}; {meta['date']})", "",
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(str(r.get(c, "")) for c in head) + " |" for r in rows]

@@ -526,8 +526,8 @@ def sc_fp8_dispatch_deepep(world):
         deepep.available.cache_clear()
 
 
-SCENARIOS_2 = [sc_fp8_dispatch, sc_fp8_dispatch_deepep, sc_structured_dispatch, sc_graph_shape, sc_block_data_dependent_and_capacity,
-               sc_edge_routing,
+SCENARIOS_2 = [sc_fp8_dispatch, sc_fp8_dispatch_deepep, sc_structured_dispatch, sc_graph_shape,
+               sc_block_data_dependent_and_capacity, sc_edge_routing,
                sc_hand_written_module, sc_hf_mixtral_bf16, sc_hf_qwen3_moe_fp32, sc_hf_deepseek_v3_fp32_capacity,
                sc_hf_mixtral_batched_mm, sc_opcheck, sc_deepep_double, sc_npu_double, sc_block_inductor, sc_errors,
                sc_unequal_batches, sc_timeout]

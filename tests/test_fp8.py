@@ -317,6 +317,40 @@ def test_fp8_block_quant_rule_takes_only_the_measured_win():
     assert "symbolic token count" in fp8_block_quant_rule(x, 8, 256)
 
 
+def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
+    """Behind an EP dispatch the block's input is the receive buffer ([world * capacity, H] in the rank layout),
+    whose rows x top-k overcount the rows the local experts get by the world size; the rule counts the tokens
+    this rank sends: 2 ranks, 128 local experts, top-8, 2048 tokens per rank is 128 rows per expert (quantized),
+    4096 is 256 (kept bf16). The same receive buffer fed to a block without a dispatch counts as it is."""
+    import operator
+
+    import torch.fx as fx
+
+    from ep_fuse.ep.ops import ep_dispatch
+    from ep_fuse.passes.quant import _fp8_not_faster
+
+    def block_behind(t: int, dispatched: bool) -> tuple[fx.Node, fx.Node]:
+        g = fx.Graph()
+        meta = {"x": (t, 7168), "ids": (t, 8), "w": (t, 8), "w13": (128, 4096, 7168)}
+        nodes = {name: g.placeholder(name) for name in meta}
+        for name, shape in meta.items():
+            nodes[name].meta["val"] = torch.empty(shape, device="meta",
+                                                  dtype=torch.int64 if name == "ids" else torch.bfloat16)
+        if dispatched:
+            d = g.call_function(ep_dispatch.op, (nodes["x"], nodes["ids"], nodes["w"], 256, "g", "deepep", "rank",
+                                                 t, 300.0))
+            rx, rid = (g.call_function(operator.getitem, (d, i)) for i in (0, 1))
+        else:
+            rx, rid = g.placeholder("rx"), g.placeholder("rid")
+        rx.meta["val"] = torch.empty(2 * t, 7168, device="meta", dtype=torch.bfloat16)  # 2 ranks x capacity t
+        rid.meta["val"] = torch.empty(2 * t, 8, device="meta", dtype=torch.int64)
+        return g.call_function(operator.add, (rx, rid)), nodes["w13"]
+
+    assert _fp8_not_faster(*block_behind(2048, True)) is None
+    assert "256.0 rows per expert" in _fp8_not_faster(*block_behind(4096, True))
+    assert "256.0 rows per expert" in _fp8_not_faster(*block_behind(2048, False))
+
+
 def test_npu_declines_fp8_with_the_reason():
     import ep_fuse.providers.npu  # noqa: F401  (registers the NPU declines)
     from ep_fuse.providers.npu.fp8 import NO_FP8

@@ -40,8 +40,8 @@ quantized once to E4M3 with 128 x 128 block scales
 (:func:`ep_fuse.ops.fp8_reference.quantize_weight_fp8`). Both weights of a block must share one
 block shape (the activation group is its ``block_k``); otherwise the block stays unquantized. On CUDA, bf16
 weights are quantized only where the FP8 experts measured faster (:func:`ep_fuse.providers.triton.perf.
-fp8_block_quant_rule`). Behind an ``all_to_all`` EP dispatch the activation quantization moves before the
-dispatch (:func:`_fp8_dispatch`: fp8 codes + scales on the wire, ``all_to_all`` and DeepEP normal) and the block becomes
+fp8_block_quant_rule`). Behind an ``all_to_all`` or DeepEP-normal EP dispatch the activation quantization moves
+before the dispatch (:func:`_fp8_dispatch`: fp8 codes + scales on the wire) and the block becomes
 ``moe_experts_fp8_q`` on the received codes and scales.
 """
 
@@ -189,16 +189,13 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     instead of ``2H`` (bf16), and the receiver's rows are the codes and scales the block would have computed
     itself (the quantization is per token, so the result is bit for bit the same). Returns ``(received codes,
     received scales, the tokens' dtype)``, or ``None`` when the dispatch is not one this applies to."""
-    from ep_fuse.ep.ops import ep_dispatch
     from ep_fuse.fx_utils import val
     from ep_fuse.ops import canonical
     from ep_fuse.providers.triton.unverified import cleared
 
     recv = block.args[0]
-    if not (FP8_DISPATCH and isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
-        return None
-    d = recv.args[0]
-    if not (isinstance(d, fx.Node) and d.target is ep_dispatch.op):
+    d = _dispatch_of(recv) if FP8_DISPATCH else None
+    if d is None:
         return None
     x, backend, layout = d.args[0], d.args[5], d.args[6]
     xv = val(x)
@@ -319,14 +316,31 @@ def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.N
 
 def _fp8_not_faster(block: fx.Node, w13: fx.Node) -> str | None:
     """The measured rule (:func:`ep_fuse.providers.triton.perf.fp8_block_quant_rule`) for a block that would
-    quantize bf16 weights on CUDA."""
+    quantize bf16 weights on CUDA. Behind an EP dispatch the block's input is the receive buffer (a row per
+    token and destination, padded to the capacity), whose rows x top-k overcount the rows its local experts
+    get; the rule then counts the tokens this rank sends instead: with ranks sending alike, each rank's experts
+    receive ``T * k`` rows in all, ``T * k / E_local`` each."""
     from ep_fuse.providers.triton.perf import fp8_block_quant_rule
 
-    x, ids = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in block.args[:2])
+    x_node, ids_node = block.args[:2]
+    sent = _dispatch_of(x_node)
+    if sent is not None:
+        x_node, ids_node = sent.args[0], sent.args[1]
+    x, ids = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x_node, ids_node))
     weight = w13.meta.get("val") if isinstance(w13, fx.Node) else None
     if x is None or ids is None or weight is None:
         return "the block's shapes are unknown"
     return fp8_block_quant_rule(x, int(ids.shape[-1]), int(weight.shape[0]))
+
+
+def _dispatch_of(recv: Any) -> fx.Node | None:
+    """The ``ep_dispatch`` node whose received tokens (output 0) ``recv`` is, else ``None``."""
+    from ep_fuse.ep.ops import ep_dispatch
+
+    if not (isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
+        return None
+    d = recv.args[0]
+    return d if isinstance(d, fx.Node) and d.target is ep_dispatch.op else None
 
 
 def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node

@@ -100,10 +100,10 @@ def fp8_tma_unsupported(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False
 def config_for(m: int, n: int, k: int, e: int, block_k: int, *, swiglu: bool = False,
                interpret: bool = INTERPRET) -> TmaGemmConfig:
     """Tile config from ``bench/bench_fp8.py --tma`` (H200, 2026-11-30, DeepSeek-V3 routed layer at 64, 128 and
-    512 rows per expert): gate|up + SwiGLU on BM64 BN128 tiles with 4 warps (8 warps spill less but ran
-    6-9 % slower), 3 stages up to 64 rows per expert and 4 above (4.5 % either way); down on BM64 BN256 with 8
-    warps and 4 stages (within 5 % of the best at every size). ``SWIGLU`` tiles are ``BN = block_k`` wide (the
-    requant group)."""
+    512 rows per expert): gate|up + SwiGLU on BM64 BN128 tiles with 4 warps (8 warps ran 6-9 % slower), 3
+    stages up to 64 rows per expert and 4 above (4.5 % either way); down on BM64 BN256 with 8 warps and 4
+    stages (the best at 64 and 128 rows per expert, 6.5 % off it at 512). ``SWIGLU`` tiles are ``BN = block_k``
+    wide (the requant group)."""
     if interpret:
         return TmaGemmConfig(32, block_k if swiglu else 32, min(block_k, 32), 4, 2, 2)
     bk = min(block_k, 128)

@@ -31,8 +31,8 @@ the rule answers :class:`~ep_fuse.ops.registry.AtRunTime` and the node runs the 
   faster, the reference (two cuBLAS GEMMs, silu, mul) elsewhere;
 * ``grouped_gemm`` / ``grouped_gemm_swiglu`` (Inductor executor): the kernel up to
   :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert or where the TMA kernel takes the call,
-  ``torch._grouped_mm`` (the reference, bf16) elsewhere; where ``torch._grouped_mm`` does not run (fp16/fp32) the kernel at every size (the reference
-  would loop over the experts on the host).
+  ``torch._grouped_mm`` (the reference, bf16) elsewhere; where ``torch._grouped_mm`` does not run (fp16/fp32)
+  the kernel at every size (the reference would loop over the experts on the host).
 
 ``moe_gating`` and ``add_rms_norm`` with a symbolic token count use the kernel: below their thresholds the
 faster code is Inductor's, which a run-time choice cannot call, and the reference is slower than the
@@ -276,8 +276,9 @@ FP8_TMA_MIN_ROWS_PER_EXPERT = 64
 (:mod:`~ep_fuse.providers.triton.fp8_tma_kernel`). Measured on H200 (``bench/bench_fp8.py --tma``, 2026-11-30,
 DeepSeek-V3 routed layer, each GEMM alone, its best config vs the one-tile-per-program kernel's): gate|up +
 SwiGLU + requant 1.06x at 64 rows per expert (T2048: 2767 vs 2921 us), 1.09x at 128 (T4096: 4138 vs 4495) and
-1.08x at 512 (T16384: 13420 vs 14466); down 1.10x / 1.10x / 1.06x. Below 64 rows per expert (decode's swapped
-small-M tiles) it is unmeasured, so the other kernel keeps those sizes."""
+1.08x at 512 (T16384: 13420 vs 14466); down 1.10x / 1.10x / 1.08x (1.01x at 512 with the shipped config).
+Below 64 rows per expert (decode's swapped small-M tiles) it is unmeasured, so the other kernel keeps those
+sizes."""
 
 
 def fp8_tma_rule(xq: Any, wq: Any) -> str | None:

@@ -10,7 +10,9 @@
 # profile_dynamic (bench/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
 # (bench_gemm_swiglu_prefill.py with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
-# $FWD_ARGS), pack (tar every log and
+# $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
+# host_overhead (bench/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
+# and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
 # result into $OUT).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -77,6 +79,13 @@ for s in "$@"; do
       step forward timeout ${FWD_TIMEOUT:-400} python3 "$repo/bench/bench_forward.py" ${FWD_ARGS:-} ;;
     moe)
       step moe timeout ${MOE_TIMEOUT:-300} python3 "$repo/bench/bench_moe.py" ${MOE_ARGS:-} ;;
+    moe_experts)
+      step moe_experts timeout ${MOE_EXP_TIMEOUT:-330} python3 "$repo/bench/bench_moe_experts.py" ${MOE_EXP_ARGS:-} ;;
+    host_overhead)
+      step host_overhead timeout 120 python3 "$repo/bench/host_overhead.py" ${HOST_ARGS:-} ;;
+    ep_fp8)
+      step ep_fp8 timeout 330 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" \
+        --shapes "DeepSeek-V3 decode,DeepSeek-V3 prefill" --backends deepep,all_to_all --fp8-wire ;;
     profile_dynamic)  # host time per call, ep_fuse vs Inductor, static and dynamic (issue 14)
       step profile_static timeout 200 python3 "$repo/bench/profile_dynamic.py" ${PROF_ARGS:-}
       step profile_dynamic timeout 200 python3 "$repo/bench/profile_dynamic.py" --dynamic ${PROF_ARGS:-} ;;

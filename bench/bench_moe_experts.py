@@ -41,6 +41,9 @@ from ep_fuse.providers.triton.grouped_gemm import (
     grouped_gemm_swiglu_kernel,
 )
 
+gg = importlib.import_module("ep_fuse.providers.triton.grouped_gemm")  # module paths: the package attributes
+gk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")  # of these names are functions
+tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
 BF16 = torch.bfloat16
 DEVICE = "cuda"
 SHAPES = {  # name: (tokens T, hidden H, intermediate I, experts E, top-k K)
@@ -96,7 +99,6 @@ def ep_fuse_experts(rows, w13, w2, seg):
 
 
 def ep_fuse_tma(rows, w13, w2, seg):
-    tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
     act = torch.empty(rows.shape[0], w13.shape[1] // 2, device=rows.device, dtype=rows.dtype)
     tk.launch_grouped_gemm_swiglu_tma(rows, w13, seg, act)
     y = torch.empty(rows.shape[0], w2.shape[1], device=rows.device, dtype=rows.dtype)
@@ -132,8 +134,6 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def sweep(rows, w13, w2, seg, act_ref, y_ref, t0: float) -> dict[str, list[dict[str, Any]]]:
-    gk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")  # not the same-named function
-
     m, h = rows.shape
     e, i = w13.shape[0], w13.shape[1] // 2
     decode = gk.is_decode(m, e)
@@ -201,8 +201,7 @@ def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, to
                 row["best_us"] = row["best_swiglu_us"] + row["best_gemm_us"]
                 row["best_tflops"] = flops / (row["best_us"] * 1e-6) / 1e12
                 row["best_weight_bw_pct"] = 100 * weight_bytes / (row["best_us"] * 1e-6) / 1e9 / copy_gbs
-    gk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")
-    row["kernel_variant"] = importlib.import_module("ep_fuse.providers.triton.grouped_gemm").kernel_variant(rows, w13)
+    row["kernel_variant"] = gg.kernel_variant(rows, w13, swiglu=True)
     row["config_swiglu"] = str(gk.config_for(m, i, h, e, swiglu=True))
     if row.get("ep_fuse") and row.get("inductor"):
         row["speedup_vs_inductor"] = row["inductor"] / row["ep_fuse"]

@@ -58,6 +58,8 @@ LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 """Hidden sizes DeepEP's low-latency kernels are instantiated for (``SWITCH_HIDDEN``); others assert."""
 LL_MAX_TOPK = 11
 MAX_LOCAL_EXPERTS = 1024
+ROW_BYTES = 16
+"""DeepEP's normal dispatch copies rows as 16-byte words, whatever their dtype (``csrc/deep_ep.cpp`` host checks)."""
 INT_MAX = 2**31 - 1
 DEFAULT_QP_DEPTH = 1024
 """``Buffer`` sets ``NVSHMEM_QP_DEPTH`` to this unless the environment sets it; low-latency kernels
@@ -93,12 +95,13 @@ def supports(mode: str, x: Any, topk_ids: Any, out_dtype: Any, world: int, capac
     if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
         return "DeepEP refuses deterministic algorithms with fill_uninitialized_memory"
     if x.dtype != torch.bfloat16:
-        return f"DeepEP dispatches BF16 tokens (FP8 not used by ep_fuse); got {x.dtype}"
+        return (f"ep_fuse sends BF16 tokens through DeepEP (quant='fp8_block' packs fp8 rows after this check); "
+                f"got {x.dtype}")
     if out_dtype != torch.bfloat16:
         return f"DeepEP combines BF16 expert outputs; the block returns {out_dtype}"
     hidden = int(x.shape[-1])
-    if hidden * 2 % 16:
-        return f"DeepEP moves rows of 16-byte multiples; hidden {hidden} x 2 bytes is not"
+    if hidden * 2 % ROW_BYTES:
+        return f"DeepEP moves rows of {ROW_BYTES}-byte multiples; hidden {hidden} x 2 bytes is not"
     if num_experts is not None and num_experts // world > MAX_LOCAL_EXPERTS:
         return f"{num_experts // world} local experts exceed DeepEP's {MAX_LOCAL_EXPERTS}"
     if mode == "normal":

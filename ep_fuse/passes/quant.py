@@ -176,10 +176,6 @@ row crosses it as one uint8 row, the same bytes its own ``(x_fp8, x_scales)`` fo
 ``expert``-layout engines (DeepEP low-latency, Ascend) have their own row formats, and ``symm_mem`` checks bf16
 tokens."""
 
-ROW_ALIGN = {"deepep": 16}
-"""Bytes a dispatched row must be a multiple of, per engine (DeepEP copies rows as 16-byte words)."""
-
-
 def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
                   ) -> tuple[fx.Node, fx.Node, torch.dtype] | None:
     """Move the 1 x ``bk`` activation quantization of an FP8 block before its EP dispatch.
@@ -189,6 +185,7 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     instead of ``2H`` (bf16), and the receiver's rows are the codes and scales the block would have computed
     itself (the quantization is per token, so the result is bit for bit the same). Returns ``(received codes,
     received scales, the tokens' dtype)``, or ``None`` when the dispatch is not one this applies to."""
+    from ep_fuse.ep.deepep import ROW_BYTES
     from ep_fuse.fx_utils import val
     from ep_fuse.ops import canonical
     from ep_fuse.providers.triton.unverified import cleared
@@ -199,24 +196,25 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
         return None
     x, backend, layout = d.args[0], d.args[5], d.args[6]
     xv = val(x)
+    static_width = isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(xv.shape[1], int)
+    h = int(xv.shape[1]) if static_width else 0
+    ng = cdiv(h, bk)
+    row_bytes = h + 4 * ng  # the codes, then the fp32 scales
     why = None
     if ctx.device == "cuda" and not cleared("ep:fp8_dispatch"):
         why = "FP8 dispatch has not run over NCCL yet (ep:fp8_dispatch in providers/triton/unverified.py)"
     elif backend not in FP8_DISPATCH_BACKENDS or layout != "rank":
         why = (f"the {backend} dispatch sends the tokens as they are (FP8 dispatch: "
                f"{', '.join(FP8_DISPATCH_BACKENDS)})")
-    elif not isinstance(xv, torch.Tensor) or xv.dim() != 2 or not isinstance(xv.shape[1], int) or xv.shape[1] % 4:
+    elif not static_width or h % 4:
         why = "the token width is not a static multiple of 4 (the scales must start 4-byte aligned)"
-    elif (int(xv.shape[1]) + 4 * cdiv(int(xv.shape[1]), bk)) % ROW_ALIGN.get(backend, 1):
-        why = (f"{backend} moves rows in {ROW_ALIGN[backend]}-byte words and the codes + scales row of "
-               f"{int(xv.shape[1]) + 4 * cdiv(int(xv.shape[1]), bk)} bytes is not a multiple")
+    elif backend == "deepep" and row_bytes % ROW_BYTES:
+        why = f"DeepEP moves rows in {ROW_BYTES}-byte words and the codes + scales row of {row_bytes} bytes is not"
     elif len(recv.users) != 1:
         why = "the received tokens have other users than the block"
     if why is not None:
         log.info("ep_fuse: quant: %s: bf16 dispatch: %s", block.name, why)
         return None
-    h = int(xv.shape[1])
-    ng = cdiv(h, bk)
     graph = gm.graph
     with graph.inserting_before(d):
         qn = _call(ctx, gm, canonical._fp8_ops.quant_fp8_group.op, (x, bk))
@@ -230,7 +228,7 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
             out.meta["val"] = d.meta["val"][out.args[1]]
     with graph.inserting_before(block):
         rcodes, rscales = (_call(ctx, gm, aten.view.dtype, (_call(ctx, gm, aten.slice.Tensor, (recv, 1, lo, hi)), dt))
-                           for lo, hi, dt in ((0, h, FP8), (h, h + 4 * ng, torch.float32)))
+                           for lo, hi, dt in ((0, h, FP8), (h, row_bytes, torch.float32)))
     for rec in ctx.report.ep:
         if rec.block == block.name:
             rec.payload = f"fp8 e4m3 + 1x{bk} fp32 scales"

@@ -191,10 +191,6 @@ one-tile-per-program kernel everywhere (1.12x / 1.27x at 128 rows per expert, De
 rows per expert it is unmeasured, so the other kernel keeps those sizes."""
 
 
-def _gemm_columns(w: Any, swiglu: bool) -> Any:
-    return w.shape[1] // 2 if swiglu else w.shape[1]
-
-
 def _tma_takes(x: Any, w: Any, swiglu: bool = False) -> bool:
     """Whether a CUDA call on these (fake or real, static-size) tensors runs the TMA grouped GEMM."""
     from torch._subclasses.fake_tensor import is_fake
@@ -263,7 +259,7 @@ def grouped_gemm_tma_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
         return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
     if x.device.type != "cuda":  # a GPU measurement: the interpreter's tiles are not the GPU's
         return None
-    n, k, e = _gemm_columns(w, swiglu), w.shape[2], w.shape[0]
+    n, k, e = (w.shape[1] // 2 if swiglu else w.shape[1]), w.shape[2], w.shape[0]
     bn = config_for(x.shape[0], n, k, e, swiglu=swiglu, interpret=False).bn
     if n % bn:
         return (f"{n} output columns do not fill the TMA kernel's {bn}-column tiles (measured 0.92-0.96x "

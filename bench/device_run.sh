@@ -13,7 +13,7 @@
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
 # host_overhead (bench/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
-# result into $OUT).
+# result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 repo=$PWD
@@ -60,6 +60,9 @@ for s in "$@"; do
         --num-tokens 128 --hidden 7168 --num-topk 8 --num-experts 256 ;;
     gpu_single)
       step gpu_single timeout 300 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_serving.py" ;;
+    gpu_tests)
+      step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider \
+        $(for f in ${GPU_TESTS:-}; do echo "$repo/tests/gpu/$f"; done) ;;
     gpu_multi)
       step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
         --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;

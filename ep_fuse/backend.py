@@ -180,11 +180,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
 
 
 @functools.lru_cache(maxsize=1)
-def ep_fuse_cache_tag() -> str:
-    """``ep_fuse-<version>-<hash of its sources>``, added to ``torch.compiler.config.cache_key_tag`` while
-    Inductor compiles a rewritten graph: Inductor's FX-graph and AOTAutograd caches key a graph on its
-    code, not on the fake (meta) functions of the custom ops in it, so a graph cached by another
-    ep_fuse (other output strides of an op, say) would otherwise be reused and fail, or be wrong."""
+def _source_tag() -> str:
+    """``ep_fuse-<version>-<hash of its sources>``."""
     import hashlib
     from pathlib import Path
 
@@ -197,6 +194,21 @@ def ep_fuse_cache_tag() -> str:
             digest.update(str(path.relative_to(root)).encode())
             digest.update(path.read_bytes())
     return f"ep_fuse-{getattr(ep_fuse, '__version__', '0')}-{digest.hexdigest()[:16]}"
+
+
+def ep_fuse_cache_tag() -> str:
+    """``ep_fuse-<version>-<hash of its sources>[-<inline switches>]``, added to
+    ``torch.compiler.config.cache_key_tag`` while Inductor compiles a rewritten graph: Inductor's FX-graph and
+    AOTAutograd caches key a graph on its code, not on the fake (meta) functions of the custom ops in it nor
+    on how their launches are traced, so a graph cached by another ep_fuse (other output strides of an op,
+    say), or under other inline switches (``EP_FUSE_SIZE_BRANCHES=0``: the opaque ``<op>_by_size`` op instead
+    of branches), would otherwise be reused and fail, or be wrong."""
+    import sys
+
+    prov = sys.modules.get("ep_fuse.providers.triton")  # not loaded: no Triton launch is traced
+    off = [name for name, flag in (("inline", "INLINE_IN_INDUCTOR"), ("symbolic", "INLINE_SYMBOLIC"),
+                                   ("branches", "INLINE_SIZE_BRANCHES")) if not getattr(prov, flag, True)]
+    return _source_tag() + (f"-no-{'-'.join(off)}" if off else "")
 
 
 def _handoff(captured: dict[str, Any], why: str | None) -> InductorHandoff:

@@ -131,3 +131,170 @@ def test_unbacked_sizes_keep_the_opaque_op() -> None:
     assert not P._unbacked((backed, 1e-6, None))
     assert P._unbacked((backed, unbacked))
     assert not P._unbacked((torch.empty(2, 3),))
+
+
+# --------------------------------------------------------------------------- the <op>_by_size branches
+def _grouped_args(dtype: torch.dtype, swiglu: bool) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(T * K, H, dtype=dtype), torch.randn(E, 2 * 64 if swiglu else 64, H, dtype=dtype),
+            torch.zeros(E + 1, dtype=torch.int64))
+
+
+BY_SIZE_CASES: dict[str, Callable[[], tuple[Any, ...]]] = {
+    "grouped_gemm bf16": lambda: ("grouped_gemm", _grouped_args(BF16, False)),
+    "grouped_gemm_swiglu bf16": lambda: ("grouped_gemm_swiglu", _grouped_args(BF16, True)),
+    "grouped_gemm_swiglu fp16": lambda: ("grouped_gemm_swiglu", _grouped_args(torch.float16, True)),
+    "gemm_swiglu": lambda: ("gemm_swiglu", (torch.randn(2, T, H, dtype=BF16), torch.randn(96, H, dtype=BF16),
+                                            torch.randn(96, H, dtype=BF16))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BY_SIZE_CASES))
+def test_size_branches_trace_every_branch_without_a_guard(case: str) -> None:
+    """``<op>_by_size`` at a symbolic row count becomes a nest of conds on ``rows < bound``: every branch is
+    traced (here: run on fake tensors by a recording ``cond``) and none adds a guard."""
+    from ep_fuse.providers.triton import size_branches as sb
+
+    op, args = BY_SIZE_CASES[case]()
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    seed = mode.from_tensor(torch.empty(T, 3), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    preds: list[Any] = []
+
+    def record_cond(pred: Any, take: Callable[..., Any], other: Callable[..., Any], ops: tuple[Any, ...]) -> Any:
+        preds.append(pred)
+        out, alt = take(*ops), other(*ops)
+        assert out[0].shape == alt[0].shape and out[0].dtype == alt[0].dtype
+        return out
+
+    rec = _Recorder()
+    with mode:
+        tokens = seed.shape[0]
+        fake = tuple(_symbolic_like(a, tokens) for a in args)
+        branches = sb.BRANCHES[op][0](*fake)
+        before = len(env.guards)
+        sb.run_by_size(op, fake, rec, cond=record_cond)
+    assert [str(g.expr) for g in env.guards[before:]] == []
+    assert len(preds) == len(branches) - 1 and all(isinstance(p, torch.SymBool) for p in preds)
+    kernel_branches = sum(b.name.startswith(("kernel", "tma")) for b in branches)
+    assert len(rec.launches) >= kernel_branches  # the TMA branch launches the tile table and the GEMM
+    symbols = {str(s) for _, grid in rec.launches for g in grid if isinstance(g, torch.SymInt)
+               for s in g.node.expr.free_symbols}
+    assert symbols, f"every grid was specialised: {rec.launches}"
+
+
+def test_size_branches_follow_the_run_time_rules() -> None:
+    """The bounds are the rules the opaque op applies per call: decode tiles up to 16 rows per expert, the
+    64-row config up to 64, then the TMA kernel from 128 rows per expert (where it takes the shape) or
+    ``torch._grouped_mm`` above 128 (bf16), the kernel at every size where ``_grouped_mm`` does not run."""
+    from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton.grouped_gemm_kernel import is_decode
+
+    x, w, _ = _grouped_args(BF16, True)
+    e = w.shape[0]
+    names = {rows: sb.branch_for(sb.grouped_branches(x, w, True), rows).name
+             for rows in (1, 16 * e, 16 * e + 1, 64 * e, 64 * e + 1, 128 * e - 1, 128 * e, 2**31)}
+    assert names == {1: "kernel (decode tiles)", 16 * e: "kernel (decode tiles)", 16 * e + 1: "kernel (64-row tiles)",
+                     64 * e: "kernel (64-row tiles)", 64 * e + 1: "kernel (128-row tiles)",
+                     128 * e - 1: "kernel (128-row tiles)", 128 * e: "tma",
+                     2**31: "torch._grouped_mm"}  # TMA takes any width under the interpreter
+    for rows in (1, 16 * e, 16 * e + 1, 300):
+        assert (sb.branch_for(sb.grouped_branches(x, w, True), rows).name == "kernel (decode tiles)") == \
+            is_decode(rows, e)
+    xh, wh, _ = _grouped_args(torch.float16, False)
+    assert sb.branch_for(sb.grouped_branches(xh, wh, False), 2**31).name == "kernel (128-row tiles)"
+    dense = sb.gemm_swiglu_branches(*BY_SIZE_CASES["gemm_swiglu"]()[1])  # CPU: no TMA branch
+    assert [(b.name, b.below) for b in dense] == [("kernel (16-row tiles)", 17), ("kernel (32-row tiles)", 33),
+                                                   ("reference", None)]
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_every_size_branch_computes_the_op(swiglu: bool, dtype: torch.dtype) -> None:
+    """Each branch (its own tile config, the TMA kernel, ``torch._grouped_mm``) gives the reference's result,
+    ragged experts with an empty one and a zero tail included (Triton interpreter)."""
+    from ep_fuse.ops.moe_reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
+    from ep_fuse.providers.triton import size_branches as sb
+
+    torch.manual_seed(0)
+    e, n, k = 4, 32, 32
+    counts = [9, 0, 21, 5]
+    m = sum(counts) + 3
+    x = torch.randn(m, k, dtype=dtype)
+    w = torch.randn(e, 2 * n if swiglu else n, k, dtype=dtype) / k**0.5
+    seg = torch.tensor([0, *counts]).cumsum(0)
+    ref = (grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref)(x, w, seg)
+    branches = sb.grouped_branches(x, w, swiglu)
+    assert len({b.name for b in branches}) >= 3
+    for b in branches:
+        torch.testing.assert_close(b.run((x, w, seg), None).float(), ref.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda s, b=b: f"branch {b.name}: {s}")
+
+
+def test_dense_size_branches_compute_the_op() -> None:
+    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.providers.triton import size_branches as sb
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 32, dtype=BF16)
+    wg, wu = torch.randn(48, 32, dtype=BF16) / 6, torch.randn(48, 32, dtype=BF16) / 6
+    ref = gemm_swiglu_ref(x, wg, wu)
+    for b in sb.gemm_swiglu_branches(x, wg, wu):
+        torch.testing.assert_close(b.run((x, wg, wu), None).float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@torch.library.custom_op("ep_fuse_test::by_rows", mutates_args=())
+def _by_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    from ep_fuse.providers.triton import size_branches as sb
+
+    return sb.select(_ROW_BRANCHES, lambda t: t.shape[0], (x, w), None)
+
+
+@_by_rows.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _row_branches() -> list[Any]:
+    from ep_fuse.providers.triton.size_branches import Branch
+
+    return [Branch("a", 17, lambda a, wrap: a[0] @ a[1].T + 1), Branch("b", 65, lambda a, wrap: a[0] @ a[1].T + 2),
+            Branch("c", None, lambda a, wrap: a[0] @ a[1].T - 1)]
+
+
+_ROW_BRANCHES = _row_branches()
+
+
+def _by_rows_rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    from ep_fuse.providers.triton import size_branches as sb
+
+    with mode:
+        return sb.select(_ROW_BRANCHES, lambda t: t.shape[0], args, None)
+
+
+from torch._subclasses.functional_tensor import FunctionalTensorMode  # noqa: E402
+
+torch.library.register_torch_dispatch(torch.ops.ep_fuse_test.by_rows.default, FunctionalTensorMode, _by_rows_rule)
+
+
+def test_size_branches_compile_in_inductor_at_a_product_of_symbols() -> None:
+    """Inductor compiles the nested conds once for every row count, including a row count that is a product
+    of symbols (batch x length): each branch's subgraph gets the symbols as operands (without them Inductor
+    failed with "For s27*s77, expected [s27, s77] to have been codegen-ed", seen on H200)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from ep_fuse.providers.triton import size_branches as sb
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.ep_fuse_test.by_rows(x.sin().reshape(-1, x.shape[-1]), w) * 2
+
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(f, backend=counter, dynamic=True)
+    w = torch.randn(8, 4)
+    taken = set()
+    for b, s in [(2, 3), (3, 7), (4, 10), (5, 40), (2, 5)]:
+        x = torch.randn(b, s, 4)
+        branch = sb.branch_for(_ROW_BRANCHES, b * s)
+        taken.add(branch.name)
+        torch.testing.assert_close(compiled(x, w), branch.run((x.sin().reshape(-1, 4), w), None) * 2)
+    assert taken == {"a", "b", "c"} and counter.frame_count == 1

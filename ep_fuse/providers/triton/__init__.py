@@ -8,15 +8,18 @@ Two ways a lowered call runs:
   shapes, the launch is traced through ``wrap_triton`` so Inductor emits the kernel call in its own
   generated code (no Python dispatch per call).
 
-With symbolic sizes (``dynamic=True``) the ops stay opaque: the launch picks its tile config from the
-real sizes of each call, and the ``<op>_by_size`` ops of ``gemm_swiglu`` and the grouped GEMMs choose
-between the kernel and the reference per call (:mod:`ep_fuse.providers.triton.perf`).
+With symbolic sizes (``dynamic=True``) the launches of the ops registered ``symbolic=True`` are inlined too
+(their host code adds no guard). The ``<op>_by_size`` ops of ``gemm_swiglu`` and the grouped GEMMs choose
+between kernels and the reference by the real row count (:mod:`ep_fuse.providers.triton.perf`); Inductor
+traces that choice as branches on the row count (:mod:`~ep_fuse.providers.triton.size_branches`), except
+where the compile uses CUDA graphs, which keeps the opaque op.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -107,6 +110,35 @@ def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, 
     return rule
 
 
+INLINE_SIZE_BRANCHES = os.environ.get("EP_FUSE_SIZE_BRANCHES", "1") != "0"
+"""Trace the ``<op>_by_size`` choice as ``torch.cond`` branches at symbolic sizes (False, or
+``EP_FUSE_SIZE_BRANCHES=0`` at import: keep the opaque ``<op>_by_size`` op, which makes the choice per call in
+Python)."""
+
+
+def _cudagraphs_requested() -> bool:
+    """Whether the compile running now asks for CUDA graphs (``mode="reduce-overhead"``): Inductor runs a graph
+    holding ``torch.cond`` without them."""
+    import torch._inductor.config as inductor_config
+
+    return bool(inductor_config.triton.cudagraphs)
+
+
+def _size_branch_rule(name: str, supports: Check) -> Any:
+    def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if (not (INLINE_IN_INDUCTOR and INLINE_SIZE_BRANCHES) or triton_interpret() or args[0].device.type != "cuda"
+                or _static(args) or _unbacked(args) or supports(args) is not None or _cudagraphs_requested()):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        from torch.library import wrap_triton
+
+        from ep_fuse.providers.triton.size_branches import run_by_size
+
+        with mode:
+            return run_by_size(name, args, wrap_triton)
+
+    return rule
+
+
 def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, prefers: Check | None,
               inline_ok: Check, run_time: Check | None = None, symbolic: bool = False) -> None:
     prov = register_provider(canon, "triton", kernel, devices=_devices, available=_available,
@@ -117,6 +149,12 @@ def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, p
                                           _inline_rule(kernel, supports, inline_ok, symbolic))
     if symbolic:
         SYMBOLIC_INLINE[canon.name] = kernel
+    if prov.by_size is not None:
+        from ep_fuse.providers.triton.size_branches import BRANCHES
+
+        if canon.name in BRANCHES:
+            torch.library.register_torch_dispatch(prov.by_size, FunctionalTensorMode,
+                                                  _size_branch_rule(canon.name, supports))
 
 
 SYMBOLIC_INLINE: dict[str, Callable[..., Any]] = {}

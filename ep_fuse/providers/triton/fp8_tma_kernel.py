@@ -29,6 +29,7 @@ from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
     TmaGemmConfig,
     _item,
     _load_k,
+    _tile_entry,
     num_programs,
     tma_unsupported,
     walk_operands,
@@ -60,12 +61,8 @@ def _fp8_gemm_tma_kernel(
     k_tiles = tl.cdiv(K, BK)
     for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
         tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
-        entry = TABLE + 4 + 4 * tile
-        e = tl.load(entry)
-        m_start = tl.load(entry + 1)
-        m_end = tl.load(entry + 2)
+        e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
         e_c = tl.maximum(e, 0)
-        w_row = e_c * NW + pid_n * BN
         rm = m_start + rows_m
         rn = pid_n * BN + rows_n
         rm_c = tl.minimum(rm, M - 1)

@@ -48,6 +48,8 @@ MAX_EXPERTS = 8192
 """Experts whose offsets one program scans in registers; more are declined on the host."""
 DECODE_ROWS_PER_EXPERT = 16
 """At most this many rows per expert on average: the weight-bandwidth-bound decode regime."""
+MID_ROWS_PER_EXPERT = 64
+"""Above the decode regime and up to this many rows per expert: 64-row tiles; 128-row tiles above."""
 
 
 @triton.jit
@@ -129,7 +131,7 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
         return GemmConfig(16, 16, 32, 4, 1, 1, swap_ab=True) if decode else GemmConfig(32, 32, 16, 4, 1, 2)
     if decode:
         return GemmConfig(16, 64, 128, 4, 4, 1, swap_ab=True)
-    if m <= 64 * e:
+    if m <= MID_ROWS_PER_EXPERT * e:
         return GemmConfig(64, 128, 64, 4, 4, 8)
     if swiglu:
         return GemmConfig(128, 128, 64, 8, 3, 8)
@@ -137,8 +139,9 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
 
 
 def num_programs(m: int, n: int, e: int, cfg: GemmConfig) -> int:
-    """The flat grid: the static tile bound (module docstring) times the N tiles."""
-    return (triton.cdiv(m, cfg.bm) + min(e, m)) * triton.cdiv(n, cfg.bn)
+    """The flat grid: the static tile bound (module docstring) times the N tiles (a size expression when
+    ``m`` is symbolic: no guard)."""
+    return (triton.cdiv(m, cfg.bm) + torch.sym_min(e, m)) * triton.cdiv(n, cfg.bn)
 
 
 def block_e(e: int) -> int:

@@ -2,11 +2,12 @@
 ``grouped_gemm_swiglu`` contract of :mod:`~ep_fuse.providers.triton.grouped_gemm_kernel`, for prefill-size
 rows per expert.
 
-**Not yet measured or run on a GPU** (written against the Triton 3.6 API, checked under the Triton
-interpreter only): on CUDA the provider keeps the existing kernel until ``tests/gpu/test_gpu_grouped_gemm_tma.py``
-has passed (:mod:`~ep_fuse.providers.triton.unverified`); ``bench/bench_grouped_gemm_tma.py`` measures it.
+Measured on H200 and checked there by ``tests/gpu/test_gpu_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
+``bench/bench_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`
+says where it runs.
 
-Two launches, both CUDA-graph capturable (no tensor value is read on the host; every size is static):
+Two launches, both CUDA-graph capturable (no tensor value is read on the host; grids and buffers are functions
+of the sizes only, so they also trace at a symbolic row count):
 
 1. :func:`_tile_table_kernel` builds the work list on the device from ``seg_indptr``. A *tile* is ``BM``
    rows of one expert; expert ``e`` owns ``cdiv(count_e, BM)`` tiles, listed expert by expert, then the
@@ -125,6 +126,15 @@ def _item(item, num_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_entry(TABLE, tile, NW, pid_n, BN: tl.constexpr):
+    """``(expert or -1, first row, row end, first weight row)`` of table entry ``tile`` at column tile ``pid_n``
+    (weights read as one [E * NW, K] tensor)."""
+    entry = TABLE + 4 + 4 * tile
+    e = tl.load(entry)
+    return e, tl.load(entry + 1), tl.load(entry + 2), tl.maximum(e, 0) * NW + pid_n * BN
+
+
+@triton.jit
 def _load_k(src, row, k0, rows, rk, K, W_ROWS_OR_M, sr, DESC: tl.constexpr, UPCAST: tl.constexpr):
     """A [len(rows), BK] K-slice at (``row``, ``k0``): by descriptor, or clamped rows and masked K by pointer."""
     if DESC == 0:
@@ -168,11 +178,7 @@ def _grouped_gemm_tma_kernel(
     k_tiles = tl.cdiv(K, BK)
     for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
         tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
-        entry = TABLE + 4 + 4 * tile
-        e = tl.load(entry)
-        m_start = tl.load(entry + 1)
-        m_end = tl.load(entry + 2)
-        w_row = tl.maximum(e, 0) * NW + pid_n * BN
+        e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
         num_k = tl.where(e >= 0, k_tiles, 0)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
@@ -199,8 +205,9 @@ def _grouped_gemm_tma_kernel(
 
 # --------------------------------------------------------------------------- host side
 def max_tiles(m: int, e: int, bm: int) -> int:
-    """Static bound on the tiles of ``m`` rows over ``e`` experts (module docstring)."""
-    return triton.cdiv(m, bm) + min(e, m)
+    """Static bound on the tiles of ``m`` rows over ``e`` experts (module docstring; a size expression when
+    ``m`` is symbolic)."""
+    return triton.cdiv(m, bm) + torch.sym_min(e, m)
 
 
 @functools.lru_cache(maxsize=16)
@@ -216,7 +223,7 @@ def num_programs(x: torch.Tensor, m: int, n: int, e: int, cfg: TmaGemmConfig) ->
         want = _sm_count(x.device.index if x.device.index is not None else torch.cuda.current_device())
     else:
         want = INTERPRET_PROGRAMS
-    return max(1, min(want, max_tiles(m, e, cfg.bm) * triton.cdiv(n, cfg.bn)))
+    return torch.sym_max(1, torch.sym_min(want, max_tiles(m, e, cfg.bm) * triton.cdiv(n, cfg.bn)))
 
 
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
@@ -255,12 +262,14 @@ def ensure_allocator() -> None:
 
 
 def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False,
-                    dtypes: tuple[torch.dtype, ...] = TMA_DTYPES) -> str | None:
+                    dtypes: tuple[torch.dtype, ...] = TMA_DTYPES, rows_bounded: bool = False) -> str | None:
     """``None`` when the TMA kernel can address ``x [M, K]`` and ``w [E, rows, K]``, else why not.
 
     TMA needs 16-byte aligned bases and row strides, unit K stride and int32 coordinates; ``w`` is read as
     one [E * rows, K] tensor. ``traced``: the tensors are fake (Inductor inlining), so only the storage
-    offset's alignment can be checked (fresh allocations and parameters are aligned)."""
+    offset's alignment can be checked (fresh allocations and parameters are aligned). ``rows_bounded``: the
+    caller guarantees fewer than 2**31 rows (a symbolic row count under a branch on it), so ``x``'s row count
+    is not compared here (that would add a guard)."""
     if x.dtype not in dtypes or w.dtype != x.dtype:
         return f"dtype {x.dtype} (this TMA kernel takes {'/'.join(_SHORT.get(d, str(d)) for d in dtypes)})"
     if x.device.type == "cuda":
@@ -275,7 +284,7 @@ def tma_unsupported(x: torch.Tensor, w: torch.Tensor, traced: bool = False,
         return "row strides are not multiples of 16 bytes"
     if w.shape[0] > 1 and w.stride(0) != w.shape[1] * w.stride(1):
         return "the experts' weights are not one [E * rows, K] tensor"
-    if x.shape[0] >= 2**31 or w.shape[0] * w.shape[1] >= 2**31:
+    if (not rows_bounded and x.shape[0] >= 2**31) or w.shape[0] * w.shape[1] >= 2**31:
         return "more than 2**31 rows"
     for t in (x, w):
         aligned = (t.storage_offset() * size) % 16 == 0 if traced else t.data_ptr() % 16 == 0
@@ -291,7 +300,7 @@ def build_tile_table(seg: torch.Tensor, m: int, e: int, bm: int,
     bound = max_tiles(m, e, bm)
     table = torch.empty(TABLE_HEADER + 4 * bound, dtype=torch.int32, device=seg.device)
     prep = wrap(_tile_table_kernel) if wrap is not None else _tile_table_kernel
-    prep[(max(1, triton.cdiv(bound, TABLE_BLOCK_T)),)](seg, table, m, e, bound, BM=bm, BLOCK_T=TABLE_BLOCK_T,
+    prep[(torch.sym_max(1, triton.cdiv(bound, TABLE_BLOCK_T)),)](seg, table, m, e, bound, BM=bm, BLOCK_T=TABLE_BLOCK_T,
                                                CHUNK_E=TABLE_CHUNK_E)
     return table
 

@@ -1,0 +1,246 @@
+"""The per-call choice of the ``<op>_by_size`` ops traced as host-side branches on the row count.
+
+At a symbolic row count (``dynamic=True``) the fastest code for a grouped GEMM or a dense GEMM + SwiGLU
+depends on the real rows: the kernel's decode or prefill tiles, the Hopper TMA kernel, or the reference
+(``torch._grouped_mm`` / cuBLAS) where the kernels measured slower (:mod:`~ep_fuse.providers.triton.perf`).
+The opaque ``<op>_by_size`` op makes that choice in Python on every call, and pays for it in host time: the
+dispatcher, the provider's checks and Triton's JIT launcher (about 65 µs per call more than Inductor's extern
+``_grouped_mm``, measured on H200, ``docs/benchmarks.md``), which left dynamic graphs host-bound.
+
+Here the same choice is traced once: :func:`select` nests ``torch.cond`` on ``rows < bound`` predicates whose
+bounds are the perf rules' thresholds (static: the experts and widths are parameters), and each branch is one
+launch with a fixed tile config, inlined through ``wrap_triton``, or the reference's ATen ops. Inductor
+compiles every branch and its generated code picks one with an ``if`` on the size: the same kernels and
+configs the static path picks, without the dispatcher or the JIT launcher per call, and without a guard on
+the row count (``tests/test_symbolic_launch.py``).
+
+Inductor runs graphs holding ``torch.cond`` without CUDA graphs, so the inline rule keeps the opaque op where
+the compile asks for them (``mode="reduce-overhead"``: a graph replay hides the host cost anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ep_fuse.providers.common import row_stride
+
+Wrap = Callable[[Any], Any]
+Cond = Callable[[Any, Callable[..., Any], Callable[..., Any], tuple[torch.Tensor, ...]], Any]
+ROWS_LIMIT = 2**31
+"""Rows the TMA kernels address with int32 coordinates; larger calls take the branch after them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+    """One way to run the call: taken for ``rows < below`` when no branch before it took the call (``below``
+    ``None``: every remaining call)."""
+
+    name: str
+    below: int | None
+    run: Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- grouped GEMMs
+def _grouped_kernel(swiglu: bool, rep_rows: int) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
+    """The one-tile-per-program kernel with the config ``config_for`` gives ``rep_rows`` rows (its regimes
+    change only at the branch bounds, so every row count of the branch gets the static path's config)."""
+    # by module path: the package attribute ``grouped_gemm_kernel`` is the provider's function
+    mod = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")
+
+    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
+        x, w, seg = args
+        n = w.shape[1] // 2 if swiglu else w.shape[1]
+        cfg = mod.config_for(rep_rows, n, w.shape[2], w.shape[0], swiglu=swiglu)
+        y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        launch = mod.launch_grouped_gemm_swiglu if swiglu else mod.launch_grouped_gemm
+        launch(x, w, seg, y, config=cfg, wrap=wrap)
+        return y
+
+    return run
+
+
+def _grouped_tma(swiglu: bool) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
+    tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
+
+    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
+        x, w, seg = args
+        n = w.shape[1] // 2 if swiglu else w.shape[1]
+        cfg = tma.config_for(0, n, w.shape[2], w.shape[0], swiglu=swiglu)  # independent of the rows
+        y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+        launch = tma.launch_grouped_gemm_swiglu_tma if swiglu else tma.launch_grouped_gemm_tma
+        launch(x, w, seg, y, config=cfg, wrap=wrap)
+        return y
+
+    return run
+
+
+def _grouped_reference(swiglu: bool) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
+    from ep_fuse.ops.moe_reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
+
+    ref = grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref
+
+    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
+        return ref(*args)
+
+    return run
+
+
+def _grouped_tma_static(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> bool:
+    """Whether the TMA kernel takes this call at every row count from its threshold on (static facts only:
+    dtype, GPU, strides, the column rule)."""
+    from ep_fuse.providers.triton.grouped_gemm import TMA_VARIANT
+    from ep_fuse.providers.triton.perf import GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT, grouped_gemm_tma_rule
+    from ep_fuse.providers.triton.unverified import gpu_unverified
+
+    e = w.shape[0]
+    probe = x.new_empty((GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * max(e, 1), 0))  # a row count the rule accepts
+    return (grouped_gemm_tma_rule(probe, w, swiglu) is None and gpu_unverified(TMA_VARIANT, x) is None
+            and importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel").tma_unsupported(
+                x, w, traced=True, rows_bounded=True) is None)
+
+
+def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> list[Branch]:
+    """The branches of ``grouped_gemm[_swiglu]_by_size`` on ``x`` [M, K] (symbolic M), ``w`` [E, N, K]: the
+    decisions of :func:`~ep_fuse.providers.triton.perf.grouped_gemm_at_run_time` and of the kernel's
+    ``config_for`` / :func:`~ep_fuse.providers.triton.grouped_gemm.kernel_variant`, as row bounds."""
+    from ep_fuse.ops.moe_reference import grouped_mm_supported
+    from ep_fuse.providers.triton.grouped_gemm_kernel import DECODE_ROWS_PER_EXPERT, MID_ROWS_PER_EXPERT
+    from ep_fuse.providers.triton.perf import (
+        GROUPED_GEMM_MAX_ROWS_PER_EXPERT,
+        GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT,
+    )
+
+    e = max(int(w.shape[0]), 1)
+    mid = MID_ROWS_PER_EXPERT * e
+    branches = [Branch("kernel (decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, _grouped_kernel(swiglu, 1)),
+                Branch("kernel (64-row tiles)", mid + 1, _grouped_kernel(swiglu, mid))]
+    large = _grouped_kernel(swiglu, mid + 1)
+    reference = Branch("torch._grouped_mm", None, _grouped_reference(swiglu))
+    if _grouped_tma_static(x, w, swiglu):
+        branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * e, large),
+                     Branch("tma", ROWS_LIMIT, _grouped_tma(swiglu))]
+        branches.append(reference if grouped_mm_supported(x, w) else Branch("kernel (128-row tiles)", None, large))
+    elif grouped_mm_supported(x, w):
+        branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_MAX_ROWS_PER_EXPERT * e + 1, large), reference]
+    else:  # the reference would loop over the experts on the host: the kernel at every size
+        branches.append(Branch("kernel (128-row tiles)", None, large))
+    return branches
+
+
+# --------------------------------------------------------------------------- dense GEMM + SwiGLU
+def _dense_rows(x: torch.Tensor) -> Any:
+    return x.numel() // max(int(x.shape[-1]), 1)
+
+
+def _dense_launch(launch: Callable[..., None], cfg: Any) -> Callable[[Sequence[torch.Tensor], Wrap | None],
+                                                                      torch.Tensor]:
+    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
+        x, wg, wu = args
+        h = x.shape[-1]
+        rs = row_stride(x)
+        assert rs is not None  # checked by the provider's supports()
+        x2 = x.as_strided((_dense_rows(x), h), (rs, 1)) if x.dim() != 2 else x
+        y = torch.empty((*x.shape[:-1], wg.shape[0]), dtype=x.dtype, device=x.device)
+        launch(x2, wg, wu, y.view(-1, wg.shape[0]), config=cfg, wrap=wrap)
+        return y
+
+    return run
+
+
+def gemm_swiglu_branches(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> list[Branch]:
+    """The branches of ``gemm_swiglu_by_size``: the kernel's decode tiles up to
+    :data:`~ep_fuse.providers.triton.perf.GEMM_SWIGLU_MAX_ROWS` rows, the TMA kernel on its measured wins,
+    the reference (two cuBLAS GEMMs and the SwiGLU) elsewhere."""
+    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.providers.triton.gemm_swiglu_kernel import gemm_config, launch
+
+    tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
+    from ep_fuse.providers.triton.perf import GEMM_SWIGLU_MAX_ROWS, GEMM_SWIGLU_TMA_MIN_ROWS, dense_tma_size_wins
+
+    n, k = int(w_gate.shape[0]), int(w_gate.shape[1])
+    reference = Branch("reference", None, lambda args, wrap: gemm_swiglu_ref(*args))
+    branches = [Branch("kernel (16-row tiles)", 17, _dense_launch(launch, gemm_config(16, n, k))),
+                Branch("kernel (32-row tiles)", GEMM_SWIGLU_MAX_ROWS + 1,
+                       _dense_launch(launch, gemm_config(GEMM_SWIGLU_MAX_ROWS, n, k)))]
+    rs = row_stride(x)
+    if (x.device.type == "cuda" and isinstance(rs, int) and dense_tma_size_wins(GEMM_SWIGLU_TMA_MIN_ROWS, n)
+            and tma.dense_tma_unsupported(x.new_empty_strided((GEMM_SWIGLU_TMA_MIN_ROWS, k), (rs, 1)), w_gate,
+                                          w_up, traced=True) is None):
+        branches += [Branch("reference", GEMM_SWIGLU_TMA_MIN_ROWS, reference.run),
+                     Branch("tma", ROWS_LIMIT, _dense_launch(tma.launch_gemm_swiglu_tma,
+                                                            tma.dense_config_for(0, n, k)))]
+    branches.append(reference)
+    return branches
+
+
+# --------------------------------------------------------------------------- the traced choice
+BRANCHES: dict[str, tuple[Callable[..., list[Branch]], Callable[[torch.Tensor], Any]]] = {
+    "grouped_gemm": (lambda x, w, seg: grouped_branches(x, w, False), lambda x: x.shape[0]),
+    "grouped_gemm_swiglu": (lambda x, w, seg: grouped_branches(x, w, True), lambda x: x.shape[0]),
+    "gemm_swiglu": (gemm_swiglu_branches, _dense_rows),
+}
+"""Canonical op name -> (its branches from the call's arguments, its row count from the first argument)."""
+
+
+def _cond(pred: Any, true_fn: Callable[..., Any], false_fn: Callable[..., Any],
+          operands: tuple[torch.Tensor, ...]) -> Any:
+    from torch._higher_order_ops.cond import cond_op
+
+    return cond_op(pred, true_fn, false_fn, operands)
+
+
+def branch_for(branches: Sequence[Branch], rows: int) -> Branch:
+    """The branch that takes a call of ``rows`` rows (concrete sizes)."""
+    return next(b for b in branches if b.below is None or rows < b.below)
+
+
+def _size_symbols(tensors: Sequence[torch.Tensor]) -> tuple[torch.SymInt, ...]:
+    """One ``SymInt`` per symbol in the operands' sizes, strides and offsets (sorted by name). They go to
+    ``cond`` as operands, so that each branch's subgraph binds them: a branch input of size ``s27*s52`` (batch
+    times length) does not tell Inductor's subgraph what ``s27`` and ``s52`` are."""
+    symbols: dict[str, Any] = {}
+    env = None
+    for t in tensors:
+        for v in (*t.shape, *t.stride(), t.storage_offset()):
+            if isinstance(v, torch.SymInt):
+                env = v.node.shape_env
+                symbols.update((str(s), s) for s in v.node.expr.free_symbols)
+    if env is None:
+        return ()
+    hints = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
+    return tuple(env.create_symintnode(s, hint=int(hints[s]) if s in hints else None)
+                 for _, s in sorted(symbols.items()))
+
+
+def select(branches: Sequence[Branch], rows_of: Callable[[torch.Tensor], Any], args: Sequence[torch.Tensor],
+           wrap: Wrap | None, cond: Cond = _cond, symbols: tuple[Any, ...] | None = None) -> torch.Tensor:
+    """Run ``args`` on the first branch whose bound the row count is below: a nest of ``cond`` on symbolic
+    sizes (each branch traced into its own subgraph), the branch itself on concrete sizes."""
+    head, rest = branches[0], branches[1:]
+    if head.below is None or not rest:
+        return head.run(args, wrap)
+    rows = rows_of(args[0])
+    if isinstance(rows, int):
+        return branch_for(branches, rows).run(args, wrap)
+    tensors = tuple(args)
+    symbols = _size_symbols(tensors) if symbols is None else symbols
+    n = len(tensors)
+
+    def take(*a: Any) -> tuple[torch.Tensor]:  # cond's branches return tuples
+        return (head.run(a[:n], wrap),)
+
+    def other(*a: Any) -> tuple[torch.Tensor]:
+        return (select(rest, rows_of, a[:n], wrap, cond, a[n:]),)
+
+    return cond(rows < head.below, take, other, tensors + tuple(symbols))[0]
+
+
+def run_by_size(op: str, args: Sequence[Any], wrap: Wrap | None, cond: Cond = _cond) -> torch.Tensor:
+    """``<op>_by_size`` on ``args`` through :func:`select` (``op``: a key of :data:`BRANCHES`)."""
+    make, rows_of = BRANCHES[op]
+    return select(make(*args), rows_of, args, wrap, cond)

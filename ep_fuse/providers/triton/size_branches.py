@@ -158,10 +158,9 @@ def gemm_swiglu_branches(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     the reference (two cuBLAS GEMMs and the SwiGLU) elsewhere."""
     from ep_fuse.ops.reference import gemm_swiglu_ref
     from ep_fuse.providers.triton.gemm_swiglu_kernel import gemm_config, launch
-
-    tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
     from ep_fuse.providers.triton.perf import GEMM_SWIGLU_MAX_ROWS, GEMM_SWIGLU_TMA_MIN_ROWS, dense_tma_size_wins
 
+    tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
     n, k = int(w_gate.shape[0]), int(w_gate.shape[1])
     reference = Branch("reference", None, lambda args, wrap: gemm_swiglu_ref(*args))
     branches = [Branch("kernel (16-row tiles)", 17, _dense_launch(launch, gemm_config(16, n, k))),

@@ -298,3 +298,48 @@ def test_size_branches_compile_in_inductor_at_a_product_of_symbols() -> None:
         taken.add(branch.name)
         torch.testing.assert_close(compiled(x, w), branch.run((x.sin().reshape(-1, 4), w), None) * 2)
     assert taken == {"a", "b", "c"} and counter.frame_count == 1
+
+
+def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
+    """The FunctionalTensorMode rule of ``grouped_gemm_swiglu_by_size`` traces the branches on CUDA at symbolic
+    sizes, and keeps the opaque op at static sizes, under CUDA graphs (Inductor would drop them for a graph
+    holding ``torch.cond``) and with the switch off. Fake CUDA tensors; the tracing itself is recorded."""
+    from ep_fuse.ops import canonical
+    from ep_fuse.providers.triton import size_branches as sb
+
+    prov = canonical.grouped_gemm_swiglu.providers["triton"]
+    rule = P._size_branch_rule("grouped_gemm_swiglu", P.check_grouped_gemm_swiglu_call)
+    traced: list[str] = []
+    monkeypatch.setattr(P, "triton_interpret", lambda: False)
+    monkeypatch.setattr(sb, "run_by_size", lambda name, args, wrap: traced.append(name) or "branches")
+
+    class Mode:
+        def __enter__(self) -> None:
+            return None
+
+        def __exit__(self, *exc: Any) -> None:
+            return None
+
+        def __torch_dispatch__(self, op: Any, types: Any, args: Any, kwargs: Any) -> str:
+            return "opaque"
+
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    seed = mode.from_tensor(torch.empty(T, 3), symbolic_context=StatelessSymbolicContext(
+        dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+    with mode:
+        w = torch.empty(E, 128, H, dtype=BF16, device="cuda")
+        seg = torch.empty(E + 1, dtype=torch.int64, device="cuda")
+        symbolic = (torch.empty(seed.shape[0] * K, H, dtype=BF16, device="cuda"), w, seg)
+        static = (torch.empty(T * K, H, dtype=BF16, device="cuda"), w, seg)
+
+        def run(args: tuple[Any, ...]) -> str:
+            return rule(Mode(), prov.by_size, (), args, {})
+
+        assert run(symbolic) == "branches" and traced == ["grouped_gemm_swiglu"]
+        assert run(static) == "opaque"
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            assert run(symbolic) == "opaque"
+        monkeypatch.setattr(P, "INLINE_SIZE_BRANCHES", False)
+        assert run(symbolic) == "opaque"
+    assert traced == ["grouped_gemm_swiglu"]

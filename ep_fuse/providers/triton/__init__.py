@@ -124,19 +124,21 @@ def _cudagraphs_requested() -> bool:
     return bool(inductor_config.triton.cudagraphs)
 
 
-def _size_branch_rule(name: str, supports: Check) -> Any:
-    def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if (not (INLINE_IN_INDUCTOR and INLINE_SIZE_BRANCHES) or triton_interpret() or args[0].device.type != "cuda"
-                or _static(args) or _unbacked(args) or supports(args) is not None or _cudagraphs_requested()):
-            return mode.__torch_dispatch__(op, types, args, kwargs)
-        from torch.library import wrap_triton
+def _size_branches_ok(args: tuple[Any, ...]) -> str | None:
+    """``inline_ok`` of the ``<op>_by_size`` ops: their choice is traced unless CUDA graphs are requested or the
+    switch is off (at static sizes it is the one branch those sizes take)."""
+    if _cudagraphs_requested():
+        return "CUDA graphs requested: Inductor would drop them for a graph holding torch.cond"
+    return None if INLINE_SIZE_BRANCHES else "EP_FUSE_SIZE_BRANCHES=0"
 
+
+def _size_branches(name: str) -> Callable[..., Any]:
+    def launch(*args: Any, wrap: Any = None) -> Any:
         from ep_fuse.providers.triton.size_branches import run_by_size
 
-        with mode:
-            return run_by_size(name, args, wrap_triton)
+        return run_by_size(name, args, wrap)
 
-    return rule
+    return launch
 
 
 def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, prefers: Check | None,
@@ -153,8 +155,9 @@ def _register(canon: CanonicalOp, kernel: Callable[..., Any], supports: Check, p
         from ep_fuse.providers.triton.size_branches import BRANCHES
 
         if canon.name in BRANCHES:
-            torch.library.register_torch_dispatch(prov.by_size, FunctionalTensorMode,
-                                                  _size_branch_rule(canon.name, supports))
+            torch.library.register_torch_dispatch(
+                prov.by_size, FunctionalTensorMode,
+                _inline_rule(_size_branches(canon.name), supports, _size_branches_ok, symbolic=True))
 
 
 SYMBOLIC_INLINE: dict[str, Callable[..., Any]] = {}

@@ -38,16 +38,23 @@ def dense_variant(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, tr
     return "default" if dense_tma_unsupported(x2, w_gate, w_up, traced) else "tma"
 
 
-def gemm_swiglu_kernel(x, w_gate, w_up, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
-    """``ep_fuse_triton::gemm_swiglu``."""
+def run_dense(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, wrap: Any = None,
+              variant: str | None = None, config: Any = None) -> torch.Tensor:
+    """Allocate the output and launch the GEMM + SwiGLU on ``x``'s rows: ``variant`` (``None``:
+    :func:`dense_variant` chooses from static sizes) with tile ``config`` (``None``: that kernel's own)."""
     h = x.shape[-1]
     rs = row_stride(x)
-    assert rs is not None
+    assert rs is not None  # checked by check_gemm_swiglu_call
     x2 = x.as_strided((x.numel() // max(h, 1), h), (rs, 1)) if x.dim() != 2 else x
     y = torch.empty((*x.shape[:-1], w_gate.shape[0]), dtype=x.dtype, device=x.device)
-    if dense_variant(x2, w_gate, w_up, traced=wrap is not None) == "tma":
+    if (variant or dense_variant(x2, w_gate, w_up, traced=wrap is not None)) == "tma":
         from ep_fuse.providers.triton.grouped_gemm_tma_kernel import launch_gemm_swiglu_tma as launch
     else:
         from ep_fuse.providers.triton.gemm_swiglu_kernel import launch
-    launch(x2, w_gate, w_up, y.view(-1, w_gate.shape[0]), wrap=wrap)
+    launch(x2, w_gate, w_up, y.view(-1, w_gate.shape[0]), config=config, wrap=wrap)
     return y
+
+
+def gemm_swiglu_kernel(x, w_gate, w_up, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
+    """``ep_fuse_triton::gemm_swiglu``."""
+    return run_dense(x, w_gate, w_up, wrap)

@@ -107,15 +107,18 @@ def kernel_variant(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swigl
     return "tma"
 
 
-def _run(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
-         wrap: Callable[[Any], Any] | None) -> torch.Tensor:
+def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+                wrap: Callable[[Any], Any] | None = None, variant: str | None = None,
+                config: Any = None) -> torch.Tensor:
+    """Allocate the output and launch the grouped GEMM: ``variant`` (``None``: :func:`kernel_variant` chooses
+    from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``)."""
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if x.shape[0] == 0 or n == 0:
         return y
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
-    if kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu) == "tma":
+    if (variant or kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu)) == "tma":
         from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
             launch_grouped_gemm_swiglu_tma,
             launch_grouped_gemm_tma,
@@ -130,15 +133,15 @@ def _run(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
         )
 
         launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
-    launch(x, w, seg, y, wrap=wrap)
+    launch(x, w, seg, y, config=config, wrap=wrap)
     return y
 
 
 def grouped_gemm_kernel(x, w, seg_indptr, wrap=None):
     """``ep_fuse_triton::grouped_gemm``."""
-    return _run(False, x, w, seg_indptr, wrap)
+    return run_grouped(False, x, w, seg_indptr, wrap)
 
 
 def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, wrap=None):
     """``ep_fuse_triton::grouped_gemm_swiglu``."""
-    return _run(True, x, w13, seg_indptr, wrap)
+    return run_grouped(True, x, w13, seg_indptr, wrap)

@@ -252,15 +252,20 @@ def grouped_gemm_tma_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
     columns (``I`` for gate|up + SwiGLU, ``w.shape[1]`` otherwise) must fill the config's column tiles: on an
     E60 H2880 I1408 model (1408 and 2880 columns on 256-wide tiles) the TMA kernel ran 0.92-0.96x
     ``torch._grouped_mm`` at 205 and 410 rows per expert, every swept config."""
-    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for
-
     per_expert = x.shape[0] / max(w.shape[0], 1)
     if per_expert < GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT:
         return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
+    return grouped_gemm_tma_columns_rule(x, w, swiglu)
+
+
+def grouped_gemm_tma_columns_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
+    """The row-count-free part of :func:`grouped_gemm_tma_rule` (``x``'s rows are not read)."""
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for
+
     if x.device.type != "cuda":  # a GPU measurement: the interpreter's tiles are not the GPU's
         return None
     n, k, e = (w.shape[1] // 2 if swiglu else w.shape[1]), w.shape[2], w.shape[0]
-    bn = config_for(x.shape[0], n, k, e, swiglu=swiglu, interpret=False).bn
+    bn = config_for(0, n, k, e, swiglu=swiglu, interpret=False).bn
     if n % bn:
         return (f"{n} output columns do not fill the TMA kernel's {bn}-column tiles (measured 0.92-0.96x "
                 "torch._grouped_mm on such a shape)")

@@ -46,60 +46,29 @@ class Branch:
 
 
 # --------------------------------------------------------------------------- grouped GEMMs
-def _grouped_kernel(swiglu: bool, rep_rows: int) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
-    """The one-tile-per-program kernel with the config ``config_for`` gives ``rep_rows`` rows (its regimes
-    change only at the branch bounds, so every row count of the branch gets the static path's config)."""
-    # by module path: the package attribute ``grouped_gemm_kernel`` is the provider's function
-    mod = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")
+def _grouped(swiglu: bool, variant: str, config: Any) -> Callable[[Sequence[torch.Tensor], Wrap | None],
+                                                                  torch.Tensor]:
+    """The provider's launch with its kernel ``variant`` and tile ``config`` fixed (static sizes picked them)."""
+    from ep_fuse.providers.triton.grouped_gemm import run_grouped
 
-    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
-        x, w, seg = args
-        n = w.shape[1] // 2 if swiglu else w.shape[1]
-        cfg = mod.config_for(rep_rows, n, w.shape[2], w.shape[0], swiglu=swiglu)
-        y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        launch = mod.launch_grouped_gemm_swiglu if swiglu else mod.launch_grouped_gemm
-        launch(x, w, seg, y, config=cfg, wrap=wrap)
-        return y
-
-    return run
-
-
-def _grouped_tma(swiglu: bool) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
-    tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
-
-    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
-        x, w, seg = args
-        n = w.shape[1] // 2 if swiglu else w.shape[1]
-        cfg = tma.config_for(0, n, w.shape[2], w.shape[0], swiglu=swiglu)  # independent of the rows
-        y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-        launch = tma.launch_grouped_gemm_swiglu_tma if swiglu else tma.launch_grouped_gemm_tma
-        launch(x, w, seg, y, config=cfg, wrap=wrap)
-        return y
-
-    return run
+    return lambda args, wrap: run_grouped(swiglu, *args, wrap=wrap, variant=variant, config=config)
 
 
 def _grouped_reference(swiglu: bool) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
     from ep_fuse.ops.moe_reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
 
     ref = grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref
-
-    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
-        return ref(*args)
-
-    return run
+    return lambda args, wrap: ref(*args)
 
 
 def _grouped_tma_static(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> bool:
     """Whether the TMA kernel takes this call at every row count from its threshold on (static facts only:
     dtype, GPU, strides, the column rule)."""
     from ep_fuse.providers.triton.grouped_gemm import TMA_VARIANT
-    from ep_fuse.providers.triton.perf import GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT, grouped_gemm_tma_rule
+    from ep_fuse.providers.triton.perf import grouped_gemm_tma_columns_rule
     from ep_fuse.providers.triton.unverified import gpu_unverified
 
-    e = w.shape[0]
-    probe = x.new_empty((GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * max(e, 1), 0))  # a row count the rule accepts
-    return (grouped_gemm_tma_rule(probe, w, swiglu) is None and gpu_unverified(TMA_VARIANT, x) is None
+    return (grouped_gemm_tma_columns_rule(x, w, swiglu) is None and gpu_unverified(TMA_VARIANT, x) is None
             and importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel").tma_unsupported(
                 x, w, traced=True, rows_bounded=True) is None)
 
@@ -115,15 +84,23 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> list[Bra
         GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT,
     )
 
-    e = max(int(w.shape[0]), 1)
-    mid = MID_ROWS_PER_EXPERT * e
-    branches = [Branch("kernel (decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, _grouped_kernel(swiglu, 1)),
-                Branch("kernel (64-row tiles)", mid + 1, _grouped_kernel(swiglu, mid))]
-    large = _grouped_kernel(swiglu, mid + 1)
+    e, k = max(int(w.shape[0]), 1), int(w.shape[2])
+    n = int(w.shape[1]) // 2 if swiglu else int(w.shape[1])
+    # by module path: the package attributes ``grouped_gemm_kernel`` etc. are the provider's functions
+    default = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel").config_for
+    tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel").config_for
+    mid = MID_ROWS_PER_EXPERT * e  # config_for's regimes change only at these bounds
+
+    def kernel(rows: int) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
+        return _grouped(swiglu, "default", default(rows, n, k, e, swiglu=swiglu))
+
+    branches = [Branch("kernel (decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, kernel(1)),
+                Branch("kernel (64-row tiles)", mid + 1, kernel(mid))]
+    large = kernel(mid + 1)
     reference = Branch("torch._grouped_mm", None, _grouped_reference(swiglu))
     if _grouped_tma_static(x, w, swiglu):
         branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * e, large),
-                     Branch("tma", ROWS_LIMIT, _grouped_tma(swiglu))]
+                     Branch("tma", ROWS_LIMIT, _grouped(swiglu, "tma", tma(0, n, k, e, swiglu=swiglu)))]
         branches.append(reference if grouped_mm_supported(x, w) else Branch("kernel (128-row tiles)", None, large))
     elif grouped_mm_supported(x, w):
         branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_MAX_ROWS_PER_EXPERT * e + 1, large), reference]
@@ -137,19 +114,10 @@ def _dense_rows(x: torch.Tensor) -> Any:
     return x.numel() // max(int(x.shape[-1]), 1)
 
 
-def _dense_launch(launch: Callable[..., None], cfg: Any) -> Callable[[Sequence[torch.Tensor], Wrap | None],
-                                                                      torch.Tensor]:
-    def run(args: Sequence[torch.Tensor], wrap: Wrap | None) -> torch.Tensor:
-        x, wg, wu = args
-        h = x.shape[-1]
-        rs = row_stride(x)
-        assert rs is not None  # checked by the provider's supports()
-        x2 = x.as_strided((_dense_rows(x), h), (rs, 1)) if x.dim() != 2 else x
-        y = torch.empty((*x.shape[:-1], wg.shape[0]), dtype=x.dtype, device=x.device)
-        launch(x2, wg, wu, y.view(-1, wg.shape[0]), config=cfg, wrap=wrap)
-        return y
+def _dense(variant: str, config: Any) -> Callable[[Sequence[torch.Tensor], Wrap | None], torch.Tensor]:
+    from ep_fuse.providers.triton.gemm_swiglu import run_dense
 
-    return run
+    return lambda args, wrap: run_dense(*args, wrap=wrap, variant=variant, config=config)
 
 
 def gemm_swiglu_branches(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> list[Branch]:
@@ -157,22 +125,21 @@ def gemm_swiglu_branches(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     :data:`~ep_fuse.providers.triton.perf.GEMM_SWIGLU_MAX_ROWS` rows, the TMA kernel on its measured wins,
     the reference (two cuBLAS GEMMs and the SwiGLU) elsewhere."""
     from ep_fuse.ops.reference import gemm_swiglu_ref
-    from ep_fuse.providers.triton.gemm_swiglu_kernel import gemm_config, launch
+    from ep_fuse.providers.triton.gemm_swiglu_kernel import gemm_config
     from ep_fuse.providers.triton.perf import GEMM_SWIGLU_MAX_ROWS, GEMM_SWIGLU_TMA_MIN_ROWS, dense_tma_size_wins
 
     tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
     n, k = int(w_gate.shape[0]), int(w_gate.shape[1])
     reference = Branch("reference", None, lambda args, wrap: gemm_swiglu_ref(*args))
-    branches = [Branch("kernel (16-row tiles)", 17, _dense_launch(launch, gemm_config(16, n, k))),
+    branches = [Branch("kernel (16-row tiles)", 17, _dense("default", gemm_config(16, n, k))),
                 Branch("kernel (32-row tiles)", GEMM_SWIGLU_MAX_ROWS + 1,
-                       _dense_launch(launch, gemm_config(GEMM_SWIGLU_MAX_ROWS, n, k)))]
+                       _dense("default", gemm_config(GEMM_SWIGLU_MAX_ROWS, n, k)))]
     rs = row_stride(x)
     if (x.device.type == "cuda" and isinstance(rs, int) and dense_tma_size_wins(GEMM_SWIGLU_TMA_MIN_ROWS, n)
             and tma.dense_tma_unsupported(x.new_empty_strided((GEMM_SWIGLU_TMA_MIN_ROWS, k), (rs, 1)), w_gate,
                                           w_up, traced=True) is None):
         branches += [Branch("reference", GEMM_SWIGLU_TMA_MIN_ROWS, reference.run),
-                     Branch("tma", ROWS_LIMIT, _dense_launch(tma.launch_gemm_swiglu_tma,
-                                                            tma.dense_config_for(0, n, k)))]
+                     Branch("tma", ROWS_LIMIT, _dense("tma", tma.dense_config_for(0, n, k)))]
     branches.append(reference)
     return branches
 

@@ -1,7 +1,7 @@
 """The serving loop on one GPU: HF ``generate()`` with a static cache, greedy, three ways in one run.
 
     python bench/bench_generate.py [--models qwen3_30b_a3b,mixtral_8x7b,deepseek_v3] [--batches 1,8,64]
-                                   [--prompt 64] [--new 48] [--repeats 2]
+                                   [--prompt 64] [--new 48] [--repeats 2] [--profile-first]
 
 For each real-sized model (``hf_models.py``, random weights) and batch size:
 
@@ -17,7 +17,10 @@ runtime wrappers' and guards' overhead), Inductor's CUDA-graph skips, and the lo
 compiled run is forced onto eager's greedy tokens (a logits processor; raw logits are compared) and
 the relative L2 of every step's logits against eager's is taken (max and mean over steps). Greedy
 tokens of random models flip on near ties, so tokens are not compared. Writes ``$OUT/generate.json``
-and ``generate.md``.
+and ``generate.md``. ``--profile-first``: where the first call's time goes, per mode -- ep_fuse's capture
+and passes (its report), Dynamo's/Inductor's timed phases, and a cProfile of the first call
+(``$OUT/first_call_<model>_b<batch>_<mode>.txt``; the profiler slows the call, so that call's time is not
+the one in the table: the table's first call is taken without it, after the profiled one has been reset).
 """
 
 from __future__ import annotations
@@ -129,7 +132,32 @@ def timed_generate(model: Any, ids: torch.Tensor, **kw: Any) -> tuple[float, Any
     return time.perf_counter() - t0, out
 
 
-def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: int) -> list[dict[str, Any]]:
+def profile_first_call(model: Any, ids: torch.Tensor, cc: Any, path: Path, **kw: Any) -> None:
+    """One first call under cProfile, with Dynamo's/Inductor's phase times and ep_fuse's pass times."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch._dynamo.utils import compile_times
+
+    prof = cProfile.Profile()
+    prof.enable()
+    t, _ = timed_generate(model, ids, compile_config=cc, **kw)
+    prof.disable()
+    text = io.StringIO()
+    text.write(f"first call under cProfile: {t:.2f} s\n\n")
+    for rep in ep_fuse.reports():
+        text.write(f"ep_fuse graph {rep.graph}: " + ", ".join(f"{p.name} {p.seconds:.3f} s" for p in rep.passes)
+                   + "\n")
+    text.write(f"\n{compile_times(repr='str', aggregate=True)}\n\n")
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(70)
+    stats.sort_stats("tottime").print_stats(30)
+    path.write_text(text.getvalue())
+
+
+def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: int,
+             profile: bool = False) -> list[dict[str, Any]]:
     from torch._dynamo.utils import counters
     from transformers import LogitsProcessorList
 
@@ -153,6 +181,10 @@ def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: 
         counters.clear()
         timer = HostTimer(model)
         cc = compile_config(kind, device)
+        if profile:
+            profile_first_call(model, ids, cc, out_dir() / f"first_call_{name}_b{batch}_{kind}.txt", **base)
+            reset_compiled(model)
+            counters.clear()
         try:
             t_first, _ = timed_generate(model, ids, compile_config=cc, **base)
             times = []
@@ -175,6 +207,14 @@ def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: 
         if kind == "ep_fuse":
             reps = ep_fuse.reports()
             note = " | ".join(r.summary() for r in reps)
+            spent: dict[str, float] = {}
+            for r in reps:
+                for k, v in r.compile_seconds.items():
+                    spent[k] = spent.get(k, 0.0) + v
+            note += " | compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in spent.items())
+            done = sum(int(r.kernel_analyses.get("computed", 0)) for r in reps)
+            served = sum(int(r.kernel_analyses.get("served", 0)) for r in reps)
+            note += f" | Triton access analyses: {done} computed, {served} from ep_fuse's memo"
             hand = [r.inductor for r in reps if r.inductor is not None]
             if hand:
                 note += f" | hand-off direct={all(h.direct for h in hand)}, mutated inputs static=" \
@@ -196,6 +236,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="smoke run: ep_fuse's tiny models (CPU works)")
+    ap.add_argument("--profile-first", action="store_true",
+                    help="also profile each mode's first call (an extra compile per mode; files in $OUT)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = env_info()
@@ -210,7 +252,7 @@ def main() -> None:
         else:
             model = hf_models.build(name, device=device)
         for batch in (int(b) for b in args.batches.split(",")):
-            rows += run_case(model, name, batch, args.prompt, args.new, args.repeats)
+            rows += run_case(model, name, batch, args.prompt, args.new, args.repeats, args.profile_first)
             write_json("generate.json", dict(env=info, args=vars(args), rows=rows))
         del model
         gc.collect()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch.fx as fx
 
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.dump import Dumper
+from ep_fuse.kernel_analysis import memoized_access_analysis
 from ep_fuse.log import configure_from_env
 from ep_fuse.pipeline import run_passes
 from ep_fuse.report import GraphReport, InductorHandoff, record
@@ -141,15 +143,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
         captured.update(gm=aten_gm, inputs=list(aten_inputs), meta=ctx.fw_metadata if ctx else None)
         return make_boxed_func(lambda *args: impl[0](*args))
 
+    t0 = time.perf_counter()
     wrapped = aot_module_simplified(
         gm, example_inputs, fw_compiler=capture, inference_compiler=capture, decompositions={},
         keep_inference_input_mutations=True,
     )
     # 2. rewrite
+    report.compile_seconds["capture"] = time.perf_counter() - t0
     aten_gm = captured["gm"]
     dumper = Dumper.for_config(config, report.graph)
     dumper.graph("00_dynamo", gm)
+    t0 = time.perf_counter()
     run_passes(aten_gm, config, report, dumper, inputs=_static_inputs(captured, example_inputs))
+    report.compile_seconds["rewrite"] = time.perf_counter() - t0
     record(report)
     if executor == "eager":
         impl.append(aten_gm.forward)  # bound after the rewrite recompiled the module
@@ -170,13 +176,22 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
         log.info("ep_fuse: graph %s mutates inputs %s that are not static addresses %s: Inductor skips CUDA "
                  "graphs for it (as backend='inductor' would)", report.graph, report.inductor.mutated_inputs,
                  report.inductor.static_inputs)
-    with torch.compiler.config.patch(cache_key_tag=cache_tag):  # no cached graph of another ep_fuse
+    t0 = time.perf_counter()
+    with torch.compiler.config.patch(cache_key_tag=cache_tag), memoized_access_analysis() as analyses:
+        # (no cached graph of another ep_fuse; one Triton access analysis per kernel signature)
         if why is None:
             _copy_dynamo_metadata(gm, aten_gm)
-            return compile_fx(aten_gm, captured["inputs"], config_patches=patches)
-        log.info("ep_fuse: graph %s: Inductor compiles behind ep_fuse's AOT wrapper: %s", report.graph, why)
-        impl.append(compile_fx(aten_gm, captured["inputs"], config_patches=patches))
-    return wrapped
+            compiled = compile_fx(aten_gm, captured["inputs"], config_patches=patches)
+        else:
+            log.info("ep_fuse: graph %s: Inductor compiles behind ep_fuse's AOT wrapper: %s", report.graph, why)
+            impl.append(compile_fx(aten_gm, captured["inputs"], config_patches=patches))
+            compiled = wrapped
+    report.compile_seconds["inductor"] = time.perf_counter() - t0
+    report.kernel_analyses = dict(computed=analyses.computed, served=analyses.served, seconds=analyses.seconds)
+    log.info("ep_fuse: graph %s compiled in %s (Triton access analyses: %d computed in %.2f s, %d from the memo)",
+             report.graph, ", ".join(f"{k} {v:.2f} s" for k, v in report.compile_seconds.items()),
+             analyses.computed, analyses.seconds, analyses.served)
+    return compiled
 
 
 @functools.lru_cache(maxsize=1)
@@ -273,8 +288,19 @@ def _boxed_forward(gm: fx.GraphModule, _inputs: Sequence[Any]) -> Callable[..., 
     return make_boxed_func(gm.forward)
 
 
+STATIC_LAUNCH = "static_launch_user_defined_triton_kernels"
+"""Inductor launches ep_fuse's inlined (user-defined) Triton kernels with its static CUDA launcher, as it does
+its own kernels, instead of building Triton's C launcher for each new signature (a host compiler run of about
+0.2 s each on a cold cache). Kernels the static launcher does not take (global scratch, launch attributes)
+fall back to Triton's launcher inside Inductor; ``inductor_config={STATIC_LAUNCH: False}`` turns it off."""
+
+
 def _inductor_patches(config: EpFuseConfig) -> dict[str, Any]:
+    import torch._inductor.config as inductor_config
+
     patches: dict[str, Any] = {}
+    if hasattr(inductor_config, STATIC_LAUNCH):
+        patches[STATIC_LAUNCH] = True
     if config.mode:
         from torch._inductor import list_mode_options
 

@@ -160,6 +160,13 @@ class GraphReport:
     shape_guards: list[str] = dataclasses.field(default_factory=list)
     """Shape guards the rewrite added to a dynamic-shape graph (expected: none; each one restricts the
     sizes the compiled graph accepts, so other sizes recompile). See :mod:`ep_fuse.shape_guards`."""
+    compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where this graph's compile time went: ``capture`` (AOT's trace to the functional ATen graph),
+    ``rewrite`` (ep_fuse's passes) and ``inductor`` (``compile_fx`` on the rewritten graph, up to its
+    first-call compile: kernels it compiles lazily on the first run are not in it)."""
+    kernel_analyses: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Inductor's Triton access analyses of ep_fuse's inlined launches during ``inductor``: ``computed``,
+    ``served`` (from ep_fuse's memo, :mod:`ep_fuse.kernel_analysis`) and ``seconds`` spent computing."""
     contracts: dict[str, str] = dataclasses.field(default_factory=dict)
     """External ops the lowered graph calls (the chosen providers' ``torch_npu.npu_*`` ops, EP included) ->
     the release whose op contract they were checked against, e.g. ``{"npu_rms_norm": "torch_npu 2.14.0"}``

@@ -100,7 +100,8 @@ def test_inductor_caches_are_keyed_on_this_ep_fuse(monkeypatch):
     tag = ep_fuse_cache_tag()
     assert tag.startswith("ep_fuse-") and len(tag.split("-")[-1]) == 16
     _run(StaticCacheStep(), dict(backend="ep_fuse", options={"executor": "inductor"}), steps=1)
-    assert seen == [tag] and torch.compiler.config.cache_key_tag == ""
+    # (compile_fx re-enters itself once to apply ep_fuse's Inductor config patches)
+    assert seen and set(seen) == {tag} and torch.compiler.config.cache_key_tag == ""
     # the inline switches change how Inductor traces the provider ops: a graph cached under others is not reused
     import ep_fuse.providers.triton as P
 

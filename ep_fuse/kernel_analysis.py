@@ -1,0 +1,126 @@
+"""One Triton access analysis per ep_fuse kernel signature while Inductor compiles a rewritten graph.
+
+Inductor learns which arguments an inlined (``wrap_triton``) launch writes by generating the kernel's TTIR
+and walking it (``torch._higher_order_ops.triton_kernel_wrap``: ``identify_mutated_tensors`` in torch 2.11,
+``identify_accessed_tensors`` later). It does so for every launch site, and several times per site
+(functionalization in AOT, the post-grad decomposition, Inductor's lowering): a four-layer model with a
+dozen inlined launches per layer re-generates the same TTIR hundreds of times, a large part of the extra
+first-call time ep_fuse used to add on top of Inductor's.
+
+The analysis is a pure function of the kernel and of what TTIR generation reads from the arguments:
+tensors become ``torch.empty(2, dtype=...)``, every symbolic size the constant 2, TMA arguments their
+descriptor metadata, everything else its value. :func:`memoized_access_analysis` keys on exactly that and
+serves a copy of the first result to later sites; kernels that are not ep_fuse's, and arguments it cannot
+key (unhashable values), go to torch's analysis unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ep_fuse")
+
+_ANALYSES = ("identify_accessed_tensors", "identify_mutated_tensors")
+_MAX_ENTRIES = 1024
+
+
+@dataclasses.dataclass
+class AnalysisStats:
+    computed: int = 0
+    served: int = 0
+    seconds: float = 0.0
+    """Time spent in torch's analysis (the computed ones)."""
+
+
+_memo: dict[tuple[Any, ...], Any] = {}
+stats = AnalysisStats()
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+def _arg_key(name: str, value: Any, tma: Any) -> tuple[Any, ...]:
+    import sympy
+
+    if tma and name in tma:
+        return (name, "tma", repr(tma[name]), str(getattr(value, "dtype", None)))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
+        return (name, "sym")  # TTIR generation replaces every symbolic value with 2
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, torch.Tensor) or (isinstance(dtype, torch.dtype) and hasattr(value, "get_dtype")):
+        return (name, "tensor", str(dtype))  # generated from torch.empty(2, dtype=...)
+    try:
+        hash(value)
+    except TypeError as exc:
+        raise _Unkeyable(name) from exc
+    return (name, type(value).__name__, value)
+
+
+def _is_ours(kernel: Any) -> bool:
+    fn = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JITFunction
+    fn = getattr(fn, "fn", fn)  # a JITFunction wraps the Python function
+    return getattr(fn, "__module__", "").startswith("ep_fuse.")
+
+
+def key_of(kernel: Any, kwargs: dict[str, Any], tma: Any) -> tuple[Any, ...] | None:
+    """The memo key of one analysis, ``None`` when it is not memoized."""
+    if not _is_ours(kernel):
+        return None
+    try:
+        return (id(kernel), *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
+    except _Unkeyable:
+        return None
+
+
+def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
+    """``analysis`` (torch's, signature ``(kernel, kwargs, tma_descriptor_metadata)``) with the memo."""
+
+    def wrapper(kernel: Any, kwargs: dict[str, Any], *rest: Any, **kw: Any) -> Any:
+        tma = rest[0] if rest else kw.get("tma_descriptor_metadata")
+        key = key_of(kernel, kwargs, tma)
+        if key is not None and key in _memo:
+            stats.served += 1
+            return copy.deepcopy(_memo[key][1])
+        t0 = time.perf_counter()
+        out = analysis(kernel, kwargs, *rest, **kw)
+        stats.seconds += time.perf_counter() - t0
+        stats.computed += 1
+        if key is not None:
+            if len(_memo) >= _MAX_ENTRIES:
+                _memo.clear()
+            _memo[key] = (kernel, copy.deepcopy(out))  # the kernel is held so that its id stays unique
+        return out
+
+    wrapper.__wrapped__ = analysis  # type: ignore[attr-defined]
+    return wrapper
+
+
+@contextlib.contextmanager
+def memoized_access_analysis() -> Iterator[AnalysisStats]:
+    """While active, torch's Triton access analysis is memoized for ep_fuse's kernels; yields the counts
+    of this block (computed, served from the memo, seconds spent computing)."""
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+
+    before = dataclasses.replace(stats)
+    saved = {name: getattr(tkw, name) for name in _ANALYSES if hasattr(tkw, name)}
+    for name, fn in saved.items():
+        if not hasattr(fn, "__wrapped__"):
+            setattr(tkw, name, memoized(fn))
+    block = AnalysisStats()
+    try:
+        yield block
+    finally:
+        for name, fn in saved.items():
+            setattr(tkw, name, fn)
+        block.computed = stats.computed - before.computed
+        block.served = stats.served - before.served
+        block.seconds = stats.seconds - before.seconds

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -55,9 +56,10 @@ def _arg_key(name: str, value: Any, tma: Any) -> tuple[Any, ...]:
         return (name, "tma", repr(tma[name]), str(getattr(value, "dtype", None)))
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, sympy.Expr)):
         return (name, "sym")  # TTIR generation replaces every symbolic value with 2
-    dtype = getattr(value, "dtype", None)
-    if isinstance(value, torch.Tensor) or (isinstance(dtype, torch.dtype) and hasattr(value, "get_dtype")):
-        return (name, "tensor", str(dtype))  # generated from torch.empty(2, dtype=...)
+    if isinstance(value, torch.Tensor):
+        return (name, "tensor", str(value.dtype))  # generated from torch.empty(2, dtype=...)
+    if callable(getattr(value, "get_dtype", None)):  # Inductor's TensorBox (its .dtype is not forwarded)
+        return (name, "tensor", str(value.get_dtype()))
     try:
         hash(value)
     except TypeError as exc:
@@ -71,12 +73,21 @@ def _is_ours(kernel: Any) -> bool:
     return getattr(fn, "__module__", "").startswith("ep_fuse.")
 
 
+def _kernel_id(kernel: Any) -> tuple[Any, ...]:
+    """A JITFunction by its function's name and source (Inductor hands the analysis copies of the object,
+    one per tracing); anything else (an Autotuner: its first config enters the TTIR) by identity."""
+    src, fn = getattr(kernel, "src", None), getattr(kernel, "fn", None)
+    if isinstance(src, str) and hasattr(fn, "__qualname__"):
+        return ("jit", fn.__module__, fn.__qualname__, hashlib.sha256(src.encode()).hexdigest())
+    return ("object", id(kernel))
+
+
 def key_of(kernel: Any, kwargs: dict[str, Any], tma: Any) -> tuple[Any, ...] | None:
     """The memo key of one analysis, ``None`` when it is not memoized."""
     if not _is_ours(kernel):
         return None
     try:
-        return (id(kernel), *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
+        return (_kernel_id(kernel), *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
     except _Unkeyable:
         return None
 
@@ -94,10 +105,12 @@ def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
         out = analysis(kernel, kwargs, *rest, **kw)
         stats.seconds += time.perf_counter() - t0
         stats.computed += 1
+        log.debug("ep_fuse: Triton access analysis of %s computed in %.3f s (key %s)",
+                  getattr(getattr(kernel, "fn", kernel), "__name__", kernel), time.perf_counter() - t0, key)
         if key is not None:
             if len(_memo) >= _MAX_ENTRIES:
                 _memo.clear()
-            _memo[key] = (kernel, copy.deepcopy(out))  # the kernel is held so that its id stays unique
+            _memo[key] = (kernel, copy.deepcopy(out))  # the kernel is held so that an id in a key stays unique
         return out
 
     wrapper.__wrapped__ = analysis  # type: ignore[attr-defined]

@@ -8,10 +8,11 @@ import torch
 from ep_fuse import kernel_analysis as ka
 
 
-def _kernel(module: str):
+def _kernel(module: str, src: str | None = None):
     fn = types.FunctionType((lambda: None).__code__, {}, "k")
     fn.__module__ = module
-    return types.SimpleNamespace(fn=fn)  # shaped like a JITFunction: .fn is the Python function
+    # shaped like a JITFunction: .fn is the Python function, .src its source (an Autotuner has no .src)
+    return types.SimpleNamespace(fn=fn, **({"src": src} if src is not None else {}))
 
 
 class Analysis:
@@ -39,6 +40,50 @@ def test_one_analysis_per_signature():
     memo(k, _args(n=128), {})
     memo(k, {**_args(), "BLOCK": 64}, {})
     memo(_kernel("ep_fuse.providers.triton.fake"), _args(), {})  # another kernel
+    assert analysis.calls == 5
+
+
+class Box:
+    """Like Inductor's TensorBox: get_dtype() works, .dtype does not, and it hashes by identity."""
+
+    def __init__(self, dtype):
+        self._dtype = dtype
+
+    def get_dtype(self):
+        return self._dtype
+
+
+def test_inductor_buffers_key_like_the_tensors_they_stand_for():
+    ka._memo.clear()
+    analysis = Analysis()
+    memo = ka.memoized(analysis)
+    k = _kernel("ep_fuse.providers.triton.fake")
+    memo(k, _args(), {})
+    boxed = {**_args(), "x": Box(torch.bfloat16), "out": Box(torch.bfloat16)}
+    memo(k, boxed, {})
+    memo(k, {**boxed, "x": Box(torch.bfloat16)}, {})
+    assert analysis.calls == 1
+    memo(k, {**boxed, "x": Box(torch.float32)}, {})
+    assert analysis.calls == 2
+
+
+def test_copies_of_a_jit_function_share_analyses_and_other_sources_do_not():
+    """Inductor analyses copies of the kernel object (one per tracing): a JITFunction keys on its name and
+    source, an object without source (an Autotuner) on its identity."""
+    ka._memo.clear()
+    analysis = Analysis()
+    memo = ka.memoized(analysis)
+    src = "def k(X, out, N, M, BLOCK):\n    pass\n"
+    memo(_kernel("ep_fuse.providers.triton.fake", src), _args(), {})
+    memo(_kernel("ep_fuse.providers.triton.fake", src), _args(), {})
+    assert analysis.calls == 1
+    memo(_kernel("ep_fuse.providers.triton.fake", src + "    # edited\n"), _args(), {})
+    memo(_kernel("ep_fuse.providers.triton.other", src), _args(), {})
+    assert analysis.calls == 3
+    tuner = _kernel("ep_fuse.providers.triton.fake")
+    memo(tuner, _args(), {})
+    memo(tuner, _args(), {})
+    memo(_kernel("ep_fuse.providers.triton.fake"), _args(), {})
     assert analysis.calls == 5
 
 

@@ -73,12 +73,28 @@ def _is_ours(kernel: Any) -> bool:
     return getattr(fn, "__module__", "").startswith("ep_fuse.")
 
 
-def _kernel_id(kernel: Any) -> tuple[Any, ...]:
-    """A JITFunction by its function's name and source (Inductor hands the analysis copies of the object,
-    one per tracing); anything else (an Autotuner: its first config enters the TTIR) by identity."""
+def _jit_id(kernel: Any) -> tuple[Any, ...] | None:
     src, fn = getattr(kernel, "src", None), getattr(kernel, "fn", None)
     if isinstance(src, str) and hasattr(fn, "__qualname__"):
         return ("jit", fn.__module__, fn.__qualname__, hashlib.sha256(src.encode()).hexdigest())
+    return None
+
+
+def _config_id(cfg: Any) -> tuple[Any, ...]:
+    return (tuple(sorted((str(k), v) for k, v in cfg.kwargs.items())),
+            *(getattr(cfg, a, None) for a in ("num_warps", "num_stages", "num_ctas", "maxnreg")))
+
+
+def _kernel_id(kernel: Any) -> tuple[Any, ...]:
+    """A JITFunction by its function's name and source. ``wrap_triton`` hands each launch with launch options
+    (``num_warps=...``) to the analysis as a fresh one-config Autotuner around the JITFunction, whose first
+    config's kwargs enter the TTIR: keyed on the JITFunction and the configs. Anything else by identity."""
+    jit = _jit_id(kernel)
+    if jit is not None:
+        return jit
+    inner, configs = _jit_id(getattr(kernel, "fn", None)), getattr(kernel, "configs", None)
+    if inner is not None and isinstance(configs, list | tuple):
+        return ("autotuner", inner, tuple(_config_id(c) for c in configs))
     return ("object", id(kernel))
 
 
@@ -87,9 +103,11 @@ def key_of(kernel: Any, kwargs: dict[str, Any], tma: Any) -> tuple[Any, ...] | N
     if not _is_ours(kernel):
         return None
     try:
-        return (_kernel_id(kernel), *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
-    except _Unkeyable:
+        key = (_kernel_id(kernel), *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
+        hash(key)
+    except (_Unkeyable, TypeError):
         return None
+    return key
 
 
 def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:

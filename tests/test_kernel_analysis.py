@@ -124,3 +124,64 @@ def test_context_patches_torch_and_restores_it():
         assert all(getattr(tkw, n).__wrapped__ is before[n] for n in names)
     assert {n: getattr(tkw, n) for n in names} == before
     assert (block.computed, block.served) == (0, 0)
+
+
+def _launch_sites_share_one_analysis() -> None:
+    import importlib
+
+    from torch._higher_order_ops import triton_kernel_wrap as tkw
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.library import wrap_triton
+
+    pk = importlib.import_module("ep_fuse.providers.triton.moe_permute_kernel")
+    kernels = []
+
+    def analysis(kernel, kwargs, tma):  # stands in for TTIR generation, which needs a GPU target
+        kernels.append(kernel)
+        if name == "identify_mutated_tensors":
+            return ["OUT"]
+        from torch._inductor.dependencies import ReadWrites, StarDep
+        from torch.utils._ordered_set import OrderedSet
+
+        return tkw.TensorAccesses(ReadWrites(reads=OrderedSet(), writes=OrderedSet([StarDep("OUT")]),
+                                             index_exprs=OrderedSet()), can_fuse_epilogue=False)
+
+    name = next(n for n in ka._ANALYSES if hasattr(tkw, n))
+    setattr(tkw, name, analysis)
+    bf16 = torch.bfloat16
+
+    def layers(y, s2d, w):
+        outs = []
+        for _ in range(3):
+            out = torch.empty(4, 64, dtype=bf16, device=y.device)
+            pk.launch_unpermute(y, s2d, w, 2, out, bf16, wrap=wrap_triton)
+            outs.append(out)
+        return outs
+
+    with FakeTensorMode():
+        args = (torch.empty(8, 64, dtype=bf16, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda"),
+                torch.empty(4, 2, dtype=bf16, device="cuda"))
+    ka._memo.clear()
+    with ka.memoized_access_analysis() as block:
+        for _ in range(2):
+            make_fx(torch.func.functionalize(layers), tracing_mode="fake")(*args)
+    assert (block.computed, block.served) == (1, 5), block
+    assert type(kernels[0]).__name__ == "Autotuner" and kernels[0].fn is pk._unpermute_kernel
+
+
+def test_launches_with_options_share_one_analysis_across_sites_and_traces():
+    """A real ep_fuse launch through ``wrap_triton`` (fake CUDA tensors, functionalized like AOT does, twice):
+    torch hands the analysis a fresh one-config Autotuner per launch (the launch's ``num_warps``); the memo
+    still computes one analysis for the three identical sites over two traces. Run in a process without the
+    Triton interpreter (``wrap_triton`` takes ``triton.jit`` kernels only; defining them needs no GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            "import test_kernel_analysis as t; t._launch_sites_share_one_analysis(); print('ok')")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

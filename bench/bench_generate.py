@@ -19,8 +19,9 @@ the relative L2 of every step's logits against eager's is taken (max and mean ov
 tokens of random models flip on near ties, so tokens are not compared. Writes ``$OUT/generate.json``
 and ``generate.md``. ``--profile-first``: where the first call's time goes, per mode -- ep_fuse's capture
 and passes (its report), Dynamo's/Inductor's timed phases, and a cProfile of the first call
-(``$OUT/first_call_<model>_b<batch>_<mode>.txt``; the profiler slows the call, so that call's time is not
-the one in the table: the table's first call is taken without it, after the profiled one has been reset).
+(``$OUT/first_call_<model>_b<batch>_<mode>.txt``). The profiler slows the call, so the table's first call is
+taken without it, after a reset; the profiled compile has warmed Inductor's and Triton's on-disk caches by
+then, so with this flag the table's first call is a warm-cache one.
 """
 
 from __future__ import annotations

@@ -68,9 +68,10 @@ def test_generate_static_cache_keeps_cuda_graphs_and_matches_eager():
     assert reps and all(r.inductor.direct and r.inductor.cudagraph_safe_mutations for r in reps), reps
     assert reps[0].counts() == tiny_models.EXPECTED_SITES["qwen3_moe"][0]
     assert _cudagraph_skips() == 0, dict(counters["inductor"])
-    # Inductor's analyses of repeated launch signatures (per layer, per tracing) came from ep_fuse's memo
+    # Inductor's analyses of repeated launch signatures (per layer, per tracing) come from ep_fuse's memo: every
+    # signature here is launched in both layers and traced more than once, so most analyses are served
     done = reps[0].kernel_analyses
-    assert done["computed"] > 0 and done["served"] > 0, done
+    assert 0 < done["computed"] < done["served"], done
     errs = [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out.logits, ref.logits)]
     # bf16 with random weights: an ulp difference can flip one token's top-k expert choice at a step, which
     # moves that step's error to ~2e-2 (seen on H200); typical steps stay near 5e-3

@@ -191,16 +191,19 @@ def _output_node(name: str, tree: Pat, state: State) -> fx.Node | Mismatch:
     return items[0]
 
 
-def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode: Any) -> list[fx.Node]:
+def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode: Any,
+                      value: Any = None) -> list[fx.Node]:
     """Insert ``rep`` before the match root, redirect uses, erase dead matched nodes.
 
+    ``value``: the replacement's fake output when the caller has already run it on the same arguments'
+    fake values (the canonicalize pass does, to check it); ``None``: run it here.
     Returns the new nodes (the op call and its ``getitem`` projections).
     """
     graph = gm.graph
     meta = {k: m.root.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in m.root.meta}
     with graph.inserting_before(m.root):
         args = tuple(_materialize(graph, a, fake_mode, meta) for a in rep.args)
-        call = _add_call(graph, rep.op, args, meta, fake_mode)
+        call = _add_call(graph, rep.op, args, meta, fake_mode, value)
     out_val = call.meta.get("val")
     new_nodes = [call]
     if len(rep.outputs) == 1:
@@ -230,11 +233,14 @@ def _materialize(graph: fx.Graph, arg: Any, fake_mode: Any, meta: dict[str, Any]
     return _add_call(graph, arg.op, args, meta, fake_mode)
 
 
-def _add_call(graph: fx.Graph, op: Any, args: tuple[Any, ...], meta: dict[str, Any], fake_mode: Any) -> fx.Node:
-    """A call of ``op`` at the graph's insertion point, with the match's metadata and its fake value."""
+def _add_call(graph: fx.Graph, op: Any, args: tuple[Any, ...], meta: dict[str, Any], fake_mode: Any,
+              value: Any = None) -> fx.Node:
+    """A call of ``op`` at the graph's insertion point, with the match's metadata and its fake value
+    (``value`` when given, else ``op`` run on the arguments' fake values)."""
     node = graph.call_function(op, args)
     node.meta.update(meta)
-    value = _fake_run(op, args, fake_mode)
+    if value is None:
+        value = _fake_run(op, args, fake_mode)
     if value is not None:
         node.meta["val"] = value
     return node

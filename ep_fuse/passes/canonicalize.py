@@ -42,9 +42,9 @@ class Canonicalize(GraphPass):
             chosen = self._choose(node, misses, ctx)
             if chosen is None:
                 continue
-            res, rep = chosen
+            res, rep, value = chosen
             record = self._record(res, ctx)
-            new = apply_replacement(gm, res, rep, ctx.fake_mode)
+            new = apply_replacement(gm, res, rep, ctx.fake_mode, value)
             record.fused_node = new[0].name
             ctx.report.matches.append(record)
             ctx.match_by_node.setdefault(new[0].name, []).append(record)
@@ -56,28 +56,29 @@ class Canonicalize(GraphPass):
         return changes
 
     def _choose(self, node: fx.Node, misses: list[tuple[Pattern, Mismatch]], ctx: PassContext
-                ) -> tuple[Match, Any] | None:
+                ) -> tuple[Match, Any, Any] | None:
         """The match to apply at ``node``: the first pattern (priority order) that matches, unless it
         would consume a node at which another family's pattern matches (a site it would destroy,
         e.g. RoPE's final ``add`` read by a q/k RMSNorm as if it were a residual add) and a later
         pattern at ``node`` matches without doing so; then that one (both fusions happen). When every
-        match at ``node`` costs a site, the first is taken (nothing would be gained by declining)."""
-        first: tuple[Match, Any] | None = None
+        match at ``node`` costs a site, the first is taken (nothing would be gained by declining).
+        Also returns the replacement's fake output (``None`` where it was not run), reused by the rewrite."""
+        first: tuple[Match, Any, Any] | None = None
         for pattern in self._by_root.get(node.target, ()):
             res = try_match(pattern, node)
             if isinstance(res, Mismatch):
                 misses.append((pattern, res))
                 continue
             rep = pattern.build(res)
-            reason = _same_result(node, rep, ctx.fake_mode)
+            reason, value = _same_result(node, rep, ctx.fake_mode)
             if reason:
                 misses.append((pattern, Mismatch(node, reason, tuple(res.nodes))))
                 continue
             taken = self._sites_taken(res)
             if not taken:
-                return res, rep
+                return res, rep, value
             if first is None:
-                first = (res, rep)
+                first = (res, rep, value)
             log.debug("ep_fuse: %s at %s would consume %s; trying the next pattern", pattern.key, node.name,
                       ", ".join(f"{n.name} ({key})" for n, key in taken))
         return first
@@ -146,22 +147,24 @@ def _is_anchor(anchor: Any, node: fx.Node) -> bool:
     return bool(anchor(node))
 
 
-def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> str | None:
-    """Fake-run the replacement: its first output must have the root's dtype and shape."""
+def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> tuple[str | None, Any]:
+    """Fake-run the replacement: its first output must have the root's dtype and shape.
+
+    Returns (why not, ``None`` when it does; the replacement's fake output, ``None`` when not run)."""
     if fake_mode is None:
-        return None
+        return None, None
     old = val(root)
     if not isinstance(old, torch.Tensor):
-        return None
+        return None, None
     args = [fake_value(a, fake_mode) for a in rep.args]
     try:
         with fake_mode:
-            new = rep.op(*args)
+            out = rep.op(*args)
     except Exception as exc:  # the canonical op rejected the arguments
-        return f"replacement {rep.op} rejects the matched arguments: {exc}"
-    new = new[0] if isinstance(new, (tuple, list)) else new
+        return f"replacement {rep.op} rejects the matched arguments: {exc}", None
+    new = out[0] if isinstance(out, (tuple, list)) else out
     if new.dtype != old.dtype:
-        return f"replacement would produce {new.dtype} where the graph has {old.dtype}"
+        return f"replacement would produce {new.dtype} where the graph has {old.dtype}", None
     if new.dim() != old.dim() or not all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
-        return f"replacement would produce shape {list(new.shape)} where the graph has {list(old.shape)}"
-    return None
+        return f"replacement would produce shape {list(new.shape)} where the graph has {list(old.shape)}", None
+    return None, out

@@ -10,8 +10,9 @@ the first-call time ep_fuse added on top of Inductor's (``docs/benchmarks.md``, 
 The analysis is a pure function of the kernel and of what TTIR generation reads from the arguments:
 tensors become ``torch.empty(2, dtype=...)``, every symbolic size the constant 2, TMA arguments their
 descriptor metadata, everything else its value. :func:`memoized_access_analysis` keys on exactly that and
-serves a copy of the first result to later sites; kernels that are not ep_fuse's, and arguments it cannot
-key (unhashable values), go to torch's analysis unchanged.
+serves a copy of the first result to later sites; kernels that are not ep_fuse's JITFunctions (or the
+one-config Autotuners ``wrap_triton`` makes of them), and arguments it cannot key (unhashable values), go
+to torch's analysis unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class AnalysisStats:
 
 
 _memo: dict[tuple[Any, ...], Any] = {}
+"""Memo key (:func:`key_of`) -> the analysis' result."""
 stats = AnalysisStats()
 
 
@@ -67,16 +69,10 @@ def _arg_key(name: str, value: Any, tma: Any) -> tuple[Any, ...]:
     return (name, type(value).__name__, value)
 
 
-def _is_ours(kernel: Any) -> bool:
-    fn = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JITFunction
-    fn = getattr(fn, "fn", fn)  # a JITFunction wraps the Python function
-    return getattr(fn, "__module__", "").startswith("ep_fuse.")
-
-
 def _jit_id(kernel: Any) -> tuple[Any, ...] | None:
     src, fn = getattr(kernel, "src", None), getattr(kernel, "fn", None)
     if isinstance(src, str) and hasattr(fn, "__qualname__"):
-        return ("jit", fn.__module__, fn.__qualname__, hashlib.sha256(src.encode()).hexdigest())
+        return (fn.__module__, fn.__qualname__, hashlib.sha256(src.encode()).hexdigest())
     return None
 
 
@@ -85,25 +81,28 @@ def _config_id(cfg: Any) -> tuple[Any, ...]:
             *(getattr(cfg, a, None) for a in ("num_warps", "num_stages", "num_ctas", "maxnreg")))
 
 
-def _kernel_id(kernel: Any) -> tuple[Any, ...]:
-    """A JITFunction by its function's name and source. ``wrap_triton`` hands each launch with launch options
-    (``num_warps=...``) to the analysis as a fresh one-config Autotuner around the JITFunction, whose first
-    config's kwargs enter the TTIR: keyed on the JITFunction and the configs. Anything else by identity."""
+def _kernel_id(kernel: Any) -> tuple[Any, ...] | None:
+    """A JITFunction by its function's module, name and source. ``wrap_triton`` hands each launch with launch
+    options (``num_warps=...``) to the analysis as a fresh one-config Autotuner around the JITFunction, whose
+    first config's kwargs enter the TTIR: keyed on the JITFunction and the configs. ``None`` for anything
+    else (not memoized)."""
     jit = _jit_id(kernel)
     if jit is not None:
         return jit
     inner, configs = _jit_id(getattr(kernel, "fn", None)), getattr(kernel, "configs", None)
     if inner is not None and isinstance(configs, list | tuple):
-        return ("autotuner", inner, tuple(_config_id(c) for c in configs))
-    return ("object", id(kernel))
+        return (*inner, tuple(_config_id(c) for c in configs))
+    return None
 
 
 def key_of(kernel: Any, kwargs: dict[str, Any], tma: Any) -> tuple[Any, ...] | None:
-    """The memo key of one analysis, ``None`` when it is not memoized."""
-    if not _is_ours(kernel):
+    """The memo key of one analysis, ``None`` when it is not memoized (not an ep_fuse kernel, or an argument
+    that cannot be keyed)."""
+    kid = _kernel_id(kernel)
+    if kid is None or not kid[0].startswith("ep_fuse."):
         return None
     try:
-        key = (_kernel_id(kernel), *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
+        key = (kid, *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
         hash(key)
     except (_Unkeyable, TypeError):
         return None
@@ -118,17 +117,17 @@ def memoized(analysis: Callable[..., Any]) -> Callable[..., Any]:
         key = key_of(kernel, kwargs, tma)
         if key is not None and key in _memo:
             stats.served += 1
-            return copy.deepcopy(_memo[key][1])
+            return copy.deepcopy(_memo[key])
         t0 = time.perf_counter()
         out = analysis(kernel, kwargs, *rest, **kw)
-        stats.seconds += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        stats.seconds += spent
         stats.computed += 1
-        log.debug("ep_fuse: Triton access analysis of %s computed in %.3f s (key %s)",
-                  getattr(getattr(kernel, "fn", kernel), "__name__", kernel), time.perf_counter() - t0, key)
+        log.debug("ep_fuse: Triton access analysis computed in %.3f s (key %s)", spent, key)
         if key is not None:
             if len(_memo) >= _MAX_ENTRIES:
                 _memo.clear()
-            _memo[key] = (kernel, copy.deepcopy(out))  # the kernel is held so that an id in a key stays unique
+            _memo[key] = copy.deepcopy(out)
         return out
 
     wrapper.__wrapped__ = analysis  # type: ignore[attr-defined]

@@ -2,17 +2,27 @@
 
 import types
 
+import pytest
 import sympy
 import torch
 
 from ep_fuse import kernel_analysis as ka
 
+SRC = "def k(X, out, N, M, BLOCK):\n    pass\n"
+OURS = "ep_fuse.providers.triton.fake"
 
-def _kernel(module: str, src: str | None = None):
+
+def _kernel(module: str = OURS, src: str | None = SRC):
+    """Shaped like a JITFunction: .fn is the Python function, .src its source (``src=None``: neither)."""
     fn = types.FunctionType((lambda: None).__code__, {}, "k")
     fn.__module__ = module
-    # shaped like a JITFunction: .fn is the Python function, .src its source (an Autotuner has no .src)
     return types.SimpleNamespace(fn=fn, **({"src": src} if src is not None else {}))
+
+
+def _tuner(jit, num_warps=4, **kwargs):
+    """Shaped like the one-config Autotuner wrap_triton makes of a launch with launch options."""
+    cfg = types.SimpleNamespace(kwargs=kwargs, num_warps=num_warps, num_stages=3, num_ctas=1, maxnreg=None)
+    return types.SimpleNamespace(fn=jit, configs=[cfg])
 
 
 class Analysis:
@@ -24,23 +34,29 @@ class Analysis:
         return {"writes": sorted(k for k in kwargs if k.startswith("out"))}
 
 
+@pytest.fixture
+def memo():
+    """(the memoized stand-in analysis, its call counter), on an empty memo."""
+    ka._memo.clear()
+    analysis = Analysis()
+    yield ka.memoized(analysis), analysis
+    ka._memo.clear()
+
+
 def _args(dtype=torch.bfloat16, n=64, rows=sympy.Symbol("s0")):
     return {"x": torch.empty(2, dtype=dtype), "out": torch.empty(2, dtype=dtype), "N": n, "M": rows, "BLOCK": 32}
 
 
-def test_one_analysis_per_signature():
-    ka._memo.clear()
-    analysis = Analysis()
-    memo = ka.memoized(analysis)
-    k = _kernel("ep_fuse.providers.triton.fake")
-    first = memo(k, _args(), {})
-    again = memo(k, _args(rows=sympy.Symbol("s7") * 3), {})  # any symbolic size: TTIR sees the constant 2
+def test_one_analysis_per_signature(memo):
+    run, analysis = memo
+    k = _kernel()
+    first = run(k, _args(), {})
+    again = run(k, _args(rows=sympy.Symbol("s7") * 3), {})  # any symbolic size: TTIR sees the constant 2
     assert analysis.calls == 1 and first == again and first is not again  # a copy, not the cached object
-    memo(k, _args(dtype=torch.float16), {})
-    memo(k, _args(n=128), {})
-    memo(k, {**_args(), "BLOCK": 64}, {})
-    memo(_kernel("ep_fuse.providers.triton.fake"), _args(), {})  # another kernel
-    assert analysis.calls == 5
+    run(k, _args(dtype=torch.float16), {})
+    run(k, _args(n=128), {})
+    run(k, {**_args(), "BLOCK": 64}, {})
+    assert analysis.calls == 4
 
 
 class Box:
@@ -53,62 +69,57 @@ class Box:
         return self._dtype
 
 
-def test_inductor_buffers_key_like_the_tensors_they_stand_for():
-    ka._memo.clear()
-    analysis = Analysis()
-    memo = ka.memoized(analysis)
-    k = _kernel("ep_fuse.providers.triton.fake")
-    memo(k, _args(), {})
+def test_inductor_buffers_key_like_the_tensors_they_stand_for(memo):
+    run, analysis = memo
+    run(_kernel(), _args(), {})
     boxed = {**_args(), "x": Box(torch.bfloat16), "out": Box(torch.bfloat16)}
-    memo(k, boxed, {})
-    memo(k, {**boxed, "x": Box(torch.bfloat16)}, {})
+    run(_kernel(), boxed, {})
+    run(_kernel(), {**boxed, "x": Box(torch.bfloat16)}, {})
     assert analysis.calls == 1
-    memo(k, {**boxed, "x": Box(torch.float32)}, {})
+    run(_kernel(), {**boxed, "x": Box(torch.float32)}, {})
     assert analysis.calls == 2
 
 
-def test_copies_of_a_jit_function_share_analyses_and_other_sources_do_not():
-    """Inductor analyses copies of the kernel object (one per tracing): a JITFunction keys on its name and
-    source, an object without source (an Autotuner) on its identity."""
-    ka._memo.clear()
-    analysis = Analysis()
-    memo = ka.memoized(analysis)
-    src = "def k(X, out, N, M, BLOCK):\n    pass\n"
-    memo(_kernel("ep_fuse.providers.triton.fake", src), _args(), {})
-    memo(_kernel("ep_fuse.providers.triton.fake", src), _args(), {})
+def test_kernels_key_on_module_name_and_source_not_identity(memo):
+    """Inductor hands the analysis a new object per launch: copies of one source share the analysis."""
+    run, analysis = memo
+    run(_kernel(), _args(), {})
+    run(_kernel(), _args(), {})
     assert analysis.calls == 1
-    memo(_kernel("ep_fuse.providers.triton.fake", src + "    # edited\n"), _args(), {})
-    memo(_kernel("ep_fuse.providers.triton.other", src), _args(), {})
+    run(_kernel(src=SRC + "    # edited\n"), _args(), {})
+    run(_kernel("ep_fuse.providers.triton.other"), _args(), {})
     assert analysis.calls == 3
-    tuner = _kernel("ep_fuse.providers.triton.fake")
-    memo(tuner, _args(), {})
-    memo(tuner, _args(), {})
-    memo(_kernel("ep_fuse.providers.triton.fake"), _args(), {})
-    assert analysis.calls == 5
 
 
-def test_tma_metadata_is_part_of_the_key():
-    ka._memo.clear()
-    analysis = Analysis()
-    memo = ka.memoized(analysis)
-    k = _kernel("ep_fuse.providers.triton.fake")
-    memo(k, _args(), {"x": ("stable", ([64, 64],))})
-    memo(k, _args(), {"x": ("stable", ([64, 128],))})
-    memo(k, _args(), {"x": ("stable", ([64, 64],))})
+def test_one_config_autotuners_key_on_their_kernel_and_config(memo):
+    run, analysis = memo
+    run(_tuner(_kernel()), _args(), {})
+    run(_tuner(_kernel()), _args(), {})  # a fresh wrapper of the same launch
+    assert analysis.calls == 1
+    run(_tuner(_kernel(), num_warps=8), _args(), {})
+    run(_tuner(_kernel(), BLOCK_K=64), _args(), {})  # config kwargs enter the TTIR
+    run(_kernel(), _args(), {})  # the bare JITFunction
+    assert analysis.calls == 4
+
+
+def test_tma_metadata_is_part_of_the_key(memo):
+    run, analysis = memo
+    run(_kernel(), _args(), {"x": ("stable", ([64, 64],))})
+    run(_kernel(), _args(), {"x": ("stable", ([64, 128],))})
+    run(_kernel(), _args(), {"x": ("stable", ([64, 64],))})
     assert analysis.calls == 2
 
 
-def test_other_kernels_and_unkeyable_arguments_are_not_memoized():
-    ka._memo.clear()
-    analysis = Analysis()
-    memo = ka.memoized(analysis)
-    theirs = _kernel("user_code")
-    memo(theirs, _args(), {})
-    memo(theirs, _args(), {})
-    ours = _kernel("ep_fuse.providers.triton.fake")
-    memo(ours, {**_args(), "shape": [1, 2]}, {})
-    memo(ours, {**_args(), "shape": [1, 2]}, {})
-    assert analysis.calls == 4
+@pytest.mark.parametrize("kernel, args", [
+    (_kernel("user_code"), _args()),  # not ep_fuse's
+    (_kernel(src=None), _args()),  # neither a JITFunction nor a wrapper of one
+    (_kernel(), {**_args(), "shape": [1, 2]}),  # an unhashable argument
+], ids=["theirs", "no-source", "unhashable"])
+def test_what_cannot_be_keyed_is_analysed_every_time(memo, kernel, args):
+    run, analysis = memo
+    run(kernel, args, {})
+    run(kernel, args, {})
+    assert analysis.calls == 2
 
 
 def test_context_patches_torch_and_restores_it():

@@ -9,8 +9,11 @@ the first-call time ep_fuse added on top of Inductor's (``docs/benchmarks.md``, 
 
 The analysis is a pure function of the kernel and of what TTIR generation reads from the arguments:
 tensors become ``torch.empty(2, dtype=...)``, every symbolic size the constant 2, TMA arguments their
-descriptor metadata, everything else its value. :func:`memoized_access_analysis` keys on exactly that and
-serves a copy of the first result to later sites; kernels that are not ep_fuse's JITFunctions (or the
+descriptor metadata, a plain integer of a non-``constexpr`` parameter only its Triton specialization (its
+integer type, whether it is 1, whether 16 divides it), everything else its value.
+:func:`memoized_access_analysis` keys on exactly that (integers a little finer, see :func:`_int_class`) and
+serves a copy of the first result to later sites, so a graph compiled at another static batch size reuses
+the analyses of the first; kernels that are not ep_fuse's JITFunctions (or the
 one-config Autotuners ``wrap_triton`` makes of them), and arguments it cannot key (unhashable values), go
 to torch's analysis unchanged.
 """
@@ -51,7 +54,15 @@ class _Unkeyable(Exception):
     pass
 
 
-def _arg_key(name: str, value: Any, tma: Any) -> tuple[Any, ...]:
+def _int_class(value: int) -> tuple[Any, ...]:
+    """What Triton's specialization of a non-``constexpr`` integer keeps of it, a little finer: its range
+    (``i32``/``i64``/``u64``), whether it is 0 or 1, and whether 8 and 16 divide it. The TTIR holds the value
+    itself only as the constant 1; otherwise only these attributes."""
+    rng = "i32" if -2**31 <= value < 2**31 else "i64" if -2**63 <= value < 2**63 else "u64"
+    return (rng, value == 0, value == 1, value % 8 == 0, value % 16 == 0)
+
+
+def _arg_key(name: str, value: Any, tma: Any, constexprs: frozenset[str] | None) -> tuple[Any, ...]:
     import sympy
 
     if tma and name in tma:
@@ -62,11 +73,23 @@ def _arg_key(name: str, value: Any, tma: Any) -> tuple[Any, ...]:
         return (name, "tensor", str(value.dtype))  # generated from torch.empty(2, dtype=...)
     if callable(getattr(value, "get_dtype", None)):  # Inductor's TensorBox (its .dtype is not forwarded)
         return (name, "tensor", str(value.get_dtype()))
+    if type(value) is int and constexprs is not None and name not in constexprs:
+        return (name, "int", _int_class(value))
     try:
         hash(value)
     except TypeError as exc:
         raise _Unkeyable(name) from exc
     return (name, type(value).__name__, value)
+
+
+def _constexprs(kernel: Any) -> frozenset[str] | None:
+    """Names of the kernel's ``constexpr`` parameters (a JITFunction's, or the one inside a one-config
+    Autotuner); ``None`` when they cannot be read (every integer is then keyed by value)."""
+    for fn in (kernel, getattr(kernel, "fn", None)):
+        params = getattr(fn, "params", None)
+        if isinstance(params, list) and params and all(hasattr(p, "is_constexpr") for p in params):
+            return frozenset(p.name for p in params if p.is_constexpr)
+    return None
 
 
 def _jit_id(kernel: Any) -> tuple[Any, ...] | None:
@@ -102,7 +125,8 @@ def key_of(kernel: Any, kwargs: dict[str, Any], tma: Any) -> tuple[Any, ...] | N
     if kid is None or not kid[0].startswith("ep_fuse."):
         return None
     try:
-        key = (kid, *sorted(_arg_key(n, v, tma) for n, v in kwargs.items()))
+        constexprs = _constexprs(kernel)
+        key = (kid, *sorted(_arg_key(n, v, tma, constexprs) for n, v in kwargs.items()))
         hash(key)
     except (_Unkeyable, TypeError):
         return None

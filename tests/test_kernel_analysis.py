@@ -59,6 +59,32 @@ def test_one_analysis_per_signature(memo):
     assert analysis.calls == 4
 
 
+def _params(*names: str, constexpr: tuple[str, ...] = ("BLOCK",)):
+    return [types.SimpleNamespace(name=n, is_constexpr=n in constexpr) for n in names]
+
+
+def test_plain_ints_key_on_their_triton_specialization(memo):
+    """Static sizes and strides of a non-constexpr parameter enter the TTIR only through their
+    specialization: graphs at other static batch sizes share the analysis; a constexpr keys on its value."""
+    run, analysis = memo
+    k = _kernel()
+    k.params = _params("x", "out", "N", "M", "BLOCK")
+    run(k, _args(n=64, rows=32), {})
+    run(k, _args(n=4096, rows=512), {})
+    run(_tuner(k), _args(n=64, rows=32), {})
+    run(_tuner(k), _args(n=128, rows=48), {})  # the Autotuner's inner kernel gives the constexprs
+    assert analysis.calls == 2
+    for n in (1, 0, 24, 7, 2**31, 2**63):  # Triton's constant 1, other divisibilities, wider types
+        run(k, _args(n=n, rows=32), {})
+    assert analysis.calls == 8
+    run(k, {**_args(n=64, rows=32), "BLOCK": 64}, {})
+    assert analysis.calls == 9
+    k.params = _params("x", "out", "N", "M", "BLOCK", constexpr=("BLOCK", "N"))  # N constexpr: its value
+    run(k, _args(n=64, rows=32), {})
+    run(k, _args(n=128, rows=32), {})
+    assert analysis.calls == 11
+
+
 class Box:
     """Like Inductor's TensorBox: get_dtype() works, .dtype does not, and it hashes by identity."""
 
@@ -170,21 +196,27 @@ def _launch_sites_share_one_analysis() -> None:
             outs.append(out)
         return outs
 
-    with FakeTensorMode():
-        args = (torch.empty(8, 64, dtype=bf16, device="cuda"), torch.zeros(8, dtype=torch.int64, device="cuda"),
-                torch.empty(4, 2, dtype=bf16, device="cuda"))
+    def args(row_stride: int):  # the rows of ``y`` read through their stride, an int argument of the kernel
+        with FakeTensorMode():
+            y = torch.empty_strided((8, 64), (row_stride, 1), dtype=bf16, device="cuda")
+            return (y, torch.zeros(8, dtype=torch.int64, device="cuda"), torch.empty(4, 2, dtype=bf16, device="cuda"))
+
     ka._memo.clear()
     with ka.memoized_access_analysis() as block:
-        for _ in range(2):
-            make_fx(torch.func.functionalize(layers), tracing_mode="fake")(*args)
+        for row_stride in (64, 128):  # two static strides, both i32 and multiples of 16: one specialization
+            make_fx(torch.func.functionalize(layers), tracing_mode="fake")(*args(row_stride))
     assert (block.computed, block.served) == (1, 5), block
+    with ka.memoized_access_analysis() as block:
+        make_fx(torch.func.functionalize(layers), tracing_mode="fake")(*args(72))  # 16 does not divide 72
+    assert (block.computed, block.served) == (1, 2), block
     assert type(kernels[0]).__name__ == "Autotuner" and kernels[0].fn is pk._unpermute_kernel
 
 
 def test_launches_with_options_share_one_analysis_across_sites_and_traces():
     """A real ep_fuse launch through ``wrap_triton`` (fake CUDA tensors, functionalized like AOT does, twice):
     torch hands the analysis a fresh one-config Autotuner per launch (the launch's ``num_warps``); the memo
-    still computes one analysis for the three identical sites over two traces. Run in a process without the
+    still computes one analysis for the three identical sites over two traces at two row strides that
+    Triton specializes alike, and a new one for a stride it does not. Run in a process without the
     Triton interpreter (``wrap_triton`` takes ``triton.jit`` kernels only; defining them needs no GPU)."""
     import os
     import subprocess

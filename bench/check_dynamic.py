@@ -51,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bf16", "fp16"])
     p.add_argument("--dynamic", nargs="+", choices=list(DYNAMIC), default=["true", "auto"])
     p.add_argument("--no-mark", action="store_true", help="do not mark the batch dim (Dynamo's 0/1 specialisation)")
+    p.add_argument("--no-cudnn-sdpa", action="store_true",
+                   help="torch.backends.cuda.enable_cudnn_sdp(False): cuDNN's SDPA check guards on an unbacked "
+                        "batch when there is a mask (bench/probe_sdpa_unbacked.py)")
     p.add_argument("--mode", default=None, help="torch.compile mode for both backends (e.g. reduce-overhead)")
     p.add_argument("--shapes", default="1x1,3x7,17x1,64x1,2x333,1x1024", help="batch x length, comma-separated")
     p.add_argument("--hidden", type=int, default=2880)
@@ -147,6 +150,8 @@ def main() -> int:
         args.layers = 2
     DEVICE = args.device
     assert DEVICE != "cuda" or torch.cuda.is_available(), "a CUDA GPU is needed"
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     assert DEVICE == "cuda" or args.no_time, "timing needs CUDA (use --no-time)"
     info = env_info()
     log(info)
@@ -154,7 +159,8 @@ def main() -> int:
     payload: dict[str, Any] = {"env": info, "args": vars(args), "runs": []}
     md = [f"# Dynamic shapes: Qwen2-MoE-style H{args.hidden} D{args.head_dim} E{args.experts} k{args.top_k} "
           f"I{args.moe_inter} shared {args.shared_inter}, {args.layers} layers, mode {args.mode or 'default'}, "
-          f"batch {'not marked' if args.no_mark else 'marked (ep_fuse.dynamic_batch)'}", ""]
+          f"batch {'not marked' if args.no_mark else 'marked (ep_fuse.dynamic_batch)'}"
+          f"{', cuDNN SDPA off' if args.no_cudnn_sdpa else ''}", ""]
     for dname in args.dtype:
         model = tiny_models.qwen2_moe_sized(
             hidden=args.hidden, head_dim=args.head_dim, heads=args.heads, kv_heads=args.kv_heads,

@@ -78,9 +78,11 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     inputs have neither ``position_ids`` nor ``past_key_values``. A KV cache's batch dim is not marked.
 
     On CUDA the batch is left unmarked (with a WARNING) unless ``force=True``: measured on H200 with torch
-    2.11, CUDA SDPA guards on the unbacked batch (``Eq(u0, 1)``), which breaks the graph at every
-    attention layer for ``backend="ep_fuse"`` and ``backend="inductor"`` alike (a 2-layer model compiled 20
-    graphs over the sequence of ``bench/check_dynamic.py`` instead of 4 with plain ``dynamic=True``).
+    2.11, the cuDNN backend of CUDA SDPA guards on the unbacked batch (``Eq(u0, 1)``) whenever the attention
+    has a mask, which breaks the graph at every attention layer for ``backend="ep_fuse"`` and
+    ``backend="inductor"`` alike (20 graphs for a 2-layer model over the sequence of ``bench/check_dynamic.py``
+    instead of 4 with plain ``dynamic=True``; ``bench/probe_sdpa_unbacked.py``). With
+    ``torch.backends.cuda.enable_cudnn_sdp(False)`` and ``force=True`` both backends compiled 2 graphs there.
 
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).
     """
@@ -114,6 +116,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
 
 @functools.lru_cache(maxsize=1)
 def _warn_cuda_once() -> None:
-    log.warning("ep_fuse.dynamic_batch: batch dims left unmarked on CUDA: CUDA SDPA guards on an unbacked "
-                "batch and breaks the graph at every attention layer (torch 2.11, H200). Use "
-                "torch.compile(..., dynamic=True) as is, or dynamic_batch(..., force=True) to mark anyway.")
+    log.warning("ep_fuse.dynamic_batch: batch dims left unmarked on CUDA: cuDNN's SDPA guards on an unbacked "
+                "batch when attention has a mask and breaks the graph at every attention layer (torch 2.11, "
+                "H200). Use torch.compile(..., dynamic=True) as is, or call "
+                "torch.backends.cuda.enable_cudnn_sdp(False) and dynamic_batch(..., force=True).")

@@ -60,19 +60,21 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, ...]], ...]] = {
 
 
 class _Recorder:
-    """Stands in for ``torch.library.wrap_triton``: records ``(kernel name, grid)`` per launch."""
+    """Stands in for ``torch.library.wrap_triton``: records ``(kernel name, grid)`` per launch (and, with
+    ``probe``, asks each tensor argument what functionalization asks)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe: bool = True) -> None:
         self.launches: list[tuple[str, tuple[Any, ...]]] = []
+        self.probe = probe
 
     def __call__(self, kernel: Any) -> Any:
-        launches = self.launches
+        launches, probe = self.launches, self.probe
 
         class _Launch:
             def __getitem__(self, grid: tuple[Any, ...]) -> Callable[..., None]:
                 def run(*args: Any, **kwargs: Any) -> None:
                     for a in args:
-                        if isinstance(a, torch.Tensor):
+                        if probe and isinstance(a, torch.Tensor):
                             a.is_contiguous()  # what functionalization asks of every tensor the launch takes
                             # torch 2.11 answers that with a guard on any size that may be 1 (2.13 does not)
                             maybe_one = [d for d in a.shape
@@ -120,8 +122,7 @@ def test_every_symbolic_inline_op_is_checked() -> None:
     assert set(P.SYMBOLIC_INLINE) == set(CASES)
 
 
-def test_unbacked_sizes_keep_the_opaque_op() -> None:
-    """``ep_fuse.dynamic_batch`` sizes are unbacked: host code that branches on a size could not be traced."""
+def test_unbacked_sizes_are_recognised() -> None:
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
     backed = mode.from_tensor(torch.empty(T, 3), symbolic_context=StatelessSymbolicContext(
@@ -131,6 +132,74 @@ def test_unbacked_sizes_keep_the_opaque_op() -> None:
     assert not P._unbacked((backed, 1e-6, None))
     assert P._unbacked((backed, unbacked))
     assert not P._unbacked((torch.empty(2, 3),))
+
+
+@pytest.mark.parametrize("op, i", [(op, i) for op, makers in CASES.items() for i in range(len(makers))])
+def test_host_code_traces_at_an_unbacked_token_count(op: str, i: int) -> None:
+    """``ep_fuse.dynamic_batch``'s batch is unbacked (it may be 0 or 1): the host code still decides nothing on
+    it (a decision would raise a data-dependent error here), and the grid stays a function of it."""
+    args = CASES[op][i]()
+    env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=env)
+    rec = _Recorder(probe=False)
+    with mode:
+        tokens = env.create_unbacked_symint()
+        fake = [_symbolic_like(a, tokens) if isinstance(a, torch.Tensor) and a.dim() else a for a in args]
+        P.SYMBOLIC_INLINE[op](*fake, wrap=rec)
+    assert [str(g.expr) for g in env.guards] == []
+    symbols = {str(s) for _, grid in rec.launches for g in grid if isinstance(g, torch.SymInt)
+               for s in g.node.expr.free_symbols}
+    assert str(tokens) in symbols, rec.launches
+
+
+class _Mode:
+    """Stands in for the FunctionalTensorMode a rule runs under: the opaque op's dispatch is recorded."""
+
+    def __init__(self) -> None:
+        self.dispatched: list[Any] = []
+
+    def __enter__(self) -> "_Mode":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __torch_dispatch__(self, op: Any, types: Any, args: Any, kwargs: Any) -> str:
+        self.dispatched.append(op)
+        return "opaque"
+
+
+@pytest.mark.parametrize("fails", [None, "guard", "other"])
+def test_unbacked_launch_that_cannot_be_traced_keeps_the_opaque_op(monkeypatch, fails) -> None:
+    """At unbacked sizes the launch is tried; a data-dependent guard (or any other failure) in its host code
+    leaves the opaque op, which is always a correct lowering. At backed sizes a failure is not hidden."""
+    import types
+
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    monkeypatch.setattr(P, "triton_interpret", lambda: False)
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):
+        unbacked = torch.empty(env.create_unbacked_symint(), 3)
+
+    def kernel(*args: Any, wrap: Any) -> str:
+        if fails == "guard":
+            raise GuardOnDataDependentSymNode(args[1].shape[0] == 0, "Could not guard on data-dependent expression")
+        if fails == "other":
+            raise RuntimeError("some tracing failure")
+        return "inlined"
+
+    rule = P._inline_rule(kernel, lambda a: None, lambda a: None, symbolic=True)
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))  # the rule reads args[0].device only
+    mode = _Mode()
+    out = rule(mode, "op", (), (cuda, unbacked), {})
+    assert (out, mode.dispatched) == (("inlined", []) if fails is None else ("opaque", ["op"]))
+    if fails is not None:
+        backed = FakeTensorMode(shape_env=ShapeEnv()).from_tensor(
+            torch.empty(T, 3), symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
+        with pytest.raises((GuardOnDataDependentSymNode, RuntimeError)):
+            rule(mode, "op", (), (cuda, backed), {})
 
 
 # --------------------------------------------------------------------------- the <op>_by_size branches
@@ -301,9 +370,10 @@ def test_size_branches_compile_in_inductor_at_a_product_of_symbols() -> None:
 
 
 def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
-    """The FunctionalTensorMode rule registered for ``grouped_gemm_swiglu_by_size`` traces the branches on CUDA,
-    and keeps the opaque op under CUDA graphs (Inductor would drop them for a graph holding ``torch.cond``) and
-    with the switch off. Fake CUDA tensors; the tracing itself is recorded."""
+    """The FunctionalTensorMode rule registered for ``grouped_gemm_swiglu_by_size`` traces the branches on CUDA
+    (an unbacked row count alone included), and keeps the opaque op at an unbacked row count times another
+    size, under CUDA graphs (Inductor would drop them for a graph holding ``torch.cond``) and with the switch
+    off. Fake CUDA tensors; the tracing itself is recorded."""
     from ep_fuse.ops import canonical
     from ep_fuse.providers.triton import size_branches as sb
 
@@ -340,8 +410,13 @@ def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
             return rule(Mode(), prov.by_size, (), args, {})
 
         assert run(symbolic) == "branches" and run(static) == "branches"
+        u = env.create_unbacked_symint()
+        decode = (torch.empty(u * K, H, dtype=BF16, device="cuda"), w, seg)  # dynamic_batch's batch, length 1
+        prefill = (torch.empty(u * seed.shape[0] * K, H, dtype=BF16, device="cuda"), w, seg)  # times a length
+        assert run(decode) == "branches"
+        assert run(prefill) == "opaque"  # Inductor 2.11 could not generate those subgraphs (H200)
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             assert run(symbolic) == "opaque"
         monkeypatch.setattr(P, "INLINE_SIZE_BRANCHES", False)
         assert run(symbolic) == "opaque"
-    assert traced == ["grouped_gemm_swiglu"] * 2
+    assert traced == ["grouped_gemm_swiglu"] * 3

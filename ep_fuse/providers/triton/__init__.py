@@ -9,7 +9,9 @@ Two ways a lowered call runs:
   generated code (no Python dispatch per call).
 
 With symbolic sizes (``dynamic=True``) the launches of the ops registered ``symbolic=True`` are inlined too
-(their host code adds no guard). The ``<op>_by_size`` ops of ``gemm_swiglu`` and the grouped GEMMs choose
+(their host code adds no guard). At unbacked sizes (``ep_fuse.dynamic_batch``) a launch is inlined where its
+host code traces without deciding on the size; where it would have to (a data-dependent guard), the call
+stays the opaque op. The ``<op>_by_size`` ops of ``gemm_swiglu`` and the grouped GEMMs choose
 between kernels and the reference by the real row count (:mod:`ep_fuse.providers.triton.perf`); Inductor
 traces that choice as branches on the row count (:mod:`~ep_fuse.providers.triton.size_branches`), except
 where the compile uses CUDA graphs, which keeps the opaque op.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +58,8 @@ from ep_fuse.providers.triton.rope import (
     rope_qk_kernel,
 )
 
+log = logging.getLogger("ep_fuse.providers")
+
 INLINE_IN_INDUCTOR = True
 """Let Inductor inline the Triton launches (set False to keep the opaque op everywhere)."""
 
@@ -79,8 +84,8 @@ def _static(args: tuple[Any, ...]) -> bool:
 
 
 INLINE_SYMBOLIC = True
-"""Inline the launches of the ops registered ``symbolic=True`` at backed symbolic sizes too (``dynamic=True``;
-unbacked sizes from ``ep_fuse.dynamic_batch`` keep the opaque op).
+"""Inline the launches of the ops registered ``symbolic=True`` at symbolic sizes too (``dynamic=True``, and the
+unbacked batch of ``ep_fuse.dynamic_batch`` where the host code traces without a data-dependent guard).
 
 Their host code computes grids and arguments as size expressions without specialising them (no guard is
 added: ``tests/test_symbolic_launch.py``), so Inductor's generated code launches them with pre-bound
@@ -89,8 +94,8 @@ arguments at every size, instead of calling the opaque op through the dispatcher
 
 
 def _unbacked(args: tuple[Any, ...]) -> bool:
-    """Whether a size or stride is an unbacked symbol (``ep_fuse.dynamic_batch``): host code branching on it
-    (``if t * k == 0``) cannot be decided at trace time, so such calls stay opaque."""
+    """Whether a size or stride is an unbacked symbol (``ep_fuse.dynamic_batch``): host code that would have
+    to decide on it (a guard) cannot be traced, so the launch is tried and the op kept where it fails."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     return any(free_unbacked_symbols((*a.shape, *a.stride())) for a in args if isinstance(a, torch.Tensor))
@@ -98,14 +103,25 @@ def _unbacked(args: tuple[Any, ...]) -> bool:
 
 def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, symbolic: bool) -> Any:
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        sized_ok = _static(args) or (symbolic and INLINE_SYMBOLIC and not _unbacked(args))
+        sized_ok = _static(args) or (symbolic and INLINE_SYMBOLIC)
         if (not INLINE_IN_INDUCTOR or triton_interpret() or args[0].device.type != "cuda" or not sized_ok
                 or supports(args) is not None or inline_ok(args) is not None):
             return mode.__torch_dispatch__(op, types, args, kwargs)
         from torch.library import wrap_triton
 
-        with mode:
-            return kernel(*args, wrap=wrap_triton)
+        if not _unbacked(args):
+            with mode:
+                return kernel(*args, wrap=wrap_triton)
+        try:
+            with mode:
+                return kernel(*args, wrap=wrap_triton)
+        except Exception as exc:  # noqa: BLE001 -- the opaque op is always a correct lowering
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+            (log.info if isinstance(exc, GuardOnDataDependentSymNode) else log.warning)(
+                "ep_fuse: %s at unbacked sizes stays the opaque op: its launch could not be traced (%s: %s)",
+                op, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return mode.__torch_dispatch__(op, types, args, kwargs)
 
     return rule
 
@@ -124,11 +140,21 @@ def _cudagraphs_requested() -> bool:
     return bool(inductor_config.triton.cudagraphs)
 
 
+def _size_symbols(args: tuple[Any, ...]) -> set[Any]:
+    return {sym for a in args if isinstance(a, torch.Tensor)
+            for v in (*a.shape, *a.stride()) if isinstance(v, torch.SymInt) for sym in v.node.expr.free_symbols}
+
+
 def _size_branches_ok(args: tuple[Any, ...]) -> str | None:
     """``inline_ok`` of the ``<op>_by_size`` ops: their choice is traced unless CUDA graphs are requested or the
-    switch is off (at static sizes it is the one branch those sizes take)."""
+    switch is off (at static sizes it is the one branch those sizes take), and not at an unbacked size combined
+    with another symbol (``ep_fuse.dynamic_batch``'s batch times a prefill length)."""
     if _cudagraphs_requested():
         return "CUDA graphs requested: Inductor would drop them for a graph holding torch.cond"
+    if _unbacked(args) and len(_size_symbols(args)) > 1:
+        # measured on H200 (torch 2.11): Inductor failed to generate the branch subgraph of a row count u0*s27
+        # ("For s27*u0, expected [s27] to have been codegen-ed"); an unbacked row count alone compiled and ran
+        return "an unbacked row count times another size: Inductor cannot generate the branches' subgraphs"
     return None if INLINE_SIZE_BRANCHES else "EP_FUSE_SIZE_BRANCHES=0"
 
 

@@ -114,7 +114,7 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
     from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``)."""
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    if x.shape[0] == 0 or n == 0:
+    if known(x.shape[0] == 0) or known(n == 0):  # an unbacked 0 launches an empty grid
         return y
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()

@@ -30,6 +30,7 @@ from ep_fuse.providers.triton.rms_norm_kernel import (
     _for_store,
     _round,
 )
+from ep_fuse.symbolic import known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,9 +243,11 @@ def launch_permute(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ro
     """Fill ``rows`` [T*K, H], ``src2dst`` [T*K] and ``seg_indptr`` [E+1] (``x`` rows unit-stride)."""
     t, k = topk_ids.shape
     h = x.shape[1]
-    if t * k == 0:
+    if known(t * k == 0):
         seg_indptr.zero_()
         return
+    # an unbacked token count (ep_fuse.dynamic_batch) is not known to be non-zero: a run-time assert, not a guard
+    torch._check(t * k > 0, lambda: "ep_fuse: the inlined MoE permute needs at least one token")
     index_cfg = index_cfg or index_config(t * k, num_experts)
     base, rank = launch_permute_index(topk_ids, num_experts, seg_indptr, index_cfg, wrap)
     cc = copy_cfg or copy_config(h)
@@ -263,7 +266,7 @@ def launch_unpermute(y: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch
                      wrap=None) -> None:
     """Fill ``out`` [T, H] (contiguous); ``topk_weights`` is read as [T, K] through its two strides."""
     t, h = out.shape
-    if t == 0 or h == 0:
+    if known(t == 0) or known(h == 0):  # an unbacked 0 launches an empty grid
         return
     cc = copy_cfg or copy_config(h)
     nhb = max(1, triton.cdiv(h, cc.block_h * cc.h_iters))

@@ -13,7 +13,8 @@
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
 # host_overhead (bench/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
-# result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS).
+# result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS), probe_sdpa
+# (bench/probe_sdpa_unbacked.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 repo=$PWD
@@ -107,6 +108,8 @@ for s in "$@"; do
       var=DYN_ARGS${tag:+_$tag}
       [ -f "$repo/bench/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
         python3 "$repo/bench/check_dynamic.py" ${!var:-} ;;
+    probe_sdpa)  # which CUDA SDPA calls guard on an unbacked batch (dynamic_batch on CUDA)
+      step probe_sdpa timeout 200 python3 "$repo/bench/probe_sdpa_unbacked.py" ;;
     *) echo "unknown step $s" ;;
   esac
 done

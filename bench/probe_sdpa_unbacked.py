@@ -11,8 +11,8 @@ others, the guard and the frames that raised it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-import os
 import sys
 import traceback
 from pathlib import Path
@@ -51,7 +51,7 @@ def probe(q_len: int, kv_len: int, transposed: bool, gqa: str, masked: bool, bac
     causal = q_len > 1 and not masked
     fn = torch.compile(lambda q, k, v, m: call(q, k, v, m, gqa, causal), backend="eager", fullgraph=True)
     try:
-        with sdpa_kernel(backend) if backend is not None else _null():
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
             fn(q, k, v, mask)
         return "traces"
     except Exception as exc:  # report the guard and where it came from
@@ -60,13 +60,7 @@ def probe(q_len: int, kv_len: int, transposed: bool, gqa: str, masked: bool, bac
         return (text[:1500] + "\n" + "\n".join(frames)).replace("|", "/")
 
 
-class _null:
-    def __enter__(self): return self
-    def __exit__(self, *a): return False
-
-
 def main() -> None:
-    os.environ.setdefault("TORCHDYNAMO_EXTENDED_DEBUG_CPP", "1")
     rows = [f"# CUDA SDPA on an unbacked batch\n\n{env_info()}\n"]
     backends = {"auto": None, "flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}

@@ -346,34 +346,47 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode  # noqa: E4
 torch.library.register_torch_dispatch(torch.ops.ep_fuse_test.by_rows.default, FunctionalTensorMode, _by_rows_rule)
 
 
-def test_size_branches_compile_in_inductor_at_a_product_of_symbols() -> None:
+@pytest.mark.parametrize("sizes", ["backed", "unbacked batch"])
+def test_size_branches_compile_in_inductor_at_a_product_of_symbols(sizes: str) -> None:
     """Inductor compiles the nested conds once for every row count, including a row count that is a product
-    of symbols (batch x length): each branch's subgraph gets the symbols as operands (without them Inductor
-    failed with "For s27*s77, expected [s27, s77] to have been codegen-ed", seen on H200)."""
+    of symbols (batch x length) whose length is shared with another input (``position_ids``: Dynamo makes
+    one of the two an alias, ``s62 -> s27``), backed (``dynamic=True``) or with the batch unbacked
+    (``ep_fuse.dynamic_batch``), compiled after a (1, 1) call. Each branch's subgraph binds the symbols from an
+    empty carrier tensor: without
+    any, Inductor failed with "For s27*s77, expected [s27, s77] to have been codegen-ed" (H200); with the
+    symbols as ``SymInt`` operands it bound the alias and failed with "For s27*u0, expected [s27] ..." (H200
+    and here)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from ep_fuse.providers.triton import size_branches as sb
 
-    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.ep_fuse_test.by_rows(x.sin().reshape(-1, x.shape[-1]), w) * 2
+    def f(x: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.sin() + pos.unsqueeze(-1)
+        return torch.ops.ep_fuse_test.by_rows(h.reshape(-1, x.shape[-1]), w) * 2
 
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(f, backend=counter, dynamic=True)
     w = torch.randn(8, 4)
     taken = set()
-    for b, s in [(2, 3), (3, 7), (4, 10), (5, 40), (2, 5)]:
+    # (1, 1) first: Dynamo specialises it, and the recompile makes the length of one input an alias
+    shapes = [(1, 1), (2, 3), (3, 7), (4, 10), (5, 40), (2, 5)] + ([(1, 9), (1, 70)] if sizes != "backed" else [])
+    for b, s in shapes:
         x = torch.randn(b, s, 4)
+        pos = torch.arange(s, dtype=torch.float32).expand(b, s).contiguous()
+        if sizes != "backed":
+            for t in (x, pos):
+                torch._dynamo.decorators.mark_unbacked(t, 0, shape_id="batch")
         branch = sb.branch_for(_ROW_BRANCHES, b * s)
         taken.add(branch.name)
-        torch.testing.assert_close(compiled(x, w), branch.run((x.sin().reshape(-1, 4), w), None) * 2)
-    assert taken == {"a", "b", "c"} and counter.frame_count == 1
+        want = branch.run(((x.sin() + pos.unsqueeze(-1)).reshape(-1, 4), w), None) * 2
+        torch.testing.assert_close(compiled(x, pos, w), want)
+    assert taken == {"a", "b", "c"} and counter.frame_count == 2  # (1, 1), then one graph for every other shape
 
 
 def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
     """The FunctionalTensorMode rule registered for ``grouped_gemm_swiglu_by_size`` traces the branches on CUDA
-    (an unbacked row count alone included), and keeps the opaque op at an unbacked row count times another
-    size, under CUDA graphs (Inductor would drop them for a graph holding ``torch.cond``) and with the switch
-    off. Fake CUDA tensors; the tracing itself is recorded."""
+    (at unbacked sizes too), and keeps the opaque op under CUDA graphs (Inductor would drop them for a graph
+    holding ``torch.cond``) and with the switch off. Fake CUDA tensors; the tracing itself is recorded."""
     from ep_fuse.ops import canonical
     from ep_fuse.providers.triton import size_branches as sb
 
@@ -410,11 +423,9 @@ def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
             return rule(Mode(), prov.by_size, (), args, {})
 
         assert run(symbolic) == "branches" and run(static) == "branches"
-        u = env.create_unbacked_symint()
-        decode = (torch.empty(u * K, H, dtype=BF16, device="cuda"), w, seg)  # dynamic_batch's batch, length 1
-        prefill = (torch.empty(u * seed.shape[0] * K, H, dtype=BF16, device="cuda"), w, seg)  # times a length
-        assert run(decode) == "branches"
-        assert run(prefill) == "opaque"  # Inductor 2.11 could not generate those subgraphs (H200)
+        unbacked = (torch.empty(env.create_unbacked_symint() * seed.shape[0] * K, H, dtype=BF16, device="cuda"), w,
+                    seg)  # dynamic_batch's batch times a length
+        assert run(unbacked) == "branches"
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             assert run(symbolic) == "opaque"
         monkeypatch.setattr(P, "INLINE_SIZE_BRANCHES", False)

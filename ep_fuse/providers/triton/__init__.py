@@ -140,22 +140,11 @@ def _cudagraphs_requested() -> bool:
     return bool(inductor_config.triton.cudagraphs)
 
 
-def _free_symbols(args: tuple[Any, ...]) -> set[Any]:
-    """The symbols in the tensor arguments' sizes and strides."""
-    return {sym for a in args if isinstance(a, torch.Tensor)
-            for v in (*a.shape, *a.stride()) if isinstance(v, torch.SymInt) for sym in v.node.expr.free_symbols}
-
-
 def _size_branches_ok(args: tuple[Any, ...]) -> str | None:
     """``inline_ok`` of the ``<op>_by_size`` ops: their choice is traced unless CUDA graphs are requested or the
-    switch is off (at static sizes it is the one branch those sizes take), and not at an unbacked size combined
-    with another symbol (``ep_fuse.dynamic_batch``'s batch times a prefill length)."""
+    switch is off (at static sizes it is the one branch those sizes take)."""
     if _cudagraphs_requested():
         return "CUDA graphs requested: Inductor would drop them for a graph holding torch.cond"
-    if _unbacked(args) and len(_free_symbols(args)) > 1:
-        # measured on H200 (torch 2.11): Inductor failed to generate the branch subgraph of a row count u0*s27
-        # ("For s27*u0, expected [s27] to have been codegen-ed"); an unbacked row count alone compiled and ran
-        return "an unbacked row count times another size: Inductor cannot generate the branches' subgraphs"
     return None if INLINE_SIZE_BRANCHES else "EP_FUSE_SIZE_BRANCHES=0"
 
 

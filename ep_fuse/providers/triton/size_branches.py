@@ -165,10 +165,15 @@ def branch_for(branches: Sequence[Branch], rows: int) -> Branch:
     return next(b for b in branches if b.below is None or rows < b.below)
 
 
-def _size_symbols(tensors: Sequence[torch.Tensor]) -> tuple[torch.SymInt, ...]:
-    """One ``SymInt`` per symbol in the operands' sizes, strides and offsets (sorted by name). They go to
-    ``cond`` as operands, so that each branch's subgraph binds them: a branch input of size ``s27*s52`` (batch
-    times length) does not tell Inductor's subgraph what ``s27`` and ``s52`` are."""
+def _size_carrier(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """One empty tensor whose sizes are the symbols in the operands' sizes, strides and offsets (sorted by name,
+    then a 0), or ``()`` at static sizes. It goes to ``cond`` as an operand so that each branch's subgraph binds
+    every symbol from its sizes: a branch input of size ``s27*s52`` (batch times length) does not tell
+    Inductor's subgraph what ``s27`` and ``s52`` are. A tensor, not the symbols as ``SymInt`` operands: a
+    ``SymInt`` operand is traced as whichever graph input carries that symbol, and when two inputs share it
+    (``input_ids`` and ``position_ids`` share the length, one of them Dynamo's replaced alias ``s62 -> s27``)
+    Inductor's subgraph bound the alias and failed ("For s27*u0, expected [s27] to have been codegen-ed",
+    H200 and CPU)."""
     symbols: dict[str, Any] = {}
     env = None
     for t in tensors:
@@ -179,12 +184,12 @@ def _size_symbols(tensors: Sequence[torch.Tensor]) -> tuple[torch.SymInt, ...]:
     if env is None:
         return ()
     hints = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
-    return tuple(env.create_symintnode(s, hint=int(hints[s]) if s in hints else None)
-                 for _, s in sorted(symbols.items()))
+    sizes = [env.create_symintnode(s, hint=int(hints[s]) if s in hints else None) for _, s in sorted(symbols.items())]
+    return (torch.empty((*sizes, 0), dtype=torch.int8, device=tensors[0].device),)
 
 
 def select(branches: Sequence[Branch], rows_of: Callable[[torch.Tensor], Any], args: Sequence[torch.Tensor],
-           wrap: Wrap | None, cond: Cond = _cond, symbols: tuple[Any, ...] | None = None) -> torch.Tensor:
+           wrap: Wrap | None, cond: Cond = _cond, carrier: tuple[Any, ...] | None = None) -> torch.Tensor:
     """Run ``args`` on the first branch whose bound the row count is below: a nest of ``cond`` on symbolic
     sizes (each branch traced into its own subgraph), the branch itself on concrete sizes."""
     head, rest = branches[0], branches[1:]
@@ -194,7 +199,7 @@ def select(branches: Sequence[Branch], rows_of: Callable[[torch.Tensor], Any], a
     if isinstance(rows, int):
         return branch_for(branches, rows).run(args, wrap)
     tensors = tuple(args)
-    symbols = _size_symbols(tensors) if symbols is None else symbols
+    carrier = _size_carrier(tensors) if carrier is None else carrier
     n = len(tensors)
 
     def take(*a: Any) -> tuple[torch.Tensor]:  # cond's branches return tuples
@@ -203,7 +208,7 @@ def select(branches: Sequence[Branch], rows_of: Callable[[torch.Tensor], Any], a
     def other(*a: Any) -> tuple[torch.Tensor]:
         return (select(rest, rows_of, a[:n], wrap, cond, a[n:]),)
 
-    return cond(rows < head.below, take, other, tensors + tuple(symbols))[0]
+    return cond(rows < head.below, take, other, tensors + tuple(carrier))[0]
 
 
 def run_by_size(op: str, args: Sequence[Any], wrap: Wrap | None, cond: Cond = _cond) -> torch.Tensor:

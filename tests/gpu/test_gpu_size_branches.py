@@ -73,3 +73,38 @@ def test_dynamic_compile_takes_every_branch_in_one_graph(monkeypatch) -> None:
     assert code, "no generated code captured"
     assert "_by_size" not in code, "an opaque <op>_by_size call is left in the generated code"
     assert "true_graph" in code, "no branches in the generated code"
+
+
+@pytest.mark.parametrize("batch", ["backed", "unbacked"])
+def test_dynamic_compile_with_a_shared_length(batch: str) -> None:
+    """``position_ids`` share the length with ``input_ids``: after a (1, 1) call Dynamo makes one of the two
+    lengths an alias of the other, which the branches' subgraphs must not bind (they failed with "For s27*u0,
+    expected [s27] to have been codegen-ed" on H200). ``unbacked``: the batch marked by
+    ``ep_fuse.dynamic_batch(force=True)`` with cuDNN's SDPA off, 2 graphs (decode, prefill) over batch 1 and 3."""
+    import ep_fuse
+    from ep_fuse.tiny_models import qwen2_moe_sized
+
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    model = qwen2_moe_sized(hidden=256, head_dim=32, heads=8, kv_heads=2, experts=8, top_k=2, moe_intermediate=128,
+                            shared_intermediate=256, layers=1, device="cuda")
+    compiled = torch.compile(model, backend="ep_fuse", dynamic=True)
+    shapes = [(1, 1), (3, 7), (2, 40)] + ([(1, 9), (3, 1)] if batch == "unbacked" else [])
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(batch == "backed")
+    g = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for b, s in shapes:
+                ids = torch.randint(0, 128, (b, s), generator=g).cuda()
+                inputs = {"input_ids": ids, "position_ids": torch.arange(s, device="cuda").expand(b, s).contiguous()}
+                ref = model(**inputs, use_cache=False)
+                if batch == "unbacked":
+                    ep_fuse.dynamic_batch(inputs, force=True)
+                out = compiled(**inputs, use_cache=False)
+                assert rel_l2(out.logits, ref.logits) < 2e-2, (b, s)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    reports = ep_fuse.reports()
+    assert len(reports) == 2, [r.graph for r in reports]
+    assert all(r.count("moe_experts") == 1 for r in reports), [r.summary() for r in reports]

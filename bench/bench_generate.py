@@ -40,6 +40,7 @@ import hf_models  # noqa: E402
 from common import env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
+from ep_fuse.report import compile_totals  # noqa: E402
 
 
 def log(*a: Any) -> None:
@@ -208,14 +209,10 @@ def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: 
         if kind == "ep_fuse":
             reps = ep_fuse.reports()
             note = " | ".join(r.summary() for r in reps)
-            spent: dict[str, float] = {}
-            for r in reps:
-                for k, v in r.compile_seconds.items():
-                    spent[k] = spent.get(k, 0.0) + v
-            note += " | compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in spent.items())
-            done = sum(int(r.kernel_analyses.get("computed", 0)) for r in reps)
-            served = sum(int(r.kernel_analyses.get("served", 0)) for r in reps)
-            note += f" | Triton access analyses: {done} computed, {served} from ep_fuse's memo"
+            phases, analyses = compile_totals(reps)
+            note += " | compile: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items())
+            note += f" | Triton access analyses: {analyses['computed']} computed, {analyses['served']} from " \
+                    "ep_fuse's memo"
             hand = [r.inductor for r in reps if r.inductor is not None]
             if hand:
                 note += f" | hand-off direct={all(h.direct for h in hand)}, mutated inputs static=" \

@@ -250,6 +250,17 @@ def record(report: GraphReport) -> None:
         _reports[report.graph] = report
 
 
+def compile_totals(graphs: list[GraphReport]) -> tuple[dict[str, float], dict[str, int]]:
+    """The graphs' :attr:`GraphReport.compile_seconds` summed per phase, and their
+    :attr:`GraphReport.kernel_analyses` counts (``computed``, ``served``) summed."""
+    phases: dict[str, float] = {}
+    for r in graphs:
+        for phase, s in r.compile_seconds.items():
+            phases[phase] = phases.get(phase, 0.0) + s
+    analyses = {k: sum(int(r.kernel_analyses.get(k, 0)) for r in graphs) for k in ("computed", "served")}
+    return phases, analyses
+
+
 def reports() -> list[GraphReport]:
     """Reports of every graph compiled since the last :func:`reset_reports`, oldest first."""
     with _lock:

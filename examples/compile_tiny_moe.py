@@ -19,6 +19,7 @@ import torch
 
 import ep_fuse
 from ep_fuse import tiny_models
+from ep_fuse.report import compile_totals
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
 
@@ -41,11 +42,8 @@ def main() -> None:
         got = compiled(**inputs).logits
         seconds = time.perf_counter() - t0
 
-    spent: dict[str, float] = {}
-    for report in ep_fuse.reports():
-        for phase, s in report.compile_seconds.items():
-            spent[phase] = spent.get(phase, 0.0) + s
-    split = ", ".join(f"{phase} {s:.1f} s" for phase, s in spent.items())
+    phases, _ = compile_totals(ep_fuse.reports())
+    split = ", ".join(f"{phase} {s:.1f} s" for phase, s in phases.items())
     print(f"ep_fuse {ep_fuse.__version__}, torch {torch.__version__}: {args.model} on {args.device}, "
           f"first call (compile) {seconds:.1f} s ({split})")
     for report in ep_fuse.reports():

@@ -88,6 +88,12 @@ def test_inductor_executor_calls_the_fused_op():
     assert list(spent) == ["capture", "rewrite", "inductor"] and all(v > 0 for v in spent.values())
     assert sum(p.seconds for p in rep.passes) <= spent["rewrite"]
 
+    from ep_fuse.report import compile_totals
+
+    phases, analyses = compile_totals([rep, rep])  # summed over graphs
+    assert phases == {k: 2 * v for k, v in spent.items()}
+    assert analyses == {k: 2 * int(rep.kernel_analyses.get(k, 0)) for k in ("computed", "served")}
+
 
 @pytest.mark.slow
 def test_inductor_executor_inlines_declined_sites():

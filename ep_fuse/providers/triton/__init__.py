@@ -109,13 +109,12 @@ def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, 
             return mode.__torch_dispatch__(op, types, args, kwargs)
         from torch.library import wrap_triton
 
-        if not _unbacked(args):
-            with mode:
-                return kernel(*args, wrap=wrap_triton)
         try:
             with mode:
                 return kernel(*args, wrap=wrap_triton)
-        except Exception as exc:  # noqa: BLE001 -- the opaque op is always a correct lowering
+        except Exception as exc:  # noqa: BLE001 -- at unbacked sizes the opaque op is always a correct lowering
+            if not _unbacked(args):
+                raise
             from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
             (log.info if isinstance(exc, GuardOnDataDependentSymNode) else log.warning)(

@@ -77,12 +77,13 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     the batch size -- so ``position_ids`` ``[B, S]`` (``arange(S)``, what HF computes) are added when the
     inputs have neither ``position_ids`` nor ``past_key_values``. A KV cache's batch dim is not marked.
 
-    On CUDA the batch is left unmarked (with a WARNING) unless ``force=True``: measured on H200 with torch
-    2.11, the cuDNN backend of CUDA SDPA guards on the unbacked batch (``Eq(u0, 1)``) whenever the attention
-    has a mask, which breaks the graph at every attention layer for ``backend="ep_fuse"`` and
-    ``backend="inductor"`` alike (20 graphs for a 2-layer model over the sequence of ``bench/check_dynamic.py``
-    instead of 4 with plain ``dynamic=True``; ``bench/probe_sdpa_unbacked.py``). With
-    ``torch.backends.cuda.enable_cudnn_sdp(False)`` and ``force=True`` both backends compiled 2 graphs there.
+    On CUDA the batch is marked only while cuDNN's SDPA backend is off
+    (``torch.backends.cuda.enable_cudnn_sdp(False)``) or with ``force=True``; otherwise it is left unmarked,
+    with a WARNING. Measured on H200 with torch 2.11, the cuDNN backend guards on the unbacked batch
+    (``Eq(u0, 1)``) whenever the attention has a mask, which breaks the graph at every attention layer for
+    ``backend="ep_fuse"`` and ``backend="inductor"`` alike (20 graphs for a 2-layer model over the sequence of
+    ``bench/check_dynamic.py`` instead of 4 with plain ``dynamic=True``; ``bench/probe_sdpa_unbacked.py``).
+    With cuDNN's SDPA off both backends compiled 2 graphs there (``docs/benchmarks.md``).
 
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).
     """
@@ -93,7 +94,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if ids is None:
         raise ValueError("ep_fuse.dynamic_batch: the inputs have neither input_ids nor inputs_embeds")
-    if ids.device.type == "cuda" and not force:
+    if not (force or _batch_can_be_unbacked(ids.device.type)):
         _warn_cuda_once()
         return inputs
     if "position_ids" not in inputs and inputs.get("past_key_values") is None:
@@ -114,9 +115,17 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     return inputs
 
 
+def _batch_can_be_unbacked(device_type: str) -> bool:
+    """Whether an unbacked batch traces without a graph break on ``device_type``: everywhere but CUDA with
+    cuDNN's SDPA backend on (it guards ``Eq(u0, 1)`` on masked calls, torch 2.11)."""
+    import torch
+
+    return device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled()
+
+
 @functools.lru_cache(maxsize=1)
 def _warn_cuda_once() -> None:
     log.warning("ep_fuse.dynamic_batch: batch dims left unmarked on CUDA: cuDNN's SDPA guards on an unbacked "
                 "batch when attention has a mask and breaks the graph at every attention layer (torch 2.11, "
-                "H200). Use torch.compile(..., dynamic=True) as is, or call "
-                "torch.backends.cuda.enable_cudnn_sdp(False) and dynamic_batch(..., force=True).")
+                "H200). Call torch.backends.cuda.enable_cudnn_sdp(False) before compiling (the batch is then "
+                "marked), or use torch.compile(..., dynamic=True) without dynamic_batch.")

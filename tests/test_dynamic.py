@@ -379,3 +379,16 @@ def test_canonical_block_keeps_symbolic_rows():
         w13, w2 = torch.empty(4, 32, 32, dtype=BF16), torch.empty(4, 32, 16, dtype=BF16)
         out = canonical.moe_experts.op(x, ids, w, w13, w2, BF16)
     assert sym_eq(out.shape[0], t) and env.guards == []
+
+
+def test_dynamic_batch_marks_cuda_inputs_only_with_cudnn_sdpa_off(monkeypatch):
+    """On CUDA the batch is marked while cuDNN's SDPA is off (it guards ``Eq(u0, 1)`` on an unbacked batch,
+    torch 2.11) or with ``force=True``; elsewhere always."""
+    from ep_fuse import hf
+
+    for enabled, want in ((True, False), (False, True)):
+        monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda enabled=enabled: enabled)
+        assert hf._batch_can_be_unbacked("cuda") is want
+        assert hf._batch_can_be_unbacked("cpu")
+    marked = ep_fuse.dynamic_batch({"input_ids": torch.zeros(3, 5, dtype=torch.long)})
+    assert 0 in getattr(marked["input_ids"], "_dynamo_unbacked_indices", ())  # mark_unbacked's record

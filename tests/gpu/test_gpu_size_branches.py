@@ -80,7 +80,8 @@ def test_dynamic_compile_with_a_shared_length(batch: str) -> None:
     """``position_ids`` share the length with ``input_ids``: after a (1, 1) call Dynamo makes one of the two
     lengths an alias of the other, which the branches' subgraphs must not bind (they failed with "For s27*u0,
     expected [s27] to have been codegen-ed" on H200). ``unbacked``: the batch marked by
-    ``ep_fuse.dynamic_batch(force=True)`` with cuDNN's SDPA off, 2 graphs (decode, prefill) over batch 1 and 3."""
+    ``ep_fuse.dynamic_batch`` (which marks it on CUDA because cuDNN's SDPA is off), 2 graphs (decode, prefill)
+    over batch 1 and 3; the TMA kernels inlined at the unbacked size get it as an int64 argument."""
     import ep_fuse
     from ep_fuse.tiny_models import qwen2_moe_sized
 
@@ -100,7 +101,8 @@ def test_dynamic_compile_with_a_shared_length(batch: str) -> None:
                 inputs = {"input_ids": ids, "position_ids": torch.arange(s, device="cuda").expand(b, s).contiguous()}
                 ref = model(**inputs, use_cache=False)
                 if batch == "unbacked":
-                    ep_fuse.dynamic_batch(inputs, force=True)
+                    ep_fuse.dynamic_batch(inputs)
+                    assert 0 in getattr(inputs["input_ids"], "_dynamo_unbacked_indices", ()), "batch not marked"
                 out = compiled(**inputs, use_cache=False)
                 assert rel_l2(out.logits, ref.logits) < 2e-2, (b, s)
     finally:

@@ -1,12 +1,15 @@
 """Hopper TMA grouped GEMM vs the existing kernel, ``torch._grouped_mm`` and a dense cuBLAS ceiling (one run).
 
     python bench/bench_grouped_gemm_tma.py [--only deepseek_v3_T4096,...] [--shape NAME=T,H,I,E,K ...] [--budget 300]
+        [--balanced]
 
 For each shape: tokens routed by top-k of random logits, rows permuted expert-major, then per GEMM
 (gate|up + SwiGLU, and down on the SwiGLU output): (a) the existing Triton kernel at its default config,
 (b) the TMA kernel at its default config, (c) ``torch._grouped_mm`` (the GEMM alone; for gate|up also with
 the eager SwiGLU), (d) one dense cuBLAS matmul of the same FLOPs (``[rows, K] @ [K, N]``: the practical
-ceiling). TF/s counts real rows only (2 * rows * N * K). Correctness first (relative L2 against an fp32
+ceiling). TF/s counts real rows only (2 * rows * N * K); "weights TB/s" is the experts' weight bytes over the
+time (each expert's weights must be read at least once). ``--balanced`` routes every expert exactly
+``T * K / E`` rows (no ragged tiles) instead of top-k of random logits. Correctness first (relative L2 against an fp32
 per-expert loop, < 1e-2, outputs NaN-poisoned). GPU time from CUDA-graph replays (``bench/common.py``).
 Then, within ``--budget`` seconds, a sweep of TMA configs (tiles, stages, warps, GROUP_M, persistent grid,
 descriptor mode, ``warp_specialize``), and the decode configuration (DeepSeek-V3 T128) re-timed through the
@@ -56,6 +59,17 @@ def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
+EXTRA_CONFIGS: dict[str, list[Any]] = {"gate_up_swiglu": [], "down": []}
+"""``--config`` tile configs timed for every shape next to the default (with or without the sweep)."""
+
+
+def parse_config(spec: str) -> tuple[str, Any]:
+    """``gate_up_swiglu:BM,BN,BK,warps,stages[,GROUP_M]`` (or ``down:...``) -> (GEMM, config)."""
+    kernel, dims = spec.split(":")
+    assert kernel in EXTRA_CONFIGS, f"--config {spec}: GEMM is one of {list(EXTRA_CONFIGS)}"
+    return kernel, tk.TmaGemmConfig(*(int(v) for v in dims.split(",")))
+
+
 def sweep_configs(swiglu: bool) -> list[Any]:
     c = tk.TmaGemmConfig
     if swiglu:
@@ -77,6 +91,18 @@ def resolve(cfg: Any) -> Any:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return dataclasses.replace(cfg, programs=-cfg.programs * sms)
     return cfg
+
+
+def balanced_rows(t: int, h: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``i``'s ``j``-th expert is ``(i * k + j) mod e``: every expert gets ``t * k / e`` rows."""
+    from ep_fuse.ops.moe_reference import moe_permute_ref
+
+    assert (t * k) % e == 0 and k <= e, (t, k, e)
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, h, device="cuda", dtype=BF16, generator=g)
+    ids = (torch.arange(t, device="cuda")[:, None] * k + torch.arange(k, device="cuda")) % e
+    rows, _src2dst, seg = moe_permute_ref(x, ids, e)
+    return rows, seg
 
 
 def loop_ref(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, swiglu: bool) -> torch.Tensor:
@@ -142,6 +168,8 @@ def gemm_rows(kernel: str, a: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, 
             return torch.nn.functional.silu(gate) * up
 
         rows.insert(2, timed("grouped_mm+swiglu", mm_swiglu, flops, None, ref))
+    for cfg in EXTRA_CONFIGS[kernel]:
+        rows.append(timed(f"tma [{cfg}]", lambda c=resolve(cfg): t_launch(a, w, seg, out, config=c), flops, out, ref))
     if sweep_until is not None:
         for cfg in sweep_configs(swiglu):
             cfg = resolve(cfg)
@@ -159,16 +187,18 @@ def gemm_rows(kernel: str, a: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, 
             r["pct_cublas"] = 100 * r["tflops"] / dense
         if mm and "us" in r:
             r["vs_grouped_mm"] = mm / r["us"]
+        if "us" in r and r["variant"] != "cublas_dense":
+            r["weights_tbps"] = w.numel() * w.element_size() / (r["us"] * 1e-6) / 1e12
     return rows
 
 
 def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, torch.Tensor],
-              sweep_until: float | None) -> dict[str, Any]:
+              sweep_until: float | None, balanced: bool = False) -> dict[str, Any]:
     t, h, i, e, k = shape
     w13, w2 = weights
-    rows, seg = routed_rows(t, h, e, k)
+    rows, seg = (balanced_rows if balanced else routed_rows)(t, h, e, k)
     counts = seg.diff()
-    info: dict[str, Any] = {"shape": name, "T": t, "H": h, "I": i, "E": e, "K": k, "rows": rows.shape[0],
+    info: dict[str, Any] = {"shape": name + (" balanced" if balanced else ""), "T": t, "H": h, "I": i, "E": e, "K": k, "rows": rows.shape[0],
                             "rows_per_expert_max": int(counts.max()), "rows_per_expert_mean": rows.shape[0] / e}
     log(f"{name}: {info}")
     act_ref = loop_ref(rows, w13, seg, True)
@@ -201,12 +231,12 @@ def decode_retime(weights: dict[Any, Any]) -> dict[str, Any]:
 
 
 def tables(res: dict[str, Any]) -> str:
-    head = ["shape", "GEMM", "variant", "µs", "TF/s", "% cuBLAS", "vs _grouped_mm", "rel err"]
+    head = ["shape", "GEMM", "variant", "µs", "TF/s", "% cuBLAS", "vs _grouped_mm", "weights TB/s", "rel err"]
     body = []
     for s in res["shapes"]:
         for r in s["results"]:
             body.append([s["shape"], r["kernel"], r["variant"], r.get("us"), r.get("tflops"), r.get("pct_cublas"),
-                         f"{r['vs_grouped_mm']:.2f}×" if "vs_grouped_mm" in r else None,
+                         f"{r['vs_grouped_mm']:.2f}×" if "vs_grouped_mm" in r else None, r.get("weights_tbps"),
                          f"{r['rel_err']:.1e}" if "rel_err" in r else r.get("error")])
     out = markdown_table(head, body)
     best = []
@@ -234,7 +264,14 @@ def main() -> None:
     ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra shape (repeatable)")
     ap.add_argument("--budget", type=float, default=200.0, help="stop starting sweep configs after this many seconds")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--balanced", action="store_true", help="every expert gets T*K/E rows (no ragged groups)")
+    ap.add_argument("--config", action="append", default=[],
+                    help="GEMM:BM,BN,BK,warps,stages[,GROUP_M]: a TMA config timed next to the default (repeatable)")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode re-time")
     opts = ap.parse_args()
+    for spec in opts.config:
+        kernel, cfg = parse_config(spec)
+        EXTRA_CONFIGS[kernel].append(cfg)
     for spec in opts.shape:
         name, dims = spec.split("=")
         SHAPES[name] = tuple(int(v) for v in dims.split(","))
@@ -252,8 +289,12 @@ def main() -> None:
         # the sweep budget is shared out over the shapes still to run
         left = max(0.0, opts.budget - (time.time() - t0)) / (len(names) - names.index(name))
         until = None if opts.no_sweep else time.time() + left
-        res["shapes"].append(run_shape(name, SHAPES[name], weights[(h, i, e)], until))
+        res["shapes"].append(run_shape(name, SHAPES[name], weights[(h, i, e)], until, opts.balanced))
         write_json("grouped_gemm_tma.json", res)
+    if opts.no_decode:
+        (out_dir() / "grouped_gemm_tma.md").write_text(tables(res) + "\n")
+        log(tables(res))
+        return
     _n, (_t, h, i, e, _k) = DECODE
     if (h, i, e) not in weights:
         weights.clear()

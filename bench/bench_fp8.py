@@ -1,10 +1,11 @@
 """Benchmark of the FP8 block-scaled experts vs the bf16 ep_fuse experts (DeepSeek-V3 routed layer).
 
-    python bench/bench_fp8.py [--only decode,prefill] [--no-reference] [--sweep] [--tma] [--budget S]
+    python bench/bench_fp8.py [--only decode,prefill] [--no-reference] [--sweep] [--tma] [--budget S] [--balanced]
 
 H200, 2026-11-30 (``docs/benchmarks.md``), with the swept configs: decode 1.92x, prefill 1.08x the bf16 experts.
 Shapes: H7168 I2048 E256 top-8, decode T128, T512-T2048, prefill T4096 and T16384 (``--only`` picks). Rows are
-routed by top-k of random logits.
+routed by top-k of random logits (``--balanced``: token ``i``'s ``j``-th expert is ``(i*K + j) mod E``, so every
+expert gets ``T*K/E`` rows).
 Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both paths share the unpermute):
 
 * ``bf16``: ``grouped_gemm_swiglu`` + ``grouped_gemm`` (the ep_fuse Triton experts path), on permuted rows;
@@ -63,6 +64,8 @@ SHAPES = {  # name: (T, H, I, E, K); the T512..T2048 rows (16..64 rows per exper
 TARGETS = {"decode": 1.8, "prefill": 1.6}
 """Issue 17's targets; the other shapes must not be slower than bf16 (1.0) for the rule to take them."""
 BN, BK = R.BLOCK
+BALANCED = False
+"""``--balanced`` routing (module docstring)."""
 
 
 def log(*a: Any) -> None:
@@ -87,6 +90,8 @@ def tokens(t: int, h: int, e: int, k: int, outliers: bool) -> tuple[torch.Tensor
     if outliers:
         x[:, torch.randperm(h, device=DEVICE, generator=g)[:8]] *= 50
     ids = torch.randn(t, e, device=DEVICE, generator=g).topk(k, dim=-1).indices
+    if BALANCED:
+        ids = (torch.arange(t, device=DEVICE)[:, None] * k + torch.arange(k, device=DEVICE)) % e
     return x, ids
 
 
@@ -110,7 +115,7 @@ def fp8_reference(x, ids, w, e):
 def run_shape(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], reference: bool) -> dict[str, Any]:
     t, h, i, e, k = shape
     flops = 2 * t * k * (2 * i * h + h * i)
-    row: dict[str, Any] = {"shape": name, "T": t, "H": h, "I": i, "E": e, "K": k, "target": TARGETS.get(name, 1.0)}
+    row: dict[str, Any] = {"shape": name + (" balanced" if BALANCED else ""), "T": t, "H": h, "I": i, "E": e, "K": k, "target": TARGETS.get(name, 1.0)}
     with torch.no_grad():
         for label, outliers in (("random", False), ("outliers", True)):
             x, ids = tokens(t, h, e, k, outliers)
@@ -229,7 +234,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="time tile configs per GEMM (see the module docstring)")
     ap.add_argument("--tma", action="store_true", help="time the persistent TMA FP8 kernel's configs per GEMM")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds of sweeping before no new config starts")
+    ap.add_argument("--balanced", action="store_true", help="every expert gets T*K/E rows (no ragged groups)")
     args = ap.parse_args()
+    global BALANCED
+    BALANCED = args.balanced
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU (sm90+)")
     if not cleared("fp8:triton"):

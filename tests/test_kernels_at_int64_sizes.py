@@ -15,6 +15,7 @@ without ``TRITON_INTERPRET``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import subprocess

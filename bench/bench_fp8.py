@@ -4,8 +4,8 @@
 
 H200, 2026-11-30 (``docs/benchmarks.md``), with the swept configs: decode 1.92x, prefill 1.08x the bf16 experts.
 Shapes: H7168 I2048 E256 top-8, decode T128, T512-T2048, prefill T4096 and T16384 (``--only`` picks). Rows are
-routed by top-k of random logits (``--balanced``: token ``i``'s ``j``-th expert is ``(i*K + j) mod E``, so every
-expert gets ``T*K/E`` rows).
+routed by top-k of random logits (``--balanced``: ``common.balanced_topk_ids``, every expert gets ``T*K/E``
+rows).
 Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both paths share the unpermute):
 
 * ``bf16``: ``grouped_gemm_swiglu`` + ``grouped_gemm`` (the ep_fuse Triton experts path), on permuted rows;
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_graph_us, env_info, markdown_table, out_dir, write_json
+from common import balanced_topk_ids, bench_graph_us, env_info, markdown_table, out_dir, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.ops import fp8_reference as R
@@ -91,7 +91,7 @@ def tokens(t: int, h: int, e: int, k: int, outliers: bool) -> tuple[torch.Tensor
         x[:, torch.randperm(h, device=DEVICE, generator=g)[:8]] *= 50
     ids = torch.randn(t, e, device=DEVICE, generator=g).topk(k, dim=-1).indices
     if BALANCED:
-        ids = (torch.arange(t, device=DEVICE)[:, None] * k + torch.arange(k, device=DEVICE)) % e
+        ids = balanced_topk_ids(t, k, e, DEVICE)
     return x, ids
 
 
@@ -115,7 +115,8 @@ def fp8_reference(x, ids, w, e):
 def run_shape(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], reference: bool) -> dict[str, Any]:
     t, h, i, e, k = shape
     flops = 2 * t * k * (2 * i * h + h * i)
-    row: dict[str, Any] = {"shape": name + (" balanced" if BALANCED else ""), "T": t, "H": h, "I": i, "E": e, "K": k, "target": TARGETS.get(name, 1.0)}
+    row: dict[str, Any] = {"shape": name + (" balanced" if BALANCED else ""), "T": t, "H": h, "I": i, "E": e, "K": k,
+                           "target": TARGETS.get(name, 1.0)}
     with torch.no_grad():
         for label, outliers in (("random", False), ("outliers", True)):
             x, ids = tokens(t, h, e, k, outliers)

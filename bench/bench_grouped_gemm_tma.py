@@ -9,8 +9,8 @@ For each shape: tokens routed by top-k of random logits, rows permuted expert-ma
 the eager SwiGLU), (d) one dense cuBLAS matmul of the same FLOPs (``[rows, K] @ [K, N]``: the practical
 ceiling). TF/s counts real rows only (2 * rows * N * K); "weights TB/s" is the experts' weight bytes over the
 time (each expert's weights must be read at least once). ``--balanced`` routes every expert exactly
-``T * K / E`` rows (no ragged tiles) instead of top-k of random logits. Correctness first (relative L2 against an fp32
-per-expert loop, < 1e-2, outputs NaN-poisoned). GPU time from CUDA-graph replays (``bench/common.py``).
+``T * K / E`` rows (no ragged tiles) instead of top-k of random logits. Correctness first (relative L2 against
+an fp32 per-expert loop, < 1e-2, outputs NaN-poisoned). GPU time from CUDA-graph replays (``bench/common.py``).
 Then, within ``--budget`` seconds, a sweep of TMA configs (tiles, stages, warps, GROUP_M, persistent grid,
 descriptor mode, ``warp_specialize``), and the decode configuration (DeepSeek-V3 T128) re-timed through the
 provider's host functions. Sets ``EP_FUSE_UNVERIFIED_KERNELS=1`` (the TMA kernel is launched directly).
@@ -91,18 +91,6 @@ def resolve(cfg: Any) -> Any:
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         return dataclasses.replace(cfg, programs=-cfg.programs * sms)
     return cfg
-
-
-def balanced_rows(t: int, h: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ``i``'s ``j``-th expert is ``(i * k + j) mod e``: every expert gets ``t * k / e`` rows."""
-    from ep_fuse.ops.moe_reference import moe_permute_ref
-
-    assert (t * k) % e == 0 and k <= e, (t, k, e)
-    g = torch.Generator(device="cuda").manual_seed(t)
-    x = torch.randn(t, h, device="cuda", dtype=BF16, generator=g)
-    ids = (torch.arange(t, device="cuda")[:, None] * k + torch.arange(k, device="cuda")) % e
-    rows, _src2dst, seg = moe_permute_ref(x, ids, e)
-    return rows, seg
 
 
 def loop_ref(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, swiglu: bool) -> torch.Tensor:
@@ -196,10 +184,11 @@ def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, to
               sweep_until: float | None, balanced: bool = False) -> dict[str, Any]:
     t, h, i, e, k = shape
     w13, w2 = weights
-    rows, seg = (balanced_rows if balanced else routed_rows)(t, h, e, k)
+    rows, seg = routed_rows(t, h, e, k, balanced)
     counts = seg.diff()
-    info: dict[str, Any] = {"shape": name + (" balanced" if balanced else ""), "T": t, "H": h, "I": i, "E": e, "K": k, "rows": rows.shape[0],
-                            "rows_per_expert_max": int(counts.max()), "rows_per_expert_mean": rows.shape[0] / e}
+    info: dict[str, Any] = {"shape": name + (" balanced" if balanced else ""), "T": t, "H": h, "I": i, "E": e,
+                            "K": k, "rows": rows.shape[0], "rows_per_expert_max": int(counts.max()),
+                            "rows_per_expert_mean": rows.shape[0] / e}
     log(f"{name}: {info}")
     act_ref = loop_ref(rows, w13, seg, True)
     act = torch.empty(rows.shape[0], i, device="cuda", dtype=BF16)
@@ -291,17 +280,14 @@ def main() -> None:
         until = None if opts.no_sweep else time.time() + left
         res["shapes"].append(run_shape(name, SHAPES[name], weights[(h, i, e)], until, opts.balanced))
         write_json("grouped_gemm_tma.json", res)
-    if opts.no_decode:
-        (out_dir() / "grouped_gemm_tma.md").write_text(tables(res) + "\n")
-        log(tables(res))
-        return
-    _n, (_t, h, i, e, _k) = DECODE
-    if (h, i, e) not in weights:
-        weights.clear()
-        torch.cuda.empty_cache()
-        weights[(h, i, e)] = make_weights(h, i, e)
-    res["decode"] = decode_retime(weights)
-    write_json("grouped_gemm_tma.json", res)
+    if not opts.no_decode:
+        _n, (_t, h, i, e, _k) = DECODE
+        if (h, i, e) not in weights:
+            weights.clear()
+            torch.cuda.empty_cache()
+            weights[(h, i, e)] = make_weights(h, i, e)
+        res["decode"] = decode_retime(weights)
+        write_json("grouped_gemm_tma.json", res)
     md = tables(res)
     (out_dir() / "grouped_gemm_tma.md").write_text(md + "\n")
     log(md)

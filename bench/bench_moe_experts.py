@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
+    balanced_topk_ids,
     bench_graph_us,
     copy_bandwidth_gbs,
     env_info,
@@ -80,10 +81,14 @@ def make_weights(h: int, i: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
     return w13, w2
 
 
-def routed_rows(t: int, h: int, e: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_rows(t: int, h: int, e: int, k: int, balanced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permuted rows and ``seg_indptr`` of ``t`` tokens routed by top-k of random logits (``balanced``:
+    :func:`common.balanced_topk_ids`)."""
     g = torch.Generator(device=DEVICE).manual_seed(t)
     x = torch.randn(t, h, device=DEVICE, dtype=BF16, generator=g)
     ids = torch.randn(t, e, device=DEVICE, generator=g).topk(k, dim=-1).indices
+    if balanced:
+        ids = balanced_topk_ids(t, k, e, DEVICE)
     rows, _src2dst, seg = moe_permute_ref(x, ids, e)
     return rows, seg
 

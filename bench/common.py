@@ -83,6 +83,14 @@ def write_json(name: str, payload: Any) -> Path:
     return path
 
 
+def balanced_topk_ids(t: int, k: int, e: int, device: Any) -> torch.Tensor:
+    """Top-k expert ids ``[t, k]`` that give every expert exactly ``t * k / e`` rows: token ``i``'s ``j``-th
+    expert is ``(i * k + j) mod e`` (distinct per token for ``k <= e``). The no-ragged-groups routing of
+    ``--balanced``."""
+    assert (t * k) % e == 0 and k <= e, f"balanced routing needs e | t*k and k <= e (t={t}, k={k}, e={e})"
+    return (torch.arange(t, device=device)[:, None] * k + torch.arange(k, device=device)) % e
+
+
 def markdown_table(head: list[str], rows: list[list[Any]]) -> str:
     def fmt(v: Any) -> str:
         if v is None:

@@ -30,22 +30,6 @@ _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
                  torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
 
 
-class _Recorder:
-    """Stands in for ``wrap_triton``: records ``(kernel, args, kwargs)`` per launch, launches nothing."""
-
-    def __init__(self) -> None:
-        self.launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-
-    def __call__(self, kernel: Any) -> Any:
-        launches = self.launches
-
-        class _Launch:
-            def __getitem__(self, grid: Any) -> Callable[..., None]:
-                return lambda *args, **kwargs: launches.append((kernel, args, kwargs))
-
-        return _Launch()
-
-
 def _signature(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, str], dict[Any, Any]]:
     """Triton's ``(signature, constexprs)`` of a launch, a symbolic integer typed ``i64`` as Inductor types it."""
     bound = dict(zip(fn.arg_names, args))
@@ -103,19 +87,19 @@ def _record_all() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     bf16 = torch.bfloat16
 
     def symbolic_op(op: str, args: tuple[Any, ...]) -> Callable[[Any, Any], None]:
-        def call(tokens: Any, rec: _Recorder) -> None:
+        def call(tokens: Any, rec: tsl._Recorder) -> None:
             fake = [tsl._symbolic_like(a, tokens) if isinstance(a, torch.Tensor) and a.dim() else a for a in args]
             P.SYMBOLIC_INLINE[op](*fake, wrap=rec)
         return call
 
     def by_size(op: str, args: tuple[Any, ...]) -> Callable[[Any, Any], None]:
-        def call(tokens: Any, rec: _Recorder) -> None:
+        def call(tokens: Any, rec: tsl._Recorder) -> None:
             fake = tuple(tsl._symbolic_like(a, tokens) for a in args)
             sb.run_by_size(op, fake, rec, cond=lambda pred, take, other, ops: (take(*ops), other(*ops))[0])
         return call
 
     def grouped_tma(e: int, swiglu: bool) -> Callable[[Any, Any], None]:  # the GPU config, not the interpreter's
-        def call(tokens: Any, rec: _Recorder) -> None:
+        def call(tokens: Any, rec: tsl._Recorder) -> None:
             m, n, k = tokens * 4, 128, 256
             x, y = torch.empty(m, k, dtype=bf16), torch.empty(m, n, dtype=bf16)
             w = torch.empty(e, 2 * n if swiglu else n, k, dtype=bf16)
@@ -124,7 +108,7 @@ def _record_all() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
             launch(x, w, seg, y, tma.config_for(4096, n, k, e, swiglu=swiglu, interpret=False), wrap=rec)
         return call
 
-    def dense_tma(tokens: Any, rec: _Recorder) -> None:
+    def dense_tma(tokens: Any, rec: tsl._Recorder) -> None:
         x, y = torch.empty(tokens * 3, 256, dtype=bf16), torch.empty(tokens * 3, 128, dtype=bf16)
         wg, wu = torch.empty(128, 256, dtype=bf16), torch.empty(128, 256, dtype=bf16)
         tma.launch_gemm_swiglu_tma(x, wg, wu, y, tma.dense_config_for(4096, 128, 256, interpret=False), wrap=rec)
@@ -138,11 +122,11 @@ def _record_all() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     out = []
     for case, call in cases.items():
         env = ShapeEnv()
-        rec = _Recorder()
+        rec = tsl._Recorder(probe=False)
         with FakeTensorMode(shape_env=env):
             call(env.create_unbacked_symint(), rec)
-        assert rec.launches, f"{case}: no launch recorded"
-        out += [(case, kernel, args, kwargs) for kernel, args, kwargs in rec.launches]
+        assert rec.calls, f"{case}: no launch recorded"
+        out += [(case, kernel, args, kwargs) for kernel, args, kwargs in rec.calls]
     return out
 
 

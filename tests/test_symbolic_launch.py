@@ -60,15 +60,17 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, ...]], ...]] = {
 
 
 class _Recorder:
-    """Stands in for ``torch.library.wrap_triton``: records ``(kernel name, grid)`` per launch (and, with
-    ``probe``, asks each tensor argument what functionalization asks)."""
+    """Stands in for ``torch.library.wrap_triton``: records ``(kernel name, grid)`` per launch in ``launches``
+    and ``(kernel, args, kwargs)`` in ``calls`` (and, with ``probe``, asks each tensor argument what
+    functionalization asks)."""
 
     def __init__(self, probe: bool = True) -> None:
         self.launches: list[tuple[str, tuple[Any, ...]]] = []
+        self.calls: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
         self.probe = probe
 
     def __call__(self, kernel: Any) -> Any:
-        launches, probe = self.launches, self.probe
+        launches, calls, probe = self.launches, self.calls, self.probe
 
         class _Launch:
             def __getitem__(self, grid: tuple[Any, ...]) -> Callable[..., None]:
@@ -81,6 +83,7 @@ class _Recorder:
                                          if isinstance(d, torch.SymInt) and not statically_known_true(d >= 2)]
                             assert not maybe_one, f"{kernel.__name__}: a size that may be 1: {tuple(a.shape)}"
                     launches.append((kernel.__name__, grid))
+                    calls.append((kernel, args, kwargs))
                 return run
 
         return _Launch()

@@ -82,7 +82,6 @@ def _tile_table_kernel(SEG, TABLE, M, E, MAX_TILES, BM: tl.constexpr, BLOCK_T: t
                        CHUNK_E: tl.constexpr):
     """Entries of tiles ``[pid * BLOCK_T, (pid + 1) * BLOCK_T)`` (module docstring); program 0 writes the count."""
     M = tl.cast(M, tl.int32)  # int64 when Inductor passes an unbacked size; the host keeps M below 2**31
-    MAX_TILES = tl.cast(MAX_TILES, tl.int32)
     pid = tl.program_id(0)
     t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     experts_before = tl.zeros([BLOCK_T], dtype=tl.int32)
@@ -178,8 +177,8 @@ def _grouped_gemm_tma_kernel(
     num_tiles = tl.load(TABLE)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
-    # int32 work items and rows (TMA coordinates are int32) also where Inductor passes a symbolic size as int64
-    M = tl.cast(M, tl.int32)
+    # int32 work items (they reach TMA coordinates, which are int32) where Inductor passes the program count,
+    # a symbolic size, as int64
     for item in tl.range(tl.program_id(0), num_tiles * num_n, tl.cast(NUM_PROGRAMS, tl.int32)):
         tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
         e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)

@@ -26,6 +26,9 @@ the fastest config per (shape, GEMM) is printed and written to ``$OUT/fp8_sweep.
 new configs after ``--budget`` seconds.
 ``--tma``: the same per-GEMM timing for the persistent TMA FP8 kernel (``fp8:tma``, :func:`tma_configs`),
 alone or next to ``--sweep``'s configs.
+``--deepgemm``: also the FP8 chain on DeepGEMM (:mod:`ep_fuse.providers.deepgemm`, needs ``deep_gemm``):
+``moe_permute_fp8`` with the 128-row aligned layout + DeepGEMM gate|up + Triton SwiGLU/requant + DeepGEMM down,
+timed the same way, and its output (summed back per token) against the reference's.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ TARGETS = {"decode": 1.8, "prefill": 1.6}
 BN, BK = R.BLOCK
 BALANCED = False
 """``--balanced`` routing (module docstring)."""
+DEEPGEMM = False
+"""``--deepgemm``: also time the DeepGEMM chain (module docstring)."""
 
 
 def log(*a: Any) -> None:
@@ -106,6 +111,21 @@ def fp8_triton(x, ids, w, e):
     return T.grouped_gemm_fp8_kernel(aq, a_s, w["q2"], w["s2"], seg, BN, BK, BF16)
 
 
+def fp8_deepgemm(x, ids, w, e):
+    from ep_fuse.providers import deepgemm as D
+
+    xq, xs, src, seg = T.moe_permute_fp8_kernel(x, ids, e, BK, D.ALIGN)
+    aq, a_s = D.grouped_gemm_fp8_swiglu_quant_kernel(xq, xs, w["q13"], w["s13"], seg, BN, BK, D.ALIGN)
+    return D.grouped_gemm_fp8_kernel(aq, a_s, w["q2"], w["s2"], seg, BN, BK, BF16, D.ALIGN), src
+
+
+def per_token(y: torch.Tensor, src2dst: torch.Tensor, k: int) -> torch.Tensor:
+    """The permuted rows summed back per token (unweighted): compares layouts that place rows differently."""
+    from ep_fuse.ops.moe_reference import moe_unpermute_ref
+
+    return moe_unpermute_ref(y, src2dst, None, k, torch.float32)
+
+
 def fp8_reference(x, ids, w, e):
     xq, xs, _src, seg = R.moe_permute_fp8_ref(x, ids, e, BK)
     aq, a_s = R.grouped_gemm_fp8_swiglu_quant_ref(xq, xs, w["q13"], w["s13"], seg, BN, BK)
@@ -125,19 +145,28 @@ def run_shape(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], ref
             row[f"ref_vs_bf16_{label}"] = rel_l2(y_ref, y_bf16)
             row[f"triton_vs_ref_{label}"] = rel_l2(fp8_triton(x, ids, w, e), y_ref)
             row[f"triton_vs_bf16_{label}"] = rel_l2(fp8_triton(x, ids, w, e), y_bf16)
+            if DEEPGEMM:
+                _q, _s, src_ref, _seg = R.moe_permute_fp8_ref(x, ids, e, BK)
+                y_dg, src_dg = fp8_deepgemm(x, ids, w, e)
+                row[f"deepgemm_vs_ref_{label}"] = rel_l2(per_token(y_dg, src_dg, k), per_token(y_ref, src_ref, k))
+                row[f"deepgemm_vs_bf16_{label}"] = rel_l2(per_token(y_dg, src_dg, k), per_token(y_bf16, src_ref, k))
         x, ids = tokens(t, h, e, k, False)
         row["bf16_us"] = bench_graph_us(lambda: bf16_path(x, ids, w, e))
         row["fp8_triton_us"] = bench_graph_us(lambda: fp8_triton(x, ids, w, e))
+        if DEEPGEMM:
+            row["fp8_deepgemm_us"] = bench_graph_us(lambda: fp8_deepgemm(x, ids, w, e))
         if reference:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             fp8_reference(x, ids, w, e)
             torch.cuda.synchronize()
             row["fp8_reference_us"] = 1e6 * (time.perf_counter() - t0)
-    for key in ("bf16", "fp8_triton", "fp8_reference"):
+    for key in ("bf16", "fp8_triton", "fp8_deepgemm", "fp8_reference"):
         if f"{key}_us" in row:
             row[f"{key}_tflops"] = flops / row[f"{key}_us"] / 1e6
     row["speedup"] = row["bf16_us"] / row["fp8_triton_us"]
+    if DEEPGEMM:
+        row["speedup_deepgemm"] = row["bf16_us"] / row["fp8_deepgemm_us"]
     codes = torch.empty(t * k, h, dtype=R.FP8, device=DEVICE)  # the permuted rows' shape: what the choice reads
     row["fp8_gemm_kernel"] = T.gemm_variant(codes, w["q13"])  # "tma" only where fp8:tma is enabled
     log(row)
@@ -236,9 +265,10 @@ def main() -> None:
     ap.add_argument("--tma", action="store_true", help="time the persistent TMA FP8 kernel's configs per GEMM")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds of sweeping before no new config starts")
     ap.add_argument("--balanced", action="store_true", help="every expert gets T*K/E rows (no ragged groups)")
+    ap.add_argument("--deepgemm", action="store_true", help="also the FP8 chain on DeepGEMM (needs deep_gemm)")
     args = ap.parse_args()
-    global BALANCED
-    BALANCED = args.balanced
+    global BALANCED, DEEPGEMM
+    BALANCED, DEEPGEMM = args.balanced, args.deepgemm
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU (sm90+)")
     if not cleared("fp8:triton"):
@@ -264,6 +294,15 @@ def main() -> None:
         [[r["shape"], r["bf16_us"], r["fp8_triton_us"], f"{r['speedup']:.2f}x", f"{r['target']}x",
           r.get("fp8_reference_us"), r["bf16_tflops"], r["fp8_triton_tflops"],
           f"{r['triton_vs_bf16_random']:.4f} / {r['triton_vs_bf16_outliers']:.4f}"] for r in rows])
+    if DEEPGEMM:
+        table += "\n\n" + markdown_table(
+            ["shape", "bf16 µs", "FP8 Triton µs", "FP8 DeepGEMM µs", "DeepGEMM speedup", "target",
+             "DeepGEMM TFLOP/s",
+             "rel L2 vs reference (random / outliers)", "rel L2 vs bf16 (random / outliers)"],
+            [[r["shape"], r["bf16_us"], r["fp8_triton_us"], r["fp8_deepgemm_us"], f"{r['speedup_deepgemm']:.2f}x",
+              f"{r['target']}x", r["fp8_deepgemm_tflops"],
+              f"{r['deepgemm_vs_ref_random']:.4f} / {r['deepgemm_vs_ref_outliers']:.4f}",
+              f"{r['deepgemm_vs_bf16_random']:.4f} / {r['deepgemm_vs_bf16_outliers']:.4f}"] for r in rows])
     (out_dir() / "fp8.md").write_text(table + "\n")
     log(table)
 

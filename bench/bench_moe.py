@@ -1,6 +1,6 @@
 """GPU benchmark of a whole routed-expert MoE layer: eager vs Inductor vs ep_fuse, one run.
 
-    python bench/bench_moe.py [--quick]
+    python bench/bench_moe.py [--quick] [--fp8] [--only NAME,...] [--no-checks]
 
 The layer is the Hugging Face transformers 5.x ``grouped_mm`` experts code (sort, histc, cumsum,
 ``_grouped_mm`` x2, SwiGLU, weights in sorted order, index_put inverse permutation, top-k sum), with
@@ -8,6 +8,9 @@ fp32 routing weights from a softmax top-k router (Mixtral/DeepSeek style). ep_fu
 the Inductor executor; the report says which provider ran each stage. Shapes: DeepSeek-V3 routed
 experts (H7168 I2048 E256 k8) at decode (T128) and prefill (T4096) sizes, and a Qwen3-30B-A3B-sized
 layer (H2048 I768 E128 k8, T4096). Writes ``$OUT/moe.json`` / ``moe.md``.
+``--fp8``: also ep_fuse with ``options={"quant": "fp8_block"}`` (its rel-L2 is against the bf16 eager layer, so
+it includes the FP8 quantization error). ``--only``: layers whose name contains one of the strings.
+``--no-checks``: skip the tiny-model and router checks.
 """
 
 from __future__ import annotations
@@ -164,22 +167,26 @@ def bench_routers() -> list[list[Any]]:
     return rows
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, checks: bool = True) -> None:
     torch.manual_seed(0)
-    tiny = check_tiny_models()
-    try:  # every tiny model: exact site counts of all families on CUDA, logits vs eager
-        from ep_fuse.tiny_models import TINY_MODELS
+    tiny: list[str] = []
+    routers: list[list[Any]] = []
+    if checks:
+        tiny = check_tiny_models()
+        try:  # every tiny model: exact site counts of all families on CUDA, logits vs eager
+            from ep_fuse.tiny_models import TINY_MODELS
 
-        tiny += check_hf_models([(name, False) for name in TINY_MODELS])
-    except AssertionError as exc:
-        tiny.append(f"check_hf_models FAILED: {exc}")
-    for line in tiny[-8:]:
-        log(line)
-    routers = bench_routers()
+            tiny += check_hf_models([(name, False) for name in TINY_MODELS])
+        except AssertionError as exc:
+            tiny.append(f"check_hf_models FAILED: {exc}")
+        for line in tiny[-8:]:
+            log(line)
+        routers = bench_routers()
     copy = copy_bandwidth_gbs()
     log(f"copy bandwidth {copy:.0f} GB/s")
     rows, table = [], []
-    for name, t, h, i, e, k in SHAPES[:1] if quick else SHAPES:
+    shapes = [s for s in (SHAPES[:1] if quick else SHAPES) if not only or any(o in s[0] for o in only)]
+    for name, t, h, i, e, k in shapes:
         torch._dynamo.reset()
         ep_fuse.reset_reports()
         mod = HFGroupedExperts(e, h, i)
@@ -194,13 +201,24 @@ def main(quick: bool = False) -> None:
         assert len(blocks) == 1, rep.summary()
         err_ind, err_ep = rel_l2(out_ind, ref), rel_l2(out_ep, ref)
         assert err_ep < 1e-2, f"{name}: ep_fuse relative L2 error {err_ep}"
+        fp8_info: dict[str, Any] = {}
+        if fp8:
+            ep_fuse.reset_reports()
+            with torch.no_grad():
+                fused8 = torch.compile(mod, backend="ep_fuse", options={"quant": "fp8_block"})
+                fp8_info["rel_l2"] = rel_l2(fused8(x, ids, w), ref)
+            blocks8 = [m for m in ep_fuse.last_report().matches if m.pattern == "moe_experts"]
+            fp8_info["stages"] = blocks8[0].stages if blocks8 else {}
+            log(f"{name}: fp8 stages {fp8_info['stages']}, rel-L2 vs bf16 eager {fp8_info['rel_l2']:.4f}")
         with torch.no_grad():
             us = {"eager": bench_graph_us(lambda: mod(x, ids, w)),
                   "inductor": bench_graph_us(lambda: inductor(x, ids, w)),
                   "ep_fuse": bench_graph_us(lambda: fused(x, ids, w))}
+            if fp8:
+                us["ep_fuse_fp8"] = bench_graph_us(lambda: fused8(x, ids, w))
         wbytes = 3 * e * i * h * 2
         row = {"shape": name, "T": t, "H": h, "I": i, "E": e, "K": k, "us": us, "rel_l2_inductor": err_ind,
-               "rel_l2_ep_fuse": err_ep, "stages": blocks[0].stages, "declined": blocks[0].declined,
+               "rel_l2_ep_fuse": err_ep, "stages": blocks[0].stages, "declined": blocks[0].declined, "fp8": fp8_info,
                "tflops": {kk: flops(t, h, i, k) / v / 1e6 for kk, v in us.items()},
                "weight_bw_pct": {kk: 100 * wbytes / (v * 1e-6) / 1e9 / copy for kk, v in us.items()}}
         rows.append(row)
@@ -211,12 +229,20 @@ def main(quick: bool = False) -> None:
         table.append([name, f"T{t} H{h} I{i} E{e} k{k}", us["eager"], us["inductor"], us["ep_fuse"],
                       f"{us['inductor'] / us['ep_fuse']:.2f}x", f"{row['tflops']['ep_fuse']:.0f}",
                       ", ".join(f"{s}={p}" for s, p in blocks[0].stages.items())])
-        mod = inductor = fused = None  # free the layer before the next shape
+        if fp8:
+            log(f"{name}: ep_fuse fp8_block {us['ep_fuse_fp8']:.1f} us ({us['inductor'] / us['ep_fuse_fp8']:.2f}x "
+                f"Inductor bf16, {us['ep_fuse'] / us['ep_fuse_fp8']:.2f}x ep_fuse bf16)")
+            table.append([f"{name}, quant=fp8_block", f"T{t} H{h} I{i} E{e} k{k}", None, us["inductor"],
+                          us["ep_fuse_fp8"], f"{us['inductor'] / us['ep_fuse_fp8']:.2f}x",
+                          f"{row['tflops']['ep_fuse_fp8']:.0f}",
+                          ", ".join(f"{s}={p}" for s, p in fp8_info["stages"].items())])
+        mod = inductor = fused = fused8 = None  # free the layer before the next shape
         torch.cuda.empty_cache()
     md = markdown_table(["layer", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor", "ep_fuse TF/s",
                          "stage providers"], table)
-    md += "\n\n" + markdown_table(["router", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor",
-                                    "same expert sets", "max weight diff"], routers)
+    if routers:
+        md += "\n\n" + markdown_table(["router", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor",
+                                        "same expert sets", "max weight diff"], routers)
     (out_dir() / "moe.md").write_text(md + "\n")
     write_json("moe.json", {"env": env_info(), "copy_gbs": copy, "rows": rows, "tiny_models": tiny,
                             "routers": routers})
@@ -224,4 +250,12 @@ def main(quick: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(quick="--quick" in sys.argv)
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--no-checks", action="store_true")
+    a = ap.parse_args()
+    main(quick=a.quick, fp8=a.fp8, only=[o for o in a.only.split(",") if o], checks=not a.no_checks)

@@ -30,6 +30,9 @@ ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $ngpu; $(python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)')"
 deepep_dest=$repo/.deepep_build
 if [ -d "$deepep_dest/deep_ep" ]; then export PYTHONPATH=$deepep_dest${PYTHONPATH:+:$PYTHONPATH}; fi
+deepgemm_dest=$repo/.deepgemm_build
+export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-$repo/.deepgemm_cache}
+if [ -d "$deepgemm_dest/deep_gemm" ]; then export PYTHONPATH=$deepgemm_dest${PYTHONPATH:+:$PYTHONPATH}; fi
 status=0
 step() {  # name, command...
   local name=$1; shift
@@ -54,6 +57,18 @@ for s in "$@"; do
       fi
       export PYTHONPATH=$deepep_dest${PYTHONPATH:+:$PYTHONPATH}
       python3 -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer.is_sm90_compiled())' ;;
+    deepgemm)  # build DeepGEMM from .deepgemm/ (or reuse a carried .deepgemm_build/); the build and the JIT
+      # cache come back in $OUT/deepgemm_build.tgz, to be unpacked at the repo root and carried next time
+      if [ ! -d "$deepgemm_dest/deep_gemm" ]; then
+        step deepgemm_build bash "$repo/bench/build_deepgemm.sh" "$repo/.deepgemm" "$deepgemm_dest"
+        export PYTHONPATH=$deepgemm_dest${PYTHONPATH:+:$PYTHONPATH}
+      fi
+      python3 -c 'import deep_gemm; print("deep_gemm imports:", deep_gemm.__file__)' ;;
+    deepgemm_pack)
+      mkdir -p "$final_out" && tar czf "$final_out/deepgemm_build.tgz" -C "$repo" .deepgemm_build .deepgemm_cache \
+        --exclude='*.pyi' 2>/dev/null; ls -la "$final_out" ;;
+    deepgemm_bench)
+      step deepgemm_bench timeout ${DG_TIMEOUT:-400} python3 "$repo/bench/bench_deepgemm.py" ${DG_ARGS:-} ;;
     deepep_test)
       step deepep_intranode timeout 240 python3 "$repo/.deepep/tests/test_intranode.py" --num-processes "$ngpu"
       grep -E "Best (dispatch|combine)" "$OUT/deepep_intranode.log"
@@ -63,7 +78,7 @@ for s in "$@"; do
       step gpu_single timeout 300 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_serving.py" ;;
     gpu_tests)
       step gpu_tests timeout ${GPU_TESTS_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider \
-        $(for f in ${GPU_TESTS:-}; do echo "$repo/tests/gpu/$f"; done) ;;
+        $(for f in ${GPU_TESTS:-}; do echo "$repo/tests/gpu/$f"; done) ${GPU_TESTS_ARGS:-} ;;
     gpu_multi)
       step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
         --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;

@@ -5,6 +5,11 @@ Semantics: :mod:`ep_fuse.ops.fp8_reference`. The quant pass (:mod:`ep_fuse.passe
 ``moe_experts`` block into ``moe_experts_fp8``, which the expand pass replaces by::
 
     moe_permute_fp8 -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute
+
+``align`` (default 1): with ``align > 1`` the permute starts every expert's rows at a multiple of ``align``
+(zero padding rows after each expert's real rows), and the GEMM stages are told so: the layout a
+fixed-tile grouped GEMM such as DeepGEMM's needs (:mod:`ep_fuse.providers.deepgemm`). The quant pass
+chooses it (:func:`ep_fuse.providers.deepgemm.align_for`).
 """
 
 from __future__ import annotations
@@ -27,14 +32,15 @@ quant_fp8_group = define_canonical(
 
 moe_permute_fp8 = define_canonical(
     "moe_permute_fp8",
-    "(Tensor x, Tensor topk_ids, int num_experts, int group) -> (Tensor, Tensor, Tensor, Tensor)",
+    "(Tensor x, Tensor topk_ids, int num_experts, int group, int align=1) -> (Tensor, Tensor, Tensor, Tensor)",
     _f.moe_permute_fp8_ref, fake=_f.moe_permute_fp8_fake)
-"""``moe_permute`` fused with the 1 x ``group`` fp8 quantization: ``(codes, scales, src2dst, seg_indptr)``."""
+"""``moe_permute`` fused with the 1 x ``group`` fp8 quantization: ``(codes, scales, src2dst, seg_indptr)``;
+``align > 1``: the aligned layout (:func:`ep_fuse.ops.fp8_reference.moe_permute_fp8_ref`)."""
 
 grouped_gemm_fp8_swiglu_quant = define_canonical(
     "grouped_gemm_fp8_swiglu_quant",
-    "(Tensor xq, Tensor x_scale, Tensor w13_q, Tensor w13_scale, Tensor seg_indptr, int block_n, int block_k) "
-    "-> (Tensor, Tensor)",
+    "(Tensor xq, Tensor x_scale, Tensor w13_q, Tensor w13_scale, Tensor seg_indptr, int block_n, int block_k, "
+    "int align=1) -> (Tensor, Tensor)",
     _f.grouped_gemm_fp8_swiglu_quant_ref, fake=_f.grouped_gemm_fp8_swiglu_quant_fake,
     traceable=never_traceable)
 """fp8 gate|up grouped GEMM (block-scale dequant) -> SwiGLU (fp32) -> 1 x ``block_k`` requant."""
@@ -42,14 +48,14 @@ grouped_gemm_fp8_swiglu_quant = define_canonical(
 grouped_gemm_fp8 = define_canonical(
     "grouped_gemm_fp8",
     "(Tensor xq, Tensor x_scale, Tensor w_q, Tensor w_scale, Tensor seg_indptr, int block_n, int block_k, "
-    "ScalarType out_dtype) -> Tensor",
+    "ScalarType out_dtype, int align=1) -> Tensor",
     _f.grouped_gemm_fp8_ref, fake=_f.grouped_gemm_fp8_fake, traceable=never_traceable)
 """fp8 grouped GEMM ``x @ w_q[e].T`` with block-scale dequant, rounded to ``out_dtype``."""
 
 moe_experts_fp8 = define_canonical(
     "moe_experts_fp8",
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_q, Tensor w13_scale, Tensor w2_q, "
-    "Tensor w2_scale, int block_n, int block_k, ScalarType? out_dtype) -> Tensor",
+    "Tensor w2_scale, int block_n, int block_k, ScalarType? out_dtype, int align=1) -> Tensor",
     _f.moe_experts_fp8_ref, block=True,
     stages=("moe_permute_fp8", "grouped_gemm_fp8_swiglu_quant", "grouped_gemm_fp8", "moe_unpermute"))
 """The FP8 routed-expert block (``moe_experts`` with block-scaled E4M3 weights)."""

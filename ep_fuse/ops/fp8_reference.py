@@ -27,6 +27,14 @@ Format (DeepSeek-V3's checkpoints; transformers' ``FP8Experts``):
 * ``moe_permute_fp8``: ``moe_permute`` (:mod:`ep_fuse.ops.moe_reference`) fused with the activation
   quantization: quantizing is per row, so the T tokens are quantized once and their codes and scales
   gathered to the T*K permuted rows (tail rows: zero codes and scales).
+* **aligned layout** (``align > 1``, every op's last argument): ``moe_permute_fp8`` starts expert ``e``'s
+  rows at ``seg_indptr[e]``, a multiple of ``align``; its ``count_e`` real rows are followed by zero rows
+  (codes and scales) up to the next multiple, and ``seg_indptr[e + 1] - seg_indptr[e]`` is ``count_e``
+  rounded up to ``align``. The buffers have ``T*K + E*(align - 1)`` rows (the most the padding can take);
+  rows past ``seg_indptr[E]`` are zero here and unspecified in kernels (no stage reads them).
+  ``src2dst`` points at the real rows. The GEMM stages compute the padding rows like real ones (zero
+  rows give zero outputs); a kernel that tiles by ``align`` rows relies on the alignment, the reference
+  does not. The block's output does not depend on ``align``.
 
 The GEMM references loop over experts on the host (they do not trace to ATen ops): under Inductor an
 unlowered call stays the opaque canonical op.
@@ -126,19 +134,50 @@ def _scatter_rows(v: torch.Tensor, src2dst: torch.Tensor, k: int) -> torch.Tenso
     return out[:s]
 
 
-def moe_permute_fp8_ref(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group: int
+def aligned_rows(t: int, k: int, num_experts: int, align: int) -> int:
+    """Rows of the permuted buffers: ``T*K``, plus room for each expert's padding when ``align > 1``."""
+    return t * k + (num_experts * (align - 1) if align > 1 else 0)
+
+
+def align_layout(q: torch.Tensor, s: torch.Tensor, src2dst: torch.Tensor, seg_indptr: torch.Tensor, align: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The contiguous permuted layout ``(codes, scales, src2dst, seg_indptr)`` moved to the aligned one (module
+    docstring). Static shapes only (no host read), so it traces."""
+    m = q.shape[0]
+    e = seg_indptr.shape[0] - 1
+    counts = seg_indptr.diff()
+    padded = (counts + align - 1) // align * align
+    seg_al = torch.cat([seg_indptr.new_zeros(1), torch.cumsum(padded, 0)])
+    r = torch.arange(m, device=q.device, dtype=torch.int64)
+    expert = torch.searchsorted(seg_indptr[1:], r, right=True)  # E for the tail rows
+    real = expert < e
+    ex = expert.clamp(max=max(e - 1, 0))
+    rows = m + e * (align - 1)
+    dst = torch.where(real, seg_al[ex] + r - seg_indptr[ex], rows)  # the tail goes to a scratch row
+    out_q = q.new_zeros(rows + 1, q.shape[1])
+    out_s = s.new_zeros(rows + 1, s.shape[1])
+    out_q.view(torch.uint8)[dst] = q.view(torch.uint8)
+    out_s[dst] = s
+    s2d = torch.where(src2dst >= 0, dst[src2dst.clamp(min=0)], -1)
+    return out_q[:rows], out_s[:rows], s2d, seg_al
+
+
+def moe_permute_fp8_ref(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group: int, align: int = 1
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(codes fp8 [T*K, H], scale fp32 [T*K, ceil(H/group)], src2dst, seg_indptr)``: ``moe_permute`` of
-    the per-token, per-group fp8 quantization of ``x`` [T, H]."""
+    """``(codes fp8 [M, H], scale fp32 [M, ceil(H/group)], src2dst, seg_indptr)``: ``moe_permute`` of the
+    per-token, per-group fp8 quantization of ``x`` [T, H]; ``M = T*K``, or with ``align > 1`` the aligned
+    layout (module docstring) of ``M = T*K + E*(align-1)`` rows."""
     q, s = quant_fp8_group_ref(x.reshape(topk_ids.shape[0], -1), group)
     rows, src2dst, seg_indptr = moe_permute_ref(q.view(torch.uint8), topk_ids, num_experts)
-    return rows.view(FP8), _scatter_rows(s, src2dst, topk_ids.shape[1]), src2dst, seg_indptr
+    out = rows.view(FP8), _scatter_rows(s, src2dst, topk_ids.shape[1]), src2dst, seg_indptr
+    return align_layout(*out, align) if align > 1 else out
 
 
-def moe_permute_fp8_fake(x, topk_ids, num_experts, group):
+def moe_permute_fp8_fake(x, topk_ids, num_experts, group, align=1):
     t, k = topk_ids.shape
     h = x.shape[-1]
-    return (x.new_empty(t * k, h, dtype=FP8), x.new_empty(t * k, cdiv(h, group), dtype=torch.float32),
+    m = aligned_rows(t, k, num_experts, align)
+    return (x.new_empty(m, h, dtype=FP8), x.new_empty(m, cdiv(h, group), dtype=torch.float32),
             x.new_empty(t * k, dtype=torch.int64), x.new_empty(num_experts + 1, dtype=torch.int64))
 
 
@@ -171,26 +210,28 @@ def _gemm_fp32(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.T
 
 
 def grouped_gemm_fp8_swiglu_quant_ref(xq: torch.Tensor, xs: torch.Tensor, w13q: torch.Tensor, w13s: torch.Tensor,
-                                      seg_indptr: torch.Tensor, block_n: int, block_k: int
+                                      seg_indptr: torch.Tensor, block_n: int, block_k: int, align: int = 1
                                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8 gate|up GEMM -> ``silu(gate) * up`` (fp32) -> per-token 1 x ``block_k`` requant."""
+    """fp8 gate|up GEMM -> ``silu(gate) * up`` (fp32) -> per-token 1 x ``block_k`` requant (``align``: the
+    layout's promise, not needed here)."""
     h = _gemm_fp32(xq, xs, w13q, w13s, seg_indptr, block_n, block_k)
     gate, up = h.split(w13q.shape[1] // 2, -1)
     return quant_fp8_group_ref(torch.nn.functional.silu(gate) * up, block_k)
 
 
-def grouped_gemm_fp8_swiglu_quant_fake(xq, xs, w13q, w13s, seg_indptr, block_n, block_k):
+def grouped_gemm_fp8_swiglu_quant_fake(xq, xs, w13q, w13s, seg_indptr, block_n, block_k, align=1):
     m, i = xq.shape[0], w13q.shape[1] // 2
     return xq.new_empty(m, i, dtype=FP8), xq.new_empty(m, cdiv(i, block_k), dtype=torch.float32)
 
 
 def grouped_gemm_fp8_ref(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
-                         seg_indptr: torch.Tensor, block_n: int, block_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+                         seg_indptr: torch.Tensor, block_n: int, block_k: int, out_dtype: torch.dtype,
+                         align: int = 1) -> torch.Tensor:
     """fp8 GEMM ``x @ w[e].T`` per expert segment, dequantized in fp32, rounded once to ``out_dtype``."""
     return _gemm_fp32(xq, xs, wq, ws, seg_indptr, block_n, block_k).to(out_dtype)
 
 
-def grouped_gemm_fp8_fake(xq, xs, wq, ws, seg_indptr, block_n, block_k, out_dtype):
+def grouped_gemm_fp8_fake(xq, xs, wq, ws, seg_indptr, block_n, block_k, out_dtype, align=1):
     return xq.new_empty(xq.shape[0], wq.shape[1], dtype=out_dtype)
 
 
@@ -205,25 +246,33 @@ def moe_experts_fp8_ref(
     block_n: int,
     block_k: int,
     out_dtype: torch.dtype | None,
+    align: int = 1,
 ) -> torch.Tensor:
     """The FP8 routed-expert block, written with the canonical stage ops (expanded before lowering)::
 
         moe_permute_fp8 -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute
-    """
-    permuted = torch.ops.ep_fuse.moe_permute_fp8(x, topk_ids, w13_q.shape[0], block_k)
+
+    ``align`` picks the permuted layout (module docstring); the output does not depend on it."""
+    permute = torch.ops.ep_fuse.moe_permute_fp8
+    e = w13_q.shape[0]
+    permuted = permute(x, topk_ids, e, block_k, align) if align > 1 else permute(x, topk_ids, e, block_k)
     return _experts_on_permuted(permuted, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, block_n,
-                                block_k, x.dtype, out_dtype)
+                                block_k, x.dtype, out_dtype, align)
 
 
 def _experts_on_permuted(permuted: tuple[torch.Tensor, ...], topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                          w13_q: torch.Tensor, w13_scale: torch.Tensor, w2_q: torch.Tensor, w2_scale: torch.Tensor,
-                         block_n: int, block_k: int, act_dtype: torch.dtype, out_dtype: torch.dtype | None
-                         ) -> torch.Tensor:
+                         block_n: int, block_k: int, act_dtype: torch.dtype, out_dtype: torch.dtype | None,
+                         align: int = 1) -> torch.Tensor:
     """The stages after the permute, shared by both FP8 blocks: gate|up + SwiGLU + requant, down, unpermute."""
     ops = torch.ops.ep_fuse
     rq, rs, src2dst, seg_indptr = permuted
-    aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k)
-    y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype)
+    if align > 1:
+        aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k, align)
+        y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype, align)
+    else:  # the schema's default: graphs without the aligned layout keep their calls as they were
+        aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k)
+        y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype)
     return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
 
 

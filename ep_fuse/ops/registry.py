@@ -96,7 +96,7 @@ class Provider:
 
 _OPS: dict[str, CanonicalOp] = {}
 _PROVIDER_NAMES: list[str] = [REFERENCE]
-_DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("triton",), "npu": ("npu",), "cpu": ()}
+_DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("deepgemm", "triton"), "npu": ("npu",), "cpu": ()}
 _warned: set[tuple[str, str, str]] = set()
 _warn_lock = threading.Lock()
 
@@ -232,6 +232,7 @@ def choose(
     """First provider in ``order`` (default: the device's) that is available, runs on ``device``,
     supports ``args`` and, given an ``executor``, measured at least as fast as what that executor
     runs without it; else the reference."""
+    given = order is not None
     order = tuple(order) if order is not None else default_priority(device)
     declined: list[tuple[str, str]] = []
     for name in order:
@@ -239,7 +240,8 @@ def choose(
             break
         prov = canonical.providers.get(name)
         if prov is None:
-            declined.append((name, f"no {name} implementation of {canonical.name}"))
+            if given:  # the default order names providers that implement only some ops (deepgemm)
+                declined.append((name, f"no {name} implementation of {canonical.name}"))
             continue
         reason = prov.available()
         if reason is None and device not in prov.devices():

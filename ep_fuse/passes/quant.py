@@ -130,7 +130,8 @@ class QuantizeExperts(GraphPass):
             x, ids, w, w13, w2, out_dtype = node.args
             with gm.graph.inserting_before(node):
                 if fp8:
-                    found = _fp8_weights(gm, ctx, node, w13, w2)
+                    align = _fp8_align(ctx, node, w13, w2)
+                    found = _fp8_weights(gm, ctx, node, w13, w2, deepgemm=align > 1)
                     if found is None:
                         continue
                     (q13, s13), (q2, s2), (bn, bk) = found
@@ -141,7 +142,8 @@ class QuantizeExperts(GraphPass):
                                                      (xq, xs, ids, w, q13, s13, q2, s2, bn, bk, act_dtype,
                                                       out_dtype))
                     else:
-                        new = gm.graph.call_function(target, (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype))
+                        extra = (align,) if align > 1 and (bn, bk) == (128, 128) else ()
+                        new = gm.graph.call_function(target, (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype, *extra))
                 else:
                     q13 = _int8_weight(gm, ctx, w13, node, "w13")
                     q2 = _int8_weight(gm, ctx, w2, node, "w2") if q13 is not None else None
@@ -278,7 +280,21 @@ def _quantized_parameters(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node,
     return _constant(gm, ctx, q, f"{label}_{suffixes[0]}"), _constant(gm, ctx, s, f"{label}_{suffixes[1]}")
 
 
-def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node
+def _fp8_align(ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node) -> int:
+    """The permuted layout's alignment for an FP8 block (:func:`ep_fuse.providers.deepgemm.align_for`: 128 where
+    DeepGEMM takes its GEMMs, else 1). Behind an EP dispatch the block keeps 1."""
+    if ctx.device != "cuda" or _dispatch_of(block.args[0]) is not None:
+        return 1
+    from ep_fuse.providers.deepgemm import align_for
+
+    x, ids, a13, a2 = (_val(a) for a in (block.args[0], block.args[1], w13, w2))
+    if not isinstance(ids, torch.Tensor):
+        return 1
+    return align_for(x, int(ids.shape[-1]), a13, a2)
+
+
+def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node,
+                 deepgemm: bool = False
                  ) -> tuple[tuple[fx.Node, fx.Node], tuple[fx.Node, fx.Node], tuple[int, int]] | None:
     """``((w13 codes, scales), (w2 codes, scales), (block_n, block_k))`` of a block, or ``None`` (left as is)."""
     pre = {label: _fp8_prequantized(gm, ctx, wt) for label, wt in (("w13", w13), ("w2", w2))}
@@ -289,7 +305,7 @@ def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.N
         return None
     bn, bk = shapes.pop() if shapes else BLOCK
     if ctx.device == "cuda" and ctx.config.perf_guard and any(p is None for p in pre.values()):
-        reason = _fp8_not_faster(block, w13)
+        reason = _fp8_not_faster(block, w13, deepgemm)
         if reason is not None:
             log.info("ep_fuse: quant: %s stays bf16: %s", block.name, reason)
             for match in ctx.match_by_node.get(block.name, []):
@@ -312,7 +328,7 @@ def _fp8_weights(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, w13: fx.N
     return out[0], out[1], (bn, bk)
 
 
-def _fp8_not_faster(block: fx.Node, w13: fx.Node) -> str | None:
+def _fp8_not_faster(block: fx.Node, w13: fx.Node, deepgemm: bool = False) -> str | None:
     """The measured rule (:func:`ep_fuse.providers.triton.perf.fp8_block_quant_rule`) for a block that would
     quantize bf16 weights on CUDA. Behind an EP dispatch the block's input is the receive buffer (a row per
     token and destination, padded to the capacity), whose rows x top-k overcount the rows its local experts
@@ -328,7 +344,7 @@ def _fp8_not_faster(block: fx.Node, w13: fx.Node) -> str | None:
     weight = w13.meta.get("val") if isinstance(w13, fx.Node) else None
     if x is None or ids is None or weight is None:
         return "the block's shapes are unknown"
-    return fp8_block_quant_rule(x, int(ids.shape[-1]), int(weight.shape[0]))
+    return fp8_block_quant_rule(x, int(ids.shape[-1]), int(weight.shape[0]), deepgemm)
 
 
 def _dispatch_of(recv: Any) -> fx.Node | None:

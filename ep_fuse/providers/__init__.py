@@ -1,3 +1,4 @@
-"""Fused providers of the canonical ops: Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``) and Ascend torch_npu."""
+"""Fused providers of the canonical ops: Triton (CUDA, or CPU under ``TRITON_INTERPRET=1``), Ascend torch_npu, and
+DeepGEMM (optional, Hopper FP8 expert GEMMs)."""
 
-from ep_fuse.providers import npu, triton  # noqa: F401  (registration side effects)
+from ep_fuse.providers import deepgemm, npu, triton  # noqa: F401  (registration side effects)

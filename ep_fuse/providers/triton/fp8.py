@@ -49,10 +49,21 @@ def check_quant_fp8_call(args: tuple[Any, ...]) -> str | None:
     return _group_ok(group)
 
 
+def _align_ok(align: Any) -> str | None:
+    if not isinstance(align, int) or align < 1:
+        return f"align {align!r} is not a positive int"
+    return None
+
+
 def check_permute_fp8_call(args: tuple[Any, ...]) -> str | None:
-    x, topk_ids, num_experts, group = args
+    x, topk_ids, num_experts, group = args[:4]
     if (reason := _gate(x)) is not None:
         return reason
+    align = args[4] if len(args) > 4 else 1
+    if (reason := _align_ok(align)) is not None:
+        return reason
+    if align > 1 and x.shape[-1] == 0:
+        return "aligned layout of rows with no channels"
     return check_moe_permute_call((x, topk_ids, num_experts)) or _group_ok(group)
 
 
@@ -83,7 +94,8 @@ def check_fp8_gemm_call(args: tuple[Any, ...], swiglu: bool = False) -> str | No
         return why
     if ws.stride(1) != ws.shape[2]:
         return "w_scale is not contiguous over its last two dims"
-    return expert_weight_limits(wq)
+    align = args[7 if swiglu else 8] if len(args) > (7 if swiglu else 8) else 1
+    return _align_ok(align) or expert_weight_limits(wq)
 
 
 def check_fp8_swiglu_call(args: tuple[Any, ...]) -> str | None:
@@ -101,14 +113,17 @@ def quant_fp8_group_kernel(x, group, wrap=None):
     return q, s
 
 
-def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, wrap=None):
-    """``ep_fuse_triton::moe_permute_fp8``: permute + 1 x group quant in one pass over the T tokens."""
+def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, align=1, wrap=None):
+    """``ep_fuse_triton::moe_permute_fp8``: permute + 1 x group quant in one pass over the T tokens (``align > 1``:
+    the aligned layout, padding rows zeroed by a second small kernel)."""
+    from ep_fuse.ops.fp8_reference import aligned_rows
     from ep_fuse.providers.triton.fp8_kernel import launch_permute_quant
 
     t, k = topk_ids.shape
     h = x.shape[1]
-    q = torch.empty((t * k, h), dtype=FP8, device=x.device)
-    s = torch.empty((t * k, cdiv(h, group)), dtype=torch.float32, device=x.device)
+    m = aligned_rows(t, k, num_experts, align)
+    q = torch.empty((m, h), dtype=FP8, device=x.device)
+    s = torch.empty((m, cdiv(h, group)), dtype=torch.float32, device=x.device)
     src2dst = torch.empty((t * k,), dtype=torch.int64, device=x.device)
     seg = torch.empty((num_experts + 1,), dtype=torch.int64, device=x.device)
     if h == 0:
@@ -116,7 +131,7 @@ def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, wrap=None):
 
         launch_permute(x, topk_ids, num_experts, x.new_empty(t * k, 0), src2dst, seg, wrap=wrap)
         return q, s, src2dst, seg
-    launch_permute_quant(x, topk_ids, num_experts, group, q, s, src2dst, seg, wrap=wrap)
+    launch_permute_quant(x, topk_ids, num_experts, group, q, s, src2dst, seg, align=align, wrap=wrap)
     return q, s, src2dst, seg
 
 
@@ -155,11 +170,12 @@ def _gemm(xq, xs, wq, ws, seg, bn: int, bk: int, dtype: torch.dtype | None, swig
     return (y, ys) if swiglu else y
 
 
-def grouped_gemm_fp8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr, block_n, block_k, wrap=None):
+def grouped_gemm_fp8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr, block_n, block_k, align=1,
+                                         wrap=None):
     """``ep_fuse_triton::grouped_gemm_fp8_swiglu_quant``: fp8 GEMM + block dequant + SwiGLU + 1 x block_k requant."""
     return _gemm(xq, x_scale, w13_q, w13_scale, seg_indptr, block_n, block_k, None, True, wrap)
 
 
-def grouped_gemm_fp8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, wrap=None):
+def grouped_gemm_fp8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, align=1, wrap=None):
     """``ep_fuse_triton::grouped_gemm_fp8``: fp8 GEMM with block-scale dequant in the K loop."""
     return _gemm(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, False, wrap)

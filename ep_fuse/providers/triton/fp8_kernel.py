@@ -242,10 +242,41 @@ def launch_quant_group(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, group:
                   GP=triton.next_power_of_2(group), INTERP=INTERPRET, num_warps=1 if group <= 256 else 4)
 
 
+@triton.jit
+def _zero_padding_kernel(Q, S, START, END, H, NG, NHB, sqm, ssm, BLOCK_H: tl.constexpr):
+    """Program (expert, column block): zero codes (and, in column block 0, scales) of the expert's padding rows
+    ``[START[e], END[e])`` (fewer than ``align`` rows)."""
+    pid = tl.program_id(0)
+    e = pid // NHB
+    hb = pid - e * NHB
+    lo = tl.load(START + e)
+    hi = tl.load(END + e)
+    cols = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    cm = cols < H
+    zq = tl.zeros((BLOCK_H,), dtype=tl.float32).to(tl.float8e4nv)
+    first = lo.to(tl.int64)
+    for j in range(0, hi - lo):
+        row = first + j
+        tl.store(Q + row * sqm + cols, zq, mask=cm)
+        if hb == 0:
+            for g0 in range(0, NG, BLOCK_H):
+                gs = g0 + tl.arange(0, BLOCK_H)
+                tl.store(S + row * ssm + gs, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=gs < NG)
+
+
+def align_segments(seg_indptr: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(aligned seg_indptr, each expert's first padding row)`` from a contiguous ``seg_indptr`` (device ops)."""
+    counts = seg_indptr.diff()
+    seg_al = torch.cat([seg_indptr.new_zeros(1), torch.cumsum((counts + align - 1) // align * align, 0)])
+    return seg_al, seg_al[:-1] + counts
+
+
 def launch_permute_quant(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group: int, q: torch.Tensor,
-                         s: torch.Tensor, src2dst: torch.Tensor, seg_indptr: torch.Tensor,
+                         s: torch.Tensor, src2dst: torch.Tensor, seg_indptr: torch.Tensor, align: int = 1,
                          wrap: Callable[[Any], Any] | None = None) -> None:
-    """Fill ``q [T*K, H]``, ``s [T*K, ceil(H/group)]``, ``src2dst`` and ``seg_indptr``."""
+    """Fill ``q [M, H]``, ``s [M, ceil(H/group)]``, ``src2dst`` and ``seg_indptr`` (``align > 1``: the aligned
+    layout of :mod:`ep_fuse.ops.fp8_reference`: each expert's destinations shifted to its aligned start, then
+    its padding rows zeroed)."""
     t, k = topk_ids.shape
     h = x.shape[1]
     if t * k == 0:
@@ -253,12 +284,24 @@ def launch_permute_quant(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: i
         return
     cfg = index_config(t * k, num_experts)
     base, rank = launch_permute_index(topk_ids, num_experts, seg_indptr, cfg, wrap)
+    pad_start = None
+    if align > 1:
+        seg_al, pad_start = align_segments(seg_indptr, align)
+        shift = (seg_al - seg_indptr)[:-1].to(base.dtype)
+        base = (base.view(-1, num_experts) + shift).view(-1)
+        seg_indptr.copy_(seg_al)
     ng = s.shape[1]
     fn = wrap(_permute_quant_kernel) if wrap is not None else _permute_quant_kernel
     fn[(t * ng,)](x, topk_ids, rank, base, seg_indptr, q, s, src2dst, h, num_experts, ng, x.stride(0),
                   topk_ids.stride(0), topk_ids.stride(1), q.stride(0), s.stride(0),
                   K=k, KP=triton.next_power_of_2(k), CHUNK=cfg.chunk, G=group, GP=triton.next_power_of_2(group),
                   INTERP=INTERPRET, num_warps=1 if group <= 256 else 4)
+    if pad_start is not None:
+        bh = min(1024, triton.next_power_of_2(max(h, 16)))
+        nhb = triton.cdiv(h, bh)
+        zero = wrap(_zero_padding_kernel) if wrap is not None else _zero_padding_kernel
+        zero[(num_experts * nhb,)](q, s, pad_start, seg_indptr[1:], h, ng, nhb, q.stride(0), s.stride(0),
+                                   BLOCK_H=bh, num_warps=4)
 
 
 def launch_fp8_gemm(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, seg: torch.Tensor,

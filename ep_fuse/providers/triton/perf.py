@@ -315,9 +315,13 @@ bf16 ep_fuse experts at 4 rows per expert (T128), 2.17x at 16, 1.59x at 32, 1.30
 (T4096) and 0.90x at 512 (T16384). Above 128 (unmeasured up to 512) the block stays bf16."""
 
 
-def fp8_block_quant_rule(x: Any, top_k: int, experts: int) -> str | None:
+def fp8_block_quant_rule(x: Any, top_k: int, experts: int, deepgemm: bool = False) -> str | None:
     """Why ``quant="fp8_block"`` keeps a block (tokens ``x`` [T, H]) with bf16 weights in bf16 on CUDA (``None``:
-    quantize it). Models whose experts already hold fp8 weights are not asked: they have no bf16 weights."""
+    quantize it). Models whose experts already hold fp8 weights are not asked: they have no bf16 weights.
+    ``deepgemm``: DeepGEMM takes the block's GEMMs (:func:`ep_fuse.providers.deepgemm.align_for`), measured
+    faster than bf16 at every size it takes."""
+    if deepgemm:
+        return None
     t = _static_rows(x)
     if t is None:
         return ("symbolic token count: the FP8 experts measured faster only up to "

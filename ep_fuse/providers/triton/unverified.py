@@ -19,7 +19,9 @@ checks passed on H200: the router forms (``moe_gating:topk_softmax/topk_sigmoid/
 measured faster than ``torch._grouped_mm`` by ``bench/bench_grouped_gemm_tma.py``), ``ep:fp8_dispatch``
 (``tests/gpu/test_gpu_fp8_dispatch.py``: 2 NCCL ranks, bit-identical to the bf16 dispatch) and ``fp8:tma``
 (``tests/gpu/test_gpu_fp8.py``, then measured faster than the one-tile-per-program FP8 kernel by
-``bench/bench_fp8.py --tma``). A new variant is added here until its GPU check has run."""
+``bench/bench_fp8.py --tma``). Cleared on 2026-12-01: ``fp8:deepgemm`` (the DeepGEMM provider,
+``tests/gpu/test_gpu_deepgemm.py`` on H200, then measured faster than the Triton FP8 kernels from 64 rows per
+expert by ``bench/bench_fp8.py --deepgemm``). A new variant is added here until its GPU check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
 

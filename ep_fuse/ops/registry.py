@@ -97,12 +97,20 @@ class Provider:
 _OPS: dict[str, CanonicalOp] = {}
 _PROVIDER_NAMES: list[str] = [REFERENCE]
 _DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("deepgemm", "triton"), "npu": ("npu",), "cpu": ()}
+_SPARSE: set[str] = set()
+"""Providers that implement a few ops only (``deepgemm``): the default order skips them without a note where they
+have no implementation (every other op's report would otherwise list them)."""
 _warned: set[tuple[str, str, str]] = set()
 _warn_lock = threading.Lock()
 
 
 def triton_interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def mark_sparse(name: str) -> None:
+    """Declare provider ``name`` one that implements a few ops only (:data:`_SPARSE`)."""
+    _SPARSE.add(name)
 
 
 def default_priority(device: str) -> tuple[str, ...]:
@@ -240,7 +248,7 @@ def choose(
             break
         prov = canonical.providers.get(name)
         if prov is None:
-            if given:  # the default order names providers that implement only some ops (deepgemm)
+            if given or name not in _SPARSE:
                 declined.append((name, f"no {name} implementation of {canonical.name}"))
             continue
         reason = prov.available()

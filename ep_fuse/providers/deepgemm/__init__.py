@@ -30,7 +30,7 @@ import torch
 
 from ep_fuse.ops import fp8_ops
 from ep_fuse.ops.fp8_reference import FP8, aligned_rows
-from ep_fuse.ops.registry import register_provider
+from ep_fuse.ops.registry import mark_sparse, register_provider
 from ep_fuse.providers.triton.unverified import gpu_unverified
 
 log = logging.getLogger("ep_fuse.providers")
@@ -175,6 +175,7 @@ def align_for(x: Any, top_k: int, w13: Any, w2: Any) -> int:
     return ALIGN
 
 
+mark_sparse(NAME)
 register_provider(fp8_ops.grouped_gemm_fp8_swiglu_quant, NAME, grouped_gemm_fp8_swiglu_quant_kernel,
                   devices=_devices, available=available, supports=check_swiglu_call)
 register_provider(fp8_ops.grouped_gemm_fp8, NAME, grouped_gemm_fp8_kernel, devices=_devices, available=available,

@@ -13,8 +13,11 @@
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
 # host_overhead (bench/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
-# result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS), probe_sdpa
-# (bench/probe_sdpa_unbacked.py).
+# result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS, extra pytest
+# arguments in $GPU_TESTS_ARGS), probe_sdpa (bench/probe_sdpa_unbacked.py), deepgemm (build DeepGEMM from a
+# carried .deepgemm/ source tree, or reuse a carried .deepgemm_build/; JIT cache in .deepgemm_cache/),
+# deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
+# (bench_deepgemm.py with $DG_ARGS).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 repo=$PWD

@@ -71,13 +71,11 @@ def timed(label: str, fn: Any, flops: float) -> dict[str, Any]:
 def padded_layout(seg: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(dst row of each contiguous row, prefix-sum ends int32 [E], padded row count) for DeepGEMM's psum layout."""
     counts = seg.diff()
-    aligned = (counts + align - 1) // align * align
-    starts = torch.cumsum(aligned, 0) - aligned
-    psum = (starts + counts).to(torch.int32)
+    seg_al = R.aligned_seg_indptr(seg, align)
     m = int(seg[-1])
     expert = torch.repeat_interleave(torch.arange(counts.numel(), device=seg.device), counts)
-    dst = starts[expert] + torch.arange(m, device=seg.device) - seg[:-1][expert]
-    return dst, psum, int(aligned.sum())
+    dst = seg_al[expert] + torch.arange(m, device=seg.device) - seg[:-1][expert]
+    return dst, (seg_al[:-1] + counts).to(torch.int32), int(seg_al[-1])
 
 
 def pad_rows(v: torch.Tensor, dst: torch.Tensor, mp: int, fill: float = 0.0) -> torch.Tensor:

@@ -139,15 +139,19 @@ def aligned_rows(t: int, k: int, num_experts: int, align: int) -> int:
     return t * k + (num_experts * (align - 1) if align > 1 else 0)
 
 
+def aligned_seg_indptr(seg_indptr: torch.Tensor, align: int) -> torch.Tensor:
+    """Each expert's segment rounded up to ``align`` rows: the aligned layout's ``seg_indptr`` (device ops)."""
+    padded = (seg_indptr.diff() + align - 1) // align * align
+    return torch.cat([seg_indptr.new_zeros(1), torch.cumsum(padded, 0)])
+
+
 def align_layout(q: torch.Tensor, s: torch.Tensor, src2dst: torch.Tensor, seg_indptr: torch.Tensor, align: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The contiguous permuted layout ``(codes, scales, src2dst, seg_indptr)`` moved to the aligned one (module
     docstring). Static shapes only (no host read), so it traces."""
     m = q.shape[0]
     e = seg_indptr.shape[0] - 1
-    counts = seg_indptr.diff()
-    padded = (counts + align - 1) // align * align
-    seg_al = torch.cat([seg_indptr.new_zeros(1), torch.cumsum(padded, 0)])
+    seg_al = aligned_seg_indptr(seg_indptr, align)
     r = torch.arange(m, device=q.device, dtype=torch.int64)
     expert = torch.searchsorted(seg_indptr[1:], r, right=True)  # E for the tail rows
     real = expert < e
@@ -253,9 +257,7 @@ def moe_experts_fp8_ref(
         moe_permute_fp8 -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute
 
     ``align`` picks the permuted layout (module docstring); the output does not depend on it."""
-    permute = torch.ops.ep_fuse.moe_permute_fp8
-    e = w13_q.shape[0]
-    permuted = permute(x, topk_ids, e, block_k, align) if align > 1 else permute(x, topk_ids, e, block_k)
+    permuted = torch.ops.ep_fuse.moe_permute_fp8(x, topk_ids, w13_q.shape[0], block_k, *((align,) if align > 1 else ()))
     return _experts_on_permuted(permuted, topk_ids, topk_weights, w13_q, w13_scale, w2_q, w2_scale, block_n,
                                 block_k, x.dtype, out_dtype, align)
 
@@ -267,12 +269,9 @@ def _experts_on_permuted(permuted: tuple[torch.Tensor, ...], topk_ids: torch.Ten
     """The stages after the permute, shared by both FP8 blocks: gate|up + SwiGLU + requant, down, unpermute."""
     ops = torch.ops.ep_fuse
     rq, rs, src2dst, seg_indptr = permuted
-    if align > 1:
-        aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k, align)
-        y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype, align)
-    else:  # the schema's default: graphs without the aligned layout keep their calls as they were
-        aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k)
-        y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype)
+    extra = (align,) if align > 1 else ()  # the schema's default stays implicit: plain graphs keep their calls
+    aq, a_s = ops.grouped_gemm_fp8_swiglu_quant(rq, rs, w13_q, w13_scale, seg_indptr, block_n, block_k, *extra)
+    y = ops.grouped_gemm_fp8(aq, a_s, w2_q, w2_scale, seg_indptr, block_n, block_k, act_dtype, *extra)
     return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
 
 

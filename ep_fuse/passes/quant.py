@@ -142,7 +142,9 @@ class QuantizeExperts(GraphPass):
                                                      (xq, xs, ids, w, q13, s13, q2, s2, bn, bk, act_dtype,
                                                       out_dtype))
                     else:
-                        extra = (align,) if align > 1 and (bn, bk) == (128, 128) else ()
+                        from ep_fuse.providers.deepgemm import BLOCK as DG
+
+                        extra = (align,) if align > 1 and (bn, bk) == (DG, DG) else ()
                         new = gm.graph.call_function(target, (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype, *extra))
                 else:
                     q13 = _int8_weight(gm, ctx, w13, node, "w13")

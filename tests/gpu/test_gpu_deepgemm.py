@@ -103,13 +103,13 @@ def test_deepgemm_chain_replays_from_a_cuda_graph(weights):
         aq, a_s = D.grouped_gemm_fp8_swiglu_quant_kernel(xq, xs, q13, s13, seg, 128, 128, D.ALIGN)
         return D.grouped_gemm_fp8_kernel(aq, a_s, q2, s2, seg, 128, 128, BF16, D.ALIGN), src
 
-    eager = [moe_unpermute_ref(*chain(), None, K, torch.float32)]
+    eager = moe_unpermute_ref(*chain(), None, K, torch.float32)
     chain()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y, src = chain()
     graph.replay()
-    torch.testing.assert_close(moe_unpermute_ref(y, src, None, K, torch.float32), eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(moe_unpermute_ref(y, src, None, K, torch.float32), eager, rtol=0, atol=0)
     xs_in.copy_(x2)
     ids_in.copy_(ids2)
     want = moe_unpermute_ref(*chain(), None, K, torch.float32)
@@ -118,20 +118,17 @@ def test_deepgemm_chain_replays_from_a_cuda_graph(weights):
 
 
 def test_quant_fp8_block_lowers_the_gemms_to_deepgemm():
-    from moe_modules import ArgsortIndexAdd  # tests/moe_modules.py
+    from moe_modules import routed_case  # tests/moe_modules.py
 
     import ep_fuse
     from ep_fuse.testing import compile_and_run
 
-    mod = ArgsortIndexAdd(8, 256, 128).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    # 512 tokens x top-2 over 8 experts: 128 rows per expert, at least D.MIN_ROWS_PER_EXPERT
-    x = torch.randn(512, 256, device="cuda", dtype=BF16, generator=g)
-    ids = torch.randn(512, 8, device="cuda", generator=g).topk(2, dim=-1).indices
-    w = torch.softmax(torch.randn(512, 2, device="cuda", generator=g), -1)
+    # 512 tokens x top-2 over 8 experts: 128 rows per expert on average, at least D.MIN_ROWS_PER_EXPERT
+    mod, inputs = routed_case(t=512, h=256, e=8, i=128, k=2)
+    mod, inputs = mod.cuda(), tuple(a.cuda() for a in inputs)
     with torch.no_grad():
-        ref = mod(x, ids, w)
-    out = compile_and_run(mod, x, ids, w, quant="fp8_block")
+        ref = mod(*inputs)
+    out = compile_and_run(mod, *inputs, quant="fp8_block")
     rep = ep_fuse.last_report()
     assert sum("ep_fuse_deepgemm.grouped_gemm_fp8" in op for op in rep.ops_after) == 2, rep.ops_after
     assert rel_l2(out, ref) < 0.08

@@ -77,20 +77,17 @@ def test_triton_fp8_kernels_match_reference(t, h, i, e, k):
 
 
 def test_fp8_block_is_lowered_to_triton_when_enabled():
-    from moe_modules import ArgsortIndexAdd  # tests/moe_modules.py
+    from moe_modules import routed_case  # tests/moe_modules.py
 
     import ep_fuse
     from ep_fuse.testing import compile_and_run
 
-    mod = ArgsortIndexAdd(8, 256, 128).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
     # 16 tokens x top-2 over 8 experts: 4 rows per expert, inside perf.fp8_block_quant_rule's measured win
-    x = torch.randn(16, 256, device="cuda", dtype=BF16, generator=g)
-    ids = torch.randn(16, 8, device="cuda", generator=g).topk(2, dim=-1).indices
-    w = torch.softmax(torch.randn(16, 2, device="cuda", generator=g), -1)
+    mod, inputs = routed_case(t=16, h=256, e=8, i=128, k=2)
+    mod, inputs = mod.cuda(), tuple(a.cuda() for a in inputs)
     with torch.no_grad():
-        ref = mod(x, ids, w)
-    out = compile_and_run(mod, x, ids, w, quant="fp8_block")
+        ref = mod(*inputs)
+    out = compile_and_run(mod, *inputs, quant="fp8_block")
     rep = ep_fuse.last_report()
     assert any("ep_fuse_triton.grouped_gemm_fp8" in op for op in rep.ops_after), rep.ops_after
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.08

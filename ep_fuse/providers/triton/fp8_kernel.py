@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ep_fuse.ops.fp8_reference import aligned_seg_indptr
 from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _operand_ptrs
 from ep_fuse.providers.triton.grouped_gemm_kernel import (
     _tile_rows,
@@ -264,13 +265,6 @@ def _zero_padding_kernel(Q, S, START, END, H, NG, NHB, sqm, ssm, BLOCK_H: tl.con
                 tl.store(S + row * ssm + gs, tl.zeros((BLOCK_H,), dtype=tl.float32), mask=gs < NG)
 
 
-def align_segments(seg_indptr: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(aligned seg_indptr, each expert's first padding row)`` from a contiguous ``seg_indptr`` (device ops)."""
-    counts = seg_indptr.diff()
-    seg_al = torch.cat([seg_indptr.new_zeros(1), torch.cumsum((counts + align - 1) // align * align, 0)])
-    return seg_al, seg_al[:-1] + counts
-
-
 def launch_permute_quant(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, group: int, q: torch.Tensor,
                          s: torch.Tensor, src2dst: torch.Tensor, seg_indptr: torch.Tensor, align: int = 1,
                          wrap: Callable[[Any], Any] | None = None) -> None:
@@ -286,7 +280,8 @@ def launch_permute_quant(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: i
     base, rank = launch_permute_index(topk_ids, num_experts, seg_indptr, cfg, wrap)
     pad_start = None
     if align > 1:
-        seg_al, pad_start = align_segments(seg_indptr, align)
+        seg_al = aligned_seg_indptr(seg_indptr, align)
+        pad_start = seg_al[:-1] + seg_indptr.diff()  # each expert's first padding row
         shift = (seg_al - seg_indptr)[:-1].to(base.dtype)
         base = (base.view(-1, num_experts) + shift).view(-1)
         seg_indptr.copy_(seg_al)

@@ -64,10 +64,16 @@ EXTRA_CONFIGS: dict[str, list[Any]] = {"gate_up_swiglu": [], "down": []}
 
 
 def parse_config(spec: str) -> tuple[str, Any]:
-    """``gate_up_swiglu:BM,BN,BK,warps,stages[,GROUP_M]`` (or ``down:...``) -> (GEMM, config)."""
+    """``gate_up_swiglu:BM,BN,BK,warps,stages[,GROUP_M][,field=value...]`` (or ``down:...``) -> (GEMM, config);
+    ``field=value`` sets any other ``TmaGemmConfig`` field (``expert_groups=1``, ``small_bm=32``, ``desc=host``)."""
     kernel, dims = spec.split(":")
     assert kernel in EXTRA_CONFIGS, f"--config {spec}: GEMM is one of {list(EXTRA_CONFIGS)}"
-    return kernel, tk.TmaGemmConfig(*(int(v) for v in dims.split(",")))
+    parts = dims.split(",")
+    named = dict(p.split("=") for p in parts if "=" in p)
+    fields = {f.name: f.type for f in dataclasses.fields(tk.TmaGemmConfig)}
+    kw = {k: (v if fields[k] in (str, "str") else bool(int(v)) if fields[k] in (bool, "bool") else int(v))
+          for k, v in named.items()}
+    return kernel, tk.TmaGemmConfig(*(int(v) for v in parts if "=" not in v), **kw)
 
 
 def sweep_configs(swiglu: bool) -> list[Any]:
@@ -255,7 +261,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--balanced", action="store_true", help="every expert gets T*K/E rows (no ragged groups)")
     ap.add_argument("--config", action="append", default=[],
-                    help="GEMM:BM,BN,BK,warps,stages[,GROUP_M]: a TMA config timed next to the default (repeatable)")
+                    help="GEMM:BM,BN,BK,warps,stages[,GROUP_M][,small_bm=N]: a TMA config timed next to the default (repeatable)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode re-time")
     opts = ap.parse_args()
     for spec in opts.config:

@@ -1,6 +1,6 @@
 """GPU benchmark of a whole routed-expert MoE layer: eager vs Inductor vs ep_fuse, one run.
 
-    python bench/bench_moe.py [--quick] [--fp8] [--only NAME,...] [--no-checks]
+    python bench/bench_moe.py [--quick] [--fp8] [--only NAME,...] [--no-checks] [--tma-before]
 
 The layer is the Hugging Face transformers 5.x ``grouped_mm`` experts code (sort, histc, cumsum,
 ``_grouped_mm`` x2, SwiGLU, weights in sorted order, index_put inverse permutation, top-k sum), with
@@ -10,12 +10,18 @@ experts (H7168 I2048 E256 k8) at decode (T128) and prefill (T4096) sizes, and a 
 layer (H2048 I768 E128 k8, T4096). Writes ``$OUT/moe.json`` / ``moe.md``.
 ``--fp8``: also ep_fuse with ``options={"quant": "fp8_block"}`` (its rel-L2 is against the bf16 eager layer, so
 it includes the FP8 quantization error). ``--only``: layers whose name contains one of the strings.
-``--no-checks``: skip the tiny-model and router checks.
+``--no-checks``: skip the tiny-model and router checks. ``--tma-before``: also ep_fuse with the Hopper TMA
+grouped GEMM walking as before 2026-12-01 (no expert-aligned groups, no swapped last tiles), compiled and timed
+in the same process.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import importlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,28 @@ SHAPES = [  # (name, T, H, I, E, K)
 
 def log(*a: Any) -> None:
     print(*a, flush=True)
+
+
+@contextlib.contextmanager
+def tma_walk_before() -> Iterator[list[Any]]:
+    """The TMA grouped GEMM's configs without expert-aligned groups and swapped last tiles (the walk before
+    2026-12-01), for a same-process comparison; the launches look ``config_for`` up when they run. Inductor's
+    caches key on the graph before ep_fuse's lowering, so a cache tag of its own keeps the first compile's
+    kernels from being served again."""
+    tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
+    current = tk.config_for
+    asked: list[Any] = []
+
+    def before(*a: Any, **kw: Any) -> Any:
+        asked.append(a)
+        return dataclasses.replace(current(*a, **kw), expert_groups=False, small_bm=0)
+
+    tk.config_for = before
+    try:
+        with torch.compiler.config.patch(cache_key_tag="tma-walk-before"):
+            yield asked
+    finally:
+        tk.config_for = current
 
 
 class HFGroupedExperts(torch.nn.Module):
@@ -167,7 +195,8 @@ def bench_routers() -> list[list[Any]]:
     return rows
 
 
-def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, checks: bool = True) -> None:
+def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, checks: bool = True,
+         tma_before: bool = False) -> None:
     torch.manual_seed(0)
     tiny: list[str] = []
     routers: list[list[Any]] = []
@@ -216,6 +245,17 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
                   "ep_fuse": bench_graph_us(lambda: fused(x, ids, w))}
             if fp8:
                 us["ep_fuse_fp8"] = bench_graph_us(lambda: fused8(x, ids, w))
+            if tma_before:
+                torch._dynamo.reset()
+                with tma_walk_before() as asked:
+                    before = torch.compile(mod, backend="ep_fuse")
+                    assert rel_l2(before(x, ids, w), ref) < 1e-2
+                    assert asked, "the TMA configs were not asked for: a cached compile was served"
+                    us["ep_fuse_tma_before"] = bench_graph_us(lambda: before(x, ids, w))
+                again = bench_graph_us(lambda: fused(x, ids, w))  # timed on both sides of the variant
+                log(f"{name}: ep_fuse with the TMA walk before 2026-12-01 {us['ep_fuse_tma_before']:.1f} us "
+                    f"(now {us['ep_fuse']:.1f} us before it and {again:.1f} us after it, "
+                    f"{2 * us['ep_fuse_tma_before'] / (us['ep_fuse'] + again):.3f}x)")
         wbytes = 3 * e * i * h * 2
         row = {"shape": name, "T": t, "H": h, "I": i, "E": e, "K": k, "us": us, "rel_l2_inductor": err_ind,
                "rel_l2_ep_fuse": err_ep, "stages": blocks[0].stages, "declined": blocks[0].declined, "fp8": fp8_info,
@@ -236,7 +276,11 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
                           us["ep_fuse_fp8"], f"{us['inductor'] / us['ep_fuse_fp8']:.2f}x",
                           f"{row['tflops']['ep_fuse_fp8']:.0f}",
                           ", ".join(f"{s}={p}" for s, p in fp8_info["stages"].items())])
-        mod = inductor = fused = fused8 = None  # free the layer before the next shape
+        if tma_before:
+            table.append([f"{name}, TMA walk before 2026-12-01", f"T{t} H{h} I{i} E{e} k{k}", None, us["inductor"],
+                          us["ep_fuse_tma_before"], f"{us['inductor'] / us['ep_fuse_tma_before']:.2f}x",
+                          f"{row['tflops']['ep_fuse_tma_before']:.0f}", ""])
+        mod = inductor = fused = fused8 = before = None  # free the layer before the next shape
         torch.cuda.empty_cache()
     md = markdown_table(["layer", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor", "ep_fuse TF/s",
                          "stage providers"], table)
@@ -257,5 +301,7 @@ if __name__ == "__main__":
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--no-checks", action="store_true")
+    ap.add_argument("--tma-before", action="store_true")
     a = ap.parse_args()
-    main(quick=a.quick, fp8=a.fp8, only=[o for o in a.only.split(",") if o], checks=not a.no_checks)
+    main(quick=a.quick, fp8=a.fp8, only=[o for o in a.only.split(",") if o], checks=not a.no_checks,
+         tma_before=a.tma_before)

@@ -6,7 +6,7 @@
 # intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
 # (bench_generate.py), accuracy (accuracy_decode.py), dynamic[:TAG] (check_dynamic.py with $DYN_ARGS or
-# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench_grouped_gemm_tma.py with $GG_ARGS),
+# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench_grouped_gemm_tma.py with $GG_ARGS; gg_bench: the bench alone),
 # profile_dynamic (bench/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
 # (bench_gemm_swiglu_prefill.py with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
@@ -17,7 +17,8 @@
 # arguments in $GPU_TESTS_ARGS), probe_sdpa (bench/probe_sdpa_unbacked.py), deepgemm (build DeepGEMM from a
 # carried .deepgemm/ source tree, or reuse a carried .deepgemm_build/; JIT cache in .deepgemm_cache/),
 # deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
-# (bench_deepgemm.py with $DG_ARGS).
+# (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: profile_grouped_gemm_tma.py
+# with $NCU_GG_ARGS).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 repo=$PWD
@@ -85,6 +86,14 @@ for s in "$@"; do
     gpu_multi)
       step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
         --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;
+    ncu_gg)  # Nsight Compute counters of the TMA grouped GEMMs (bench/profile_grouped_gemm_tma.py with $NCU_GG_ARGS)
+      step ncu_gg timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k regex:_grouped_gemm_tma_kernel \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 "$repo/bench/profile_grouped_gemm_tma.py" ${NCU_GG_ARGS:-}
+      grep -E "us$|_grouped_gemm_tma_kernel|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Memory Throughput|L2 Hit Rate|Mem Busy|Max Bandwidth|Executed Ipc A|SM Busy" \
+        "$OUT/ncu_gg.log" | tail -${NCU_LINES:-120} ;;
+    gg_bench)  # bench_grouped_gemm_tma.py alone ($GG_ARGS)
+      step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
     gg_tma)  # the Hopper TMA grouped GEMM: GPU correctness first, then the one-run comparison
       step gg_tma_test timeout ${GG_TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider \
         "$repo/tests/gpu/test_gpu_grouped_gemm_tma.py"

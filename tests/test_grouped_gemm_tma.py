@@ -65,28 +65,34 @@ ROUTINGS = {"one_expert_all_rows": ([0, 0, 150, 0], 0), "ragged_zero_rows_tail":
             "all_tail": ([0, 0, 0], 6), "many_experts": ([0] * 60 + [40, 0, 3] + [0] * 70 + [65], 3)}
 
 
+@pytest.mark.parametrize("small_bm", [0, 16], ids=["bm_tiles", "expert_groups_small_last_tiles"])
 @pytest.mark.parametrize("desc", DESCS)
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gemm", "swiglu"])
-def test_edge_routings(routing, desc, swiglu):
-    """Rows not a multiple of the 32-row tile, K = 40 not a multiple of BK = 16 (TMA zero fill)."""
+def test_edge_routings(routing, desc, swiglu, small_bm):
+    """Rows not a multiple of the 32-row tile, K = 40 not a multiple of BK = 16 (TMA zero fill); with
+    ``small_bm`` the last tiles of at most 16 rows (5, 6 and 1 rows here, and the short tails) run swapped, in
+    groups cut at expert boundaries."""
     counts, tail = ROUTINGS[routing]
     x, w, seg = case(counts, tail, 18, 40, BF16)
-    assert_matches(run(x, w, seg, swiglu, cfg_for(swiglu, desc)), loop_ref(x, w, seg, swiglu), seg, BF16)
+    cfg = cfg_for(swiglu, desc, small_bm=small_bm, expert_groups=bool(small_bm))
+    assert_matches(run(x, w, seg, swiglu, cfg), loop_ref(x, w, seg, swiglu), seg, BF16)
 
 
 @settings(max_examples=20, deadline=None)
 @given(counts=st.lists(st.sampled_from([0, 0, 1, 16, 33, 80]), min_size=1, max_size=6),
        tail=st.sampled_from([0, 0, 5, 40]), n=st.sampled_from([8, 13, 40]), k=st.sampled_from([8, 24, 64]),
        dtype=st.sampled_from([BF16, F16]), swiglu=st.booleans(), desc=st.sampled_from(DESCS),
-       programs=st.sampled_from([0, 1, 7]), group_m=st.sampled_from([1, 2, 8]), seed=st.integers(0, 2**16))
-def test_kernel_matches_expert_loop(counts, tail, n, k, dtype, swiglu, desc, programs, group_m, seed):
+       programs=st.sampled_from([0, 1, 7]), group_m=st.sampled_from([1, 2, 8]), small_bm=st.sampled_from([0, 16]),
+       expert_groups=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_matches_expert_loop(counts, tail, n, k, dtype, swiglu, desc, programs, group_m, small_bm,
+                                    expert_groups, seed):
     if swiglu and n % 2:
         n += 1
     x, w, seg = case(counts, tail, n, k, dtype, seed)
     if x.shape[0] == 0:
         return
-    cfg = cfg_for(swiglu, desc, programs=programs, group_m=group_m)
+    cfg = cfg_for(swiglu, desc, programs=programs, group_m=group_m, small_bm=small_bm, expert_groups=expert_groups)
     assert_matches(run(x, w, seg, swiglu, cfg), loop_ref(x, w, seg, swiglu), seg, dtype)
 
 
@@ -164,6 +170,23 @@ def test_tma_rule_takes_only_shapes_whose_columns_fill_its_tiles(columns, swiglu
     assert perf.grouped_gemm_tma_rule(cpu, w, swiglu) is None
 
 
+@pytest.mark.parametrize("i,h,e,walk", [(2048, 7168, 256, True), (768, 2048, 128, False), (14336, 4096, 8, False),
+                                        (1408, 2880, 60, False)])
+def test_expert_groups_where_an_experts_weights_outgrow_l2(i, h, e, walk):
+    """The measured rule: DeepSeek-V3's gate|up (58.7 MB per expert) walks expert groups with swapped 32-row
+    last tiles; Qwen3-30B-A3B (6.3 MB), Mixtral (few experts) and the down GEMMs keep the plain walk."""
+    up = tk.config_for(4096 * 8, i, h, e, swiglu=True, interpret=False)
+    down = tk.config_for(4096 * 8, h, i, e, interpret=False)
+    assert (up.expert_groups, up.small_bm) == ((True, 32) if walk else (False, 0))
+    assert not down.expert_groups and not down.small_bm
+
+
+@pytest.mark.parametrize("small_bm", [8, 24, 64, 128])
+def test_small_bm_must_be_a_power_of_two_below_bm(small_bm):
+    with pytest.raises(ValueError, match="power of two from 16 up, below bm=64"):
+        tk.TmaGemmConfig(64, 256, 64, 8, 3, small_bm=small_bm)
+
+
 def test_launch_reads_no_host_values():
     """Table and grid sizes come from static shapes: both launches run on meta tensors (what ``wrap_triton``
     traces), and the grid never exceeds the items the table can hold."""
@@ -182,8 +205,9 @@ def test_launch_reads_no_host_values():
     bound = -(-1000 // 128) + 8
     assert prep_grid == (-(-bound // tk.TABLE_BLOCK_T),) and prep_args[1].shape == (tk.TABLE_HEADER + 4 * bound,)
     assert grid == (min(132, bound * 1),) and kw["SWIGLU"] and kw["DESC"] == tk.DESC_MODES["device"]
-    assert args[3] is prep_args[1]  # the GEMM walks the table the first launch fills
-    assert args[2] is args[1] and not kw["SPLIT_UP"]  # no separate up weight: gate|up halves of w13
+    assert args[4] is prep_args[1] and args[5] is seg  # the GEMM walks the table the first launch fills
+    assert args[3] is args[2] and not kw["SPLIT_UP"]  # no separate up weight: gate|up halves of w13
+    assert args[1] is args[0] and kw["SMALL_BM"] == 0 and not kw["EXPERT_GROUPS"]
 
 
 def test_opcheck_on_the_tma_path(monkeypatch):

@@ -158,6 +158,31 @@ def test_descriptor_modes(desc):
         check(x, w, seg, swiglu, cfg, compare_default=False)
 
 
+SMALL = {"bm64_small32": (64, 32), "bm64_small16": (64, 16), "bm128_small32": (128, 32), "bm128_small64": (128, 64)}
+
+
+@pytest.mark.parametrize("desc", ["device", "host", "pointer"])
+@pytest.mark.parametrize("tiles", sorted(SMALL))
+def test_small_last_tiles(tiles, desc):
+    """``small_bm``: an expert's last tile of at most ``small_bm`` rows runs with the operands swapped, in groups
+    cut at expert boundaries (``expert_groups``). Counts that leave every remainder (0, 1, small_bm,
+    small_bm + 1, bm - 1) and a ragged tail; then top-k routing."""
+    bm, small = SMALL[tiles]
+    h, i, e = 2048, 768, 128
+    w13, w2 = weights(h, i, e)
+    rems = [0, 1, small - 1, small, small + 1, bm - 1, 0]
+    counts = [[0, bm, 2 * bm][j % 3] + rems[j % 7] for j in range(e)]
+    x, seg = from_counts(counts, 13, h)
+    rows, rseg = routed(4096, h, e, 8, seed=7)
+    for xx, ss in ((x, seg), (rows, rseg)):
+        for swiglu, xi, w in ((True, xx, w13), (False, xx[:, :i].contiguous(), w2)):
+            base = tk().config_for(xi.shape[0], w.shape[1], xi.shape[1], e, swiglu=swiglu)
+            bn = 256 if bm == 64 else 128
+            cfg = dataclasses.replace(base, bm=bm, bn=bn, num_stages=3 if bm == 64 else 4, small_bm=small, desc=desc,
+                                      expert_groups=True)
+            check(xi, w, ss, swiglu, cfg, compare_default=False)
+
+
 def test_provider_dispatch(monkeypatch):
     from ep_fuse.providers.triton import grouped_gemm as host
     from ep_fuse.providers.triton.unverified import ENV

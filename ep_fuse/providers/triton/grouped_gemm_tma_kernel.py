@@ -25,6 +25,14 @@ of the sizes only, so they also trace at a symbolic row count):
    zero-fills outside each tensor, so the loop has no masks: rows past the tile's segment (the next
    expert's rows) and columns past ``N`` (the up half, the next expert) are computed and discarded by the
    masked store. ``SWIGLU``: gate rows ``[n, n+BN)`` and up rows ``[I+n, I+n+BN)`` share each ``x`` tile.
+   Two options of the walk (``TmaGemmConfig``; :func:`config_for` takes both for DeepSeek-V3-sized gate|up
+   weights): ``expert_groups`` cuts the ``GROUP_M`` groups at expert boundaries, so every row tile of an
+   expert runs while its weight tiles are in L2 (the default groups let an expert straddle two groups, and
+   its weights were read from HBM twice: Nsight Compute saw 17.5-18.4 GB of DRAM traffic at DeepSeek-V3 T4096
+   where about 15.7 GB is the minimum, and 15.9-16.0 GB with expert groups);
+   ``small_bm`` runs an expert's last tile of at most ``small_bm`` rows with the operands swapped
+   (:func:`_small_tile`: weight rows as the MMA's M, rows as its N), so a ragged remainder does not compute
+   a full ``BM``-row tile.
 
 Epilogue and numerics as in the existing kernel: fp32 accumulation, each GEMM output rounded to the input
 dtype, then silu and the product rounded again. There is no routing-weight epilogue: the grouped-GEMM ops
@@ -71,10 +79,22 @@ class TmaGemmConfig:
     programs: int = 0
     desc: str = "device"
     warp_specialize: bool = False
+    expert_groups: bool = False
+    """Cut the ``GROUP_M`` groups of the walk at expert boundaries (:func:`_expert_item`)."""
+    small_bm: int = 0
+    """Rows of an expert's *small* last tile (0: none): a last tile of at most ``small_bm`` rows runs with
+    the operands swapped (weight rows as the MMA's M, the rows as its N), so a ragged remainder computes
+    ``small_bm`` rows instead of ``bm``. A power of two from 16 up, below ``bm``."""
+
+    def __post_init__(self) -> None:
+        s = self.small_bm
+        if s and (s < 16 or s & (s - 1) or s >= self.bm):
+            raise ValueError(f"small_bm={s}: use 0 or a power of two from 16 up, below bm={self.bm}")
 
     def __str__(self) -> str:
         return (f"BM{self.bm} BN{self.bn} BK{self.bk} w{self.num_warps} s{self.num_stages} g{self.group_m} "
-                f"p{self.programs or 'SM'} {self.desc}" + (" ws" if self.warp_specialize else ""))
+                f"p{self.programs or 'SM'} {self.desc}" + (" ws" if self.warp_specialize else "")
+                + (" xg" if self.expert_groups else "") + (f" small{self.small_bm}" if self.small_bm else ""))
 
 
 @triton.jit
@@ -102,8 +122,7 @@ def _tile_table_kernel(SEG, TABLE, M, E, MAX_TILES, BM: tl.constexpr, BLOCK_T: t
         total += tl.sum(ntiles, 0)
     seg_end = tl.minimum(tl.maximum(tl.load(SEG + E).to(tl.int32), 0), M)
     e = tl.minimum(experts_before, E - 1)
-    row_lo = tl.minimum(tl.maximum(tl.load(SEG + e).to(tl.int32), 0), M)
-    row_hi = tl.minimum(tl.maximum(tl.load(SEG + e + 1).to(tl.int32), row_lo), M)
+    row_lo, row_hi = _expert_rows(SEG, e, M)
     real = t < total
     m_start = tl.where(real, row_lo + (t - tiles_before) * BM, seg_end + (t - total) * BM)
     m_end = tl.where(real, tl.minimum(m_start + BM, row_hi), tl.minimum(m_start + BM, M))
@@ -115,6 +134,31 @@ def _tile_table_kernel(SEG, TABLE, M, E, MAX_TILES, BM: tl.constexpr, BLOCK_T: t
     tl.store(entry + 3, t * 0, mask=ok)
     if pid == 0:
         tl.store(TABLE, tl.minimum(total + (M - seg_end + BM - 1) // BM, MAX_TILES))
+
+
+@triton.jit
+def _expert_rows(SEG, e, M):
+    """Rows ``[lo, hi)`` of expert ``e``, ``seg_indptr`` clamped into ``[0, M]`` as the tile table reads it."""
+    lo = tl.minimum(tl.maximum(tl.load(SEG + e).to(tl.int32), 0), M)
+    hi = tl.minimum(tl.maximum(tl.load(SEG + e + 1).to(tl.int32), lo), M)
+    return lo, hi
+
+
+@triton.jit
+def _expert_item(item, TABLE, SEG, M, num_n, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """``(tile, n-tile)`` of work item ``item`` with groups cut at expert boundaries: the items of an expert
+    whose tiles are ``[f, f + c)`` are ``[f * num_n, (f + c) * num_n)``, walked ``GROUP_M`` of its tiles at a
+    time (tiles fastest), so no group spans two experts and an expert's weight tiles are read while all of
+    its row tiles run (a tail tile is a group of its own)."""
+    t0 = item // num_n
+    entry = TABLE + 4 + 4 * t0
+    e = tl.load(entry)
+    lo, hi = _expert_rows(SEG, tl.maximum(e, 0), M)
+    j = tl.where(e >= 0, (tl.load(entry + 1) - lo) // BM, 0)
+    c = tl.where(e >= 0, (hi - lo + BM - 1) // BM, 1)
+    first = t0 - j
+    tile, pid_n = _item(item - first * num_n, c, num_n, GROUP_M)
+    return first + tile, pid_n
 
 
 @triton.jit
@@ -150,18 +194,25 @@ def _load_k(src, row, k0, rows, rk, K, W_ROWS_OR_M, sr, DESC: tl.constexpr, UPCA
 
 @triton.jit
 def _grouped_gemm_tma_kernel(
-    X, W, WU, TABLE, Y, M, N, K, W_ROWS, NW,
+    X, XS, W, WU, TABLE, SEG, Y, M, N, K, W_ROWS, NW,
     sxm, swn, sun, sym,
     NUM_PROGRAMS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EXPERT_GROUPS: tl.constexpr, SMALL_BM: tl.constexpr,
     DESC: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_UP: tl.constexpr, CODE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, EMULATE_RTNE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """``Y [M, N] = X @ W[e].T`` per tile of the table; ``W`` is read as [W_ROWS = E * NW, K] (``NW`` rows per
     expert: ``N``, or ``2N`` for the gate|up weight when ``SWIGLU``). ``SPLIT_UP`` (dense GEMM + SwiGLU, one
     "expert"): the up rows come from their own [W_ROWS, K] weight ``WU`` (row stride ``sun``), at the gate's
-    row, so the two nn.Linear weights are read in place."""
+    row, so the two nn.Linear weights are read in place. ``SMALL_BM`` (0: off): a tile of at most ``SMALL_BM``
+    rows (an expert's ragged last tile) runs :func:`_small_tile` instead, reading ``x`` through ``XS``
+    (``[SMALL_BM, BK]`` blocks; host descriptor for ``DESC`` 2, else ``X`` again)."""
     if DESC == 1:
         xs = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
+        if SMALL_BM > 0:
+            xss = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[SMALL_BM, BK])
+        else:
+            xss = xs
         ws = tl.make_tensor_descriptor(W, shape=[W_ROWS, K], strides=[swn, 1], block_shape=[BN, BK])
         if SPLIT_UP:
             us = tl.make_tensor_descriptor(WU, shape=[W_ROWS, K], strides=[sun, 1], block_shape=[BN, BK])
@@ -169,6 +220,7 @@ def _grouped_gemm_tma_kernel(
             us = ws
     else:  # host descriptors (DESC 2) or pointers (DESC 0)
         xs = X
+        xss = XS
         ws = W
         us = WU
     rows_m = tl.arange(0, BM)
@@ -180,30 +232,70 @@ def _grouped_gemm_tma_kernel(
     # int32 work items (they reach TMA coordinates, which are int32) where Inductor passes the program count,
     # a symbolic size, as int64
     for item in tl.range(tl.program_id(0), num_tiles * num_n, tl.cast(NUM_PROGRAMS, tl.int32)):
-        tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
+        if EXPERT_GROUPS:
+            tile, pid_n = _expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
+        else:
+            tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
         e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
         num_k = tl.where(e >= 0, k_tiles, 0)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for kk in tl.range(0, num_k, warp_specialize=WARP_SPECIALIZE):
-            k0 = kk * BK
-            a = _load_k(xs, m_start, k0, rows_m, rk, K, M, sxm, DESC, UPCAST_DOT)
-            b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
-            acc = tl.dot(a, b.T, acc)
-            if SWIGLU:
-                if SPLIT_UP:
-                    bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
-                else:
-                    bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
-                acc_u = tl.dot(a, bu.T, acc_u)
-        if SWIGLU:
-            y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+        if SMALL_BM > 0 and m_end - m_start <= SMALL_BM:
+            _small_tile(xss, ws, us, Y, M, N, K, W_ROWS, sxm, swn, sun, sym, m_start, m_end, w_row, pid_n, num_k,
+                        SMALL_BM, BN, BK, DESC, SWIGLU, SPLIT_UP, CODE, UPCAST_DOT, EMULATE_RTNE)
         else:
-            y = _round(acc, CODE, EMULATE_RTNE)
-        rm = m_start + rows_m
-        rn = pid_n * BN + rows_n
-        mask = (rm < m_end)[:, None] & (rn < N)[None, :]
-        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            for kk in tl.range(0, num_k, warp_specialize=WARP_SPECIALIZE):
+                k0 = kk * BK
+                a = _load_k(xs, m_start, k0, rows_m, rk, K, M, sxm, DESC, UPCAST_DOT)
+                b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+                acc = tl.dot(a, b.T, acc)
+                if SWIGLU:
+                    if SPLIT_UP:
+                        bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
+                    else:
+                        bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+                    acc_u = tl.dot(a, bu.T, acc_u)
+            if SWIGLU:
+                y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+            else:
+                y = _round(acc, CODE, EMULATE_RTNE)
+            rm = m_start + rows_m
+            rn = pid_n * BN + rows_n
+            mask = (rm < m_end)[:, None] & (rn < N)[None, :]
+            tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+
+
+@triton.jit
+def _small_tile(xss, ws, us, Y, M, N, K, W_ROWS, sxm, swn, sun, sym, m_start, m_end, w_row, pid_n, num_k,
+                SMALL_BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DESC: tl.constexpr,
+                SWIGLU: tl.constexpr, SPLIT_UP: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                EMULATE_RTNE: tl.constexpr):
+    """One tile of at most ``SMALL_BM`` rows with the operands swapped: ``acc [BN, SMALL_BM] = w . x.T``, so
+    the weight rows fill the MMA's M (at least 64 on Hopper) and the few rows its N; stored transposed."""
+    rows_s = tl.arange(0, SMALL_BM)
+    rows_n = tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    acc = tl.zeros([BN, SMALL_BM], dtype=tl.float32)
+    acc_u = tl.zeros([BN, SMALL_BM], dtype=tl.float32)
+    for kk in tl.range(0, num_k):
+        k0 = kk * BK
+        a = _load_k(xss, m_start, k0, rows_s, rk, K, M, sxm, DESC, UPCAST_DOT)
+        b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+        acc = tl.dot(b, a.T, acc)
+        if SWIGLU:
+            if SPLIT_UP:
+                bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
+            else:
+                bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+            acc_u = tl.dot(bu, a.T, acc_u)
+    if SWIGLU:
+        y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+    else:
+        y = _round(acc, CODE, EMULATE_RTNE)
+    rm = m_start + rows_s
+    rn = pid_n * BN + rows_n
+    mask = (rn < N)[:, None] & (rm < m_end)[None, :]
+    tl.store(Y + rm[None, :].to(tl.int64) * sym + rn[:, None], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
 
 # --------------------------------------------------------------------------- host side
@@ -229,19 +321,33 @@ def num_programs(x: torch.Tensor, m: int, n: int, e: int, cfg: TmaGemmConfig) ->
     return torch.sym_max(1, torch.sym_min(want, max_tiles(m, e, cfg.bm) * triton.cdiv(n, cfg.bn)))
 
 
+EXPERT_GROUPS_MIN_WEIGHT_BYTES = 16 << 20
+"""Gate|up weights of one expert from which :func:`config_for` cuts the walk's groups at expert boundaries and
+runs swapped 32-row last tiles. About three experts are in flight at once on 132 SMs; once their weights
+outgrow the 50 MB L2, an expert whose row tiles fall into two groups has its weights read from HBM twice.
+Measured (H200, 2026-12-01): DeepSeek-V3's 58.7 MB per expert, T4096 gate|up + SwiGLU 1.10-1.15x and the
+layer 1.02-1.04x; Qwen3-30B-A3B's 6.3 MB: the GEMM even, the layer 0.96x, so it keeps the plain walk."""
+
+
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config, from ``bench/bench_grouped_gemm_tma.py``'s sweep on H200 (2026-11-30).
+    """Tile config, from ``bench/bench_grouped_gemm_tma.py``'s runs on H200 (2026-11-30, 2026-12-01).
 
     Many small experts (DeepSeek-V3 E256, Qwen3-30B-A3B E128): gate|up + SwiGLU on 64 x 256 tiles (1.07-1.32x
-    ``torch._grouped_mm``, vs 1.03-1.27x on 128 x 128), down on 128 x 256 with 4 stages. Few large experts
-    (Mixtral E8, ``e <= 16``): gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x),
-    down on 128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8). The interpreter gets small tiles
-    of the same structure."""
+    ``torch._grouped_mm``, vs 1.03-1.27x on 128 x 128), with groups cut at expert boundaries and swapped
+    32-row last tiles where one expert's weights reach :data:`EXPERT_GROUPS_MIN_WEIGHT_BYTES`; down on
+    128 x 256 with 4 stages (expert groups there: -7 % to +5 %, not taken). Few large experts (Mixtral E8,
+    ``e <= 16``): gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x), down on
+    128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8). The interpreter gets small tiles of the
+    same structure."""
     if interpret:
         return TmaGemmConfig(32, 16, 16, 4, 2, 2) if swiglu else TmaGemmConfig(32, 32, 16, 4, 2, 2)
     few = e <= 16
     if swiglu:
-        return TmaGemmConfig(128, 128, 64, 8, 3, 8) if few else TmaGemmConfig(64, 256, 64, 8, 3, 8)
+        if few:
+            return TmaGemmConfig(128, 128, 64, 8, 3, 8)
+        if 2 * n * k * 2 >= EXPERT_GROUPS_MIN_WEIGHT_BYTES:  # gate|up rows x K x 2 bytes (bf16 / fp16)
+            return TmaGemmConfig(64, 256, 64, 8, 3, 8, expert_groups=True, small_bm=32)
+        return TmaGemmConfig(64, 256, 64, 8, 3, 8)
     return TmaGemmConfig(128, 256, 64, 8, 3, 16) if few else TmaGemmConfig(128, 256, 64, 8, 4, 8)
 
 
@@ -335,12 +441,18 @@ def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor
     m, k = x.shape
     e, nw = w.shape[0], w.shape[1]
     table, xs, ws, us, mode = walk_operands(x, w, seg, cfg, wrap, w_up)
+    xss = xs
+    if cfg.small_bm and mode == 2:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        xss = TensorDescriptor.from_tensor(x, [cfg.small_bm, cfg.bk])
     grid = (num_programs(x, m, n, e, cfg),)
     fn = wrap(_grouped_gemm_tma_kernel) if wrap is not None else _grouped_gemm_tma_kernel
     fn[grid](
-        xs, ws, us, table, y, m, n, k, e * nw, nw,
+        xs, xss, ws, us, table, seg, y, m, n, k, e * nw, nw,
         x.stride(0), w.stride(1), (w_up if w_up is not None else w).stride(-2), y.stride(0), grid[0],
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, DESC=mode, SWIGLU=swiglu, SPLIT_UP=w_up is not None,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, EXPERT_GROUPS=cfg.expert_groups,
+        SMALL_BM=cfg.small_bm, DESC=mode, SWIGLU=swiglu, SPLIT_UP=w_up is not None,
         CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET, EMULATE_RTNE=int(INTERPRET),
         WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

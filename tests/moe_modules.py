@@ -15,6 +15,8 @@ They differ in how tokens are ordered, counted and combined:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -140,3 +142,15 @@ def routed_case(t: int = 13, h: int = 64, e: int = 4, i: int = 32, k: int = 2
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     w = torch.softmax(torch.randn(t, k, generator=g), -1)
     return mod, (x, ids, w)
+
+
+def compile_routed_case(t: int, device: str, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(compiled output, eager output)`` of :func:`routed_case` (t tokens, H256 E8 I128 top-2) on ``device``,
+    compiled by ep_fuse with ``options``; :func:`ep_fuse.last_report` describes the compile."""
+    from ep_fuse.testing import compile_and_run
+
+    mod, inputs = routed_case(t=t, h=256, e=8, i=128, k=2)
+    mod, inputs = mod.to(device), tuple(a.to(device) for a in inputs)
+    with torch.no_grad():
+        ref = mod(*inputs)
+    return compile_and_run(mod, *inputs, **options), ref

@@ -118,17 +118,12 @@ def test_deepgemm_chain_replays_from_a_cuda_graph(weights):
 
 
 def test_quant_fp8_block_lowers_the_gemms_to_deepgemm():
-    from moe_modules import routed_case  # tests/moe_modules.py
+    from moe_modules import compile_routed_case  # tests/moe_modules.py
 
     import ep_fuse
-    from ep_fuse.testing import compile_and_run
 
     # 512 tokens x top-2 over 8 experts: 128 rows per expert on average, at least D.MIN_ROWS_PER_EXPERT
-    mod, inputs = routed_case(t=512, h=256, e=8, i=128, k=2)
-    mod, inputs = mod.cuda(), tuple(a.cuda() for a in inputs)
-    with torch.no_grad():
-        ref = mod(*inputs)
-    out = compile_and_run(mod, *inputs, quant="fp8_block")
+    out, ref = compile_routed_case(512, "cuda", quant="fp8_block")
     rep = ep_fuse.last_report()
     assert sum("ep_fuse_deepgemm.grouped_gemm_fp8" in op for op in rep.ops_after) == 2, rep.ops_after
     assert rel_l2(out, ref) < 0.08

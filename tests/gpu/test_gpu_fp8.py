@@ -77,17 +77,12 @@ def test_triton_fp8_kernels_match_reference(t, h, i, e, k):
 
 
 def test_fp8_block_is_lowered_to_triton_when_enabled():
-    from moe_modules import routed_case  # tests/moe_modules.py
+    from moe_modules import compile_routed_case  # tests/moe_modules.py
 
     import ep_fuse
-    from ep_fuse.testing import compile_and_run
 
     # 16 tokens x top-2 over 8 experts: 4 rows per expert, inside perf.fp8_block_quant_rule's measured win
-    mod, inputs = routed_case(t=16, h=256, e=8, i=128, k=2)
-    mod, inputs = mod.cuda(), tuple(a.cuda() for a in inputs)
-    with torch.no_grad():
-        ref = mod(*inputs)
-    out = compile_and_run(mod, *inputs, quant="fp8_block")
+    out, ref = compile_routed_case(16, "cuda", quant="fp8_block")
     rep = ep_fuse.last_report()
     assert any("ep_fuse_triton.grouped_gemm_fp8" in op for op in rep.ops_after), rep.ops_after
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.08

@@ -31,7 +31,7 @@ of the sizes only, so they also trace at a symbolic row count):
    its weights were read from HBM twice: Nsight Compute saw 17.5-18.4 GB of DRAM traffic at DeepSeek-V3 T4096
    where about 15.7 GB is the minimum, and 15.9-16.0 GB with expert groups);
    ``small_bm`` runs an expert's last tile of at most ``small_bm`` rows with the operands swapped
-   (:func:`_small_tile`: weight rows as the MMA's M, rows as its N), so a ragged remainder does not compute
+   (:func:`_k_loop` with ``SWAP``: weight rows as the MMA's M, rows as its N), so a ragged remainder does not compute
    a full ``BM``-row tile.
 
 Epilogue and numerics as in the existing kernel: fp32 accumulation, each GEMM output rounded to the input
@@ -205,7 +205,7 @@ def _grouped_gemm_tma_kernel(
     expert: ``N``, or ``2N`` for the gate|up weight when ``SWIGLU``). ``SPLIT_UP`` (dense GEMM + SwiGLU, one
     "expert"): the up rows come from their own [W_ROWS, K] weight ``WU`` (row stride ``sun``), at the gate's
     row, so the two nn.Linear weights are read in place. ``SMALL_BM`` (0: off): a tile of at most ``SMALL_BM``
-    rows (an expert's ragged last tile) runs :func:`_small_tile` instead, reading ``x`` through ``XS``
+    rows (an expert's ragged last tile) runs swapped (:func:`_k_loop`), reading ``x`` through ``XS``
     (``[SMALL_BM, BK]`` blocks; host descriptor for ``DESC`` 2, else ``X`` again)."""
     if DESC == 1:
         xs = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
@@ -223,9 +223,6 @@ def _grouped_gemm_tma_kernel(
         xss = XS
         ws = W
         us = WU
-    rows_m = tl.arange(0, BM)
-    rows_n = tl.arange(0, BN)
-    rk = tl.arange(0, BK)
     num_tiles = tl.load(TABLE)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -238,64 +235,70 @@ def _grouped_gemm_tma_kernel(
             tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
         e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
         num_k = tl.where(e >= 0, k_tiles, 0)
-        if SMALL_BM > 0 and m_end - m_start <= SMALL_BM:
-            _small_tile(xss, ws, us, Y, M, N, K, W_ROWS, sxm, swn, sun, sym, m_start, m_end, w_row, pid_n, num_k,
-                        SMALL_BM, BN, BK, DESC, SWIGLU, SPLIT_UP, CODE, UPCAST_DOT, EMULATE_RTNE)
+        if SMALL_BM > 0 and m_end - m_start <= SMALL_BM:  # an expert's ragged last tile, operands swapped
+            # (own names: a variable set in both branches of a run-time `if` must keep one shape)
+            acc_t, acc_ut = _k_loop(xss, ws, us, m_start, w_row, N, K, M, W_ROWS, sxm, swn, sun, num_k, SMALL_BM, BN,
+                                    BK, DESC, SWIGLU, SPLIT_UP, UPCAST_DOT, True, False)
+            _store_tile(acc_t, acc_ut, Y, m_start, m_end, pid_n, N, sym, SMALL_BM, BN, SWIGLU, True, CODE,
+                        EMULATE_RTNE)
         else:
-            acc = tl.zeros([BM, BN], dtype=tl.float32)
-            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-            for kk in tl.range(0, num_k, warp_specialize=WARP_SPECIALIZE):
-                k0 = kk * BK
-                a = _load_k(xs, m_start, k0, rows_m, rk, K, M, sxm, DESC, UPCAST_DOT)
-                b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
-                acc = tl.dot(a, b.T, acc)
-                if SWIGLU:
-                    if SPLIT_UP:
-                        bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
-                    else:
-                        bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
-                    acc_u = tl.dot(a, bu.T, acc_u)
-            if SWIGLU:
-                y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
-            else:
-                y = _round(acc, CODE, EMULATE_RTNE)
-            rm = m_start + rows_m
-            rn = pid_n * BN + rows_n
-            mask = (rm < m_end)[:, None] & (rn < N)[None, :]
-            tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+            acc, acc_u = _k_loop(xs, ws, us, m_start, w_row, N, K, M, W_ROWS, sxm, swn, sun, num_k, BM, BN, BK,
+                                 DESC, SWIGLU, SPLIT_UP, UPCAST_DOT, False, WARP_SPECIALIZE)
+            _store_tile(acc, acc_u, Y, m_start, m_end, pid_n, N, sym, BM, BN, SWIGLU, False, CODE, EMULATE_RTNE)
 
 
 @triton.jit
-def _small_tile(xss, ws, us, Y, M, N, K, W_ROWS, sxm, swn, sun, sym, m_start, m_end, w_row, pid_n, num_k,
-                SMALL_BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DESC: tl.constexpr,
-                SWIGLU: tl.constexpr, SPLIT_UP: tl.constexpr, CODE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                EMULATE_RTNE: tl.constexpr):
-    """One tile of at most ``SMALL_BM`` rows with the operands swapped: ``acc [BN, SMALL_BM] = w . x.T``, so
-    the weight rows fill the MMA's M (at least 64 on Hopper) and the few rows its N; stored transposed."""
-    rows_s = tl.arange(0, SMALL_BM)
+def _k_loop(xd, ws, us, m_start, w_row, N, K, M, W_ROWS, sxm, swn, sun, num_k, ROWS: tl.constexpr,
+            BN: tl.constexpr, BK: tl.constexpr, DESC: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_UP: tl.constexpr,
+            UPCAST_DOT: tl.constexpr, SWAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """fp32 accumulators of one tile of ``ROWS`` rows x ``BN`` columns (gate and, for ``SWIGLU``, up):
+    ``[ROWS, BN] = x . w.T``, or with ``SWAP`` ``[BN, ROWS] = w . x.T`` (the weight rows fill the MMA's M,
+    at least 64 on Hopper, and a few rows its N)."""
+    rows = tl.arange(0, ROWS)
     rows_n = tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    acc = tl.zeros([BN, SMALL_BM], dtype=tl.float32)
-    acc_u = tl.zeros([BN, SMALL_BM], dtype=tl.float32)
-    for kk in tl.range(0, num_k):
+    if SWAP:
+        acc = tl.zeros([BN, ROWS], dtype=tl.float32)
+        acc_u = tl.zeros([BN, ROWS], dtype=tl.float32)
+    else:
+        acc = tl.zeros([ROWS, BN], dtype=tl.float32)
+        acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
+    for kk in tl.range(0, num_k, warp_specialize=WARP_SPECIALIZE):
         k0 = kk * BK
-        a = _load_k(xss, m_start, k0, rows_s, rk, K, M, sxm, DESC, UPCAST_DOT)
+        a = _load_k(xd, m_start, k0, rows, rk, K, M, sxm, DESC, UPCAST_DOT)
         b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
-        acc = tl.dot(b, a.T, acc)
+        if SWAP:
+            acc = tl.dot(b, a.T, acc)
+        else:
+            acc = tl.dot(a, b.T, acc)
         if SWIGLU:
             if SPLIT_UP:
                 bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
             else:
                 bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
-            acc_u = tl.dot(bu, a.T, acc_u)
+            if SWAP:
+                acc_u = tl.dot(bu, a.T, acc_u)
+            else:
+                acc_u = tl.dot(a, bu.T, acc_u)
+    return acc, acc_u
+
+
+@triton.jit
+def _store_tile(acc, acc_u, Y, m_start, m_end, pid_n, N, sym, ROWS: tl.constexpr, BN: tl.constexpr,
+                SWIGLU: tl.constexpr, SWAP: tl.constexpr, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
+    """Round (and SwiGLU) the accumulators of :func:`_k_loop` and store rows ``[m_start, m_end)`` of the tile."""
     if SWIGLU:
         y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
     else:
         y = _round(acc, CODE, EMULATE_RTNE)
-    rm = m_start + rows_s
-    rn = pid_n * BN + rows_n
-    mask = (rn < N)[:, None] & (rm < m_end)[None, :]
-    tl.store(Y + rm[None, :].to(tl.int64) * sym + rn[:, None], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+    rm = m_start + tl.arange(0, ROWS)
+    rn = pid_n * BN + tl.arange(0, BN)
+    if SWAP:
+        mask = (rn < N)[:, None] & (rm < m_end)[None, :]
+        tl.store(Y + rm[None, :].to(tl.int64) * sym + rn[:, None], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+    else:
+        mask = (rm < m_end)[:, None] & (rn < N)[None, :]
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
 
 # --------------------------------------------------------------------------- host side

@@ -24,8 +24,9 @@ configs (:class:`~ep_fuse.providers.triton.gemm_tiles.GemmConfig`; SwiGLU tiles 
 group) next to the bf16 kernel of the same GEMM and the config ``config_for`` picks today, in µs and TFLOP/s;
 the fastest config per (shape, GEMM) is printed and written to ``$OUT/fp8_sweep.json``/``.md``. Stops starting
 new configs after ``--budget`` seconds.
-``--tma``: the same per-GEMM timing for the persistent TMA FP8 kernel (``fp8:tma``, :func:`tma_configs`),
-alone or next to ``--sweep``'s configs.
+``--tma``: the same per-GEMM timing for the persistent TMA FP8 kernel (``fp8:tma``, :func:`tma_configs`: the
+shipped config and its ``expert_groups`` twin first and again last, four others between), alone or next to
+``--sweep``'s configs.
 ``--deepgemm``: also the FP8 chain on DeepGEMM (:mod:`ep_fuse.providers.deepgemm`, needs ``deep_gemm``):
 ``moe_permute_fp8`` with the 128-row aligned layout + DeepGEMM gate|up + Triton SwiGLU/requant + DeepGEMM down,
 timed the same way, and its output (summed back per token) against the reference's.
@@ -193,15 +194,24 @@ def sweep_configs(decode: bool, swiglu: bool) -> list[Any]:
     return out
 
 
-def tma_configs(swiglu: bool) -> list[Any]:
-    """Candidate tiles of the persistent TMA FP8 kernel (``fp8:tma``): ``BK = 128`` (one scale block per step)."""
+def tma_configs(m: int, n: int, k: int, e: int, swiglu: bool) -> list[Any]:
+    """Candidate tiles of the persistent TMA FP8 kernel (``fp8:tma``): ``BK = 128`` (one scale block per step).
+    The shipped config (``fp8_tma_kernel.config_for``) and its expert-groups twin are timed first and again
+    last, so the run shows its own noise next to the difference."""
+    import dataclasses
+
+    from ep_fuse.providers.triton.fp8_tma_kernel import config_for
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import TmaGemmConfig as C
 
+    shipped = config_for(m, n, k, e, BK, swiglu=swiglu, interpret=False)
+    pair = [shipped, dataclasses.replace(shipped, expert_groups=not shipped.expert_groups)]
     if swiglu:
-        return [C(64, 128, 128, 4, 4, 8), C(64, 128, 128, 4, 2, 8, promote="pair"),
-                C(64, 128, 128, 8, 2, 8, promote="pair"), C(64, 128, 128, 4, 4, 8, desc="host")]
-    return [C(64, 256, 128, 8, 3, 8), C(64, 256, 128, 8, 4, 8), C(64, 256, 128, 8, 2, 8, promote="pair"),
-            C(64, 128, 128, 4, 2, 8, promote="pair"), C(64, 256, 128, 8, 4, 8, desc="host")]
+        others = [C(64, 128, 128, 4, 3, 8, expert_groups=True), C(64, 128, 128, 4, 4, 8, expert_groups=True),
+                  C(128, 128, 128, 8, 3, 8, expert_groups=True), C(64, 128, 128, 4, 4, 8, desc="host")]
+    else:
+        others = [C(64, 256, 128, 8, 3, 8, expert_groups=True), C(64, 256, 128, 8, 4, 8, expert_groups=True),
+                  C(128, 256, 128, 8, 3, 8, expert_groups=True), C(64, 256, 128, 8, 4, 8, desc="host")]
+    return pair + [c for c in others if c not in pair] + pair
 
 
 def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], deadline: float,
@@ -235,7 +245,7 @@ def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], dea
         row = {"shape": name, "gemm": gemm, "bf16_us": bf16, "today": str(today), "configs": []}
         cands = [(str(today), launch_fp8_gemm, today)]
         cands += [(str(c), launch_fp8_gemm, c) for c in (sweep_configs(is_decode(m, e), swiglu) if pointer else [])]
-        cands += [(f"tma [{c}]", launch_fp8_gemm_tma, c) for c in (tma_configs(swiglu) if tma else [])]
+        cands += [(f"tma [{c}]", launch_fp8_gemm_tma, c) for c in (tma_configs(m, n, kk, e, swiglu) if tma else [])]
         for label, launch, cfg in cands:
             if time.monotonic() > deadline:
                 row["stopped"] = "budget"

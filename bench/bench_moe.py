@@ -1,6 +1,7 @@
 """GPU benchmark of a whole routed-expert MoE layer: eager vs Inductor vs ep_fuse, one run.
 
     python bench/bench_moe.py [--quick] [--fp8] [--only NAME,...] [--no-checks] [--tma-before]
+        [--tma-variant FIELD=VALUE,...] [--repeat N]
 
 The layer is the Hugging Face transformers 5.x ``grouped_mm`` experts code (sort, histc, cumsum,
 ``_grouped_mm`` x2, SwiGLU, weights in sorted order, index_put inverse permutation, top-k sum), with
@@ -12,7 +13,9 @@ layer (H2048 I768 E128 k8, T4096). Writes ``$OUT/moe.json`` / ``moe.md``.
 it includes the FP8 quantization error). ``--only``: layers whose name contains one of the strings.
 ``--no-checks``: skip the tiny-model and router checks. ``--tma-before``: also ep_fuse with the Hopper TMA
 grouped GEMM walking as before 2026-12-01 (no expert-aligned groups, no swapped last tiles), compiled and timed
-in the same process.
+in the same process; ``--tma-variant``: the same with any ``TmaGemmConfig`` fields set on every config the
+provider asks for (``flatten=0``: the K loop not fused with the walk). ``--repeat N``: the variant and the shipped
+layer timed alternately N times each (medians reported).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import statistics
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,23 +56,39 @@ def log(*a: Any) -> None:
     print(*a, flush=True)
 
 
+TMA_BEFORE = "expert_groups=0,small_bm=0"
+"""``--tma-before``: the walk before 2026-12-01."""
+
+
+def parse_fields(spec: str) -> dict[str, Any]:
+    """``field=value,...`` -> ``TmaGemmConfig`` field values (bools as 0/1)."""
+    tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
+    kinds = {f.name: f.type for f in dataclasses.fields(tk.TmaGemmConfig)}
+    out: dict[str, Any] = {}
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        kind = kinds[key]  # KeyError: not a TmaGemmConfig field
+        out[key] = value if kind in (str, "str") else bool(int(value)) if kind in (bool, "bool") else int(value)
+    return out
+
+
 @contextlib.contextmanager
-def tma_walk_before() -> Iterator[list[Any]]:
-    """The TMA grouped GEMM's configs without expert-aligned groups and swapped last tiles (the walk before
-    2026-12-01), for a same-process comparison; the launches look ``config_for`` up when they run. Inductor's
-    caches key on the graph before ep_fuse's lowering, so a cache tag of its own keeps the first compile's
-    kernels from being served again."""
+def tma_variant(spec: str) -> Iterator[list[Any]]:
+    """The TMA grouped GEMM's configs with ``spec``'s fields replaced, for a same-process comparison; the
+    launches look ``config_for`` up when they run. Inductor's caches key on the graph before ep_fuse's lowering,
+    so a cache tag of its own keeps the first compile's kernels from being served again."""
     tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
     current = tk.config_for
+    fields = parse_fields(spec)
     asked: list[Any] = []
 
-    def before(*a: Any, **kw: Any) -> Any:
+    def variant(*a: Any, **kw: Any) -> Any:
         asked.append(a)
-        return dataclasses.replace(current(*a, **kw), expert_groups=False, small_bm=0)
+        return dataclasses.replace(current(*a, **kw), **fields)
 
-    tk.config_for = before
+    tk.config_for = variant
     try:
-        with torch.compiler.config.patch(cache_key_tag="tma-walk-before"):
+        with torch.compiler.config.patch(cache_key_tag=f"tma-variant-{spec}"):
             yield asked
     finally:
         tk.config_for = current
@@ -196,7 +216,7 @@ def bench_routers() -> list[list[Any]]:
 
 
 def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, checks: bool = True,
-         tma_before: bool = False) -> None:
+         variant: str = "", repeat: int = 1) -> None:
     torch.manual_seed(0)
     tiny: list[str] = []
     routers: list[list[Any]] = []
@@ -245,17 +265,26 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
                   "ep_fuse": bench_graph_us(lambda: fused(x, ids, w))}
             if fp8:
                 us["ep_fuse_fp8"] = bench_graph_us(lambda: fused8(x, ids, w))
-            if tma_before:
+            if variant:
                 torch._dynamo.reset()
-                with tma_walk_before() as asked:
+                with tma_variant(variant) as asked:
                     before = torch.compile(mod, backend="ep_fuse")
                     assert rel_l2(before(x, ids, w), ref) < 1e-2
                     assert asked, "the TMA configs were not asked for: a cached compile was served"
-                    us["ep_fuse_tma_before"] = bench_graph_us(lambda: before(x, ids, w))
-                again = bench_graph_us(lambda: fused(x, ids, w))  # timed on both sides of the variant
-                log(f"{name}: ep_fuse with the TMA walk before 2026-12-01 {us['ep_fuse_tma_before']:.1f} us "
-                    f"(now {us['ep_fuse']:.1f} us before it and {again:.1f} us after it, "
-                    f"{2 * us['ep_fuse_tma_before'] / (us['ep_fuse'] + again):.3f}x)")
+                    var_us = [bench_graph_us(lambda: before(x, ids, w))]
+                # alternate the two, `repeat` times each (the same kernels timed twice differ by up to 4 %); the
+                # variant inside its context, in case a launch looks its config up when it runs
+                shipped_us = [us["ep_fuse"]]
+                for _ in range(repeat - 1):
+                    shipped_us.append(bench_graph_us(lambda: fused(x, ids, w)))
+                    with tma_variant(variant):
+                        var_us.append(bench_graph_us(lambda: before(x, ids, w)))
+                shipped_us.append(bench_graph_us(lambda: fused(x, ids, w)))
+                us["ep_fuse_tma_variant"] = statistics.median(var_us)
+                log(f"{name}: ep_fuse with the TMA configs' {variant}: median {us['ep_fuse_tma_variant']:.1f} us "
+                    f"{[round(v, 1) for v in var_us]}; shipped median {statistics.median(shipped_us):.1f} us "
+                    f"{[round(v, 1) for v in shipped_us]}, "
+                    f"{us['ep_fuse_tma_variant'] / statistics.median(shipped_us):.3f}x)")
         wbytes = 3 * e * i * h * 2
         row = {"shape": name, "T": t, "H": h, "I": i, "E": e, "K": k, "us": us, "rel_l2_inductor": err_ind,
                "rel_l2_ep_fuse": err_ep, "stages": blocks[0].stages, "declined": blocks[0].declined, "fp8": fp8_info,
@@ -276,10 +305,10 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
                           us["ep_fuse_fp8"], f"{us['inductor'] / us['ep_fuse_fp8']:.2f}x",
                           f"{row['tflops']['ep_fuse_fp8']:.0f}",
                           ", ".join(f"{s}={p}" for s, p in fp8_info["stages"].items())])
-        if tma_before:
-            table.append([f"{name}, TMA walk before 2026-12-01", f"T{t} H{h} I{i} E{e} k{k}", None, us["inductor"],
-                          us["ep_fuse_tma_before"], f"{us['inductor'] / us['ep_fuse_tma_before']:.2f}x",
-                          f"{row['tflops']['ep_fuse_tma_before']:.0f}", ""])
+        if variant:
+            table.append([f"{name}, TMA configs with {variant}", f"T{t} H{h} I{i} E{e} k{k}", None, us["inductor"],
+                          us["ep_fuse_tma_variant"], f"{us['inductor'] / us['ep_fuse_tma_variant']:.2f}x",
+                          f"{row['tflops']['ep_fuse_tma_variant']:.0f}", ""])
         mod = inductor = fused = fused8 = before = None  # free the layer before the next shape
         torch.cuda.empty_cache()
     md = markdown_table(["layer", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor", "ep_fuse TF/s",
@@ -301,7 +330,9 @@ if __name__ == "__main__":
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--only", default="")
     ap.add_argument("--no-checks", action="store_true")
-    ap.add_argument("--tma-before", action="store_true")
+    ap.add_argument("--tma-before", action="store_true", help=f"--tma-variant {TMA_BEFORE}")
+    ap.add_argument("--tma-variant", default="", help="FIELD=VALUE,...: TmaGemmConfig fields set on every config")
+    ap.add_argument("--repeat", type=int, default=1, help="time the variant and the shipped layer this many times")
     a = ap.parse_args()
     main(quick=a.quick, fp8=a.fp8, only=[o for o in a.only.split(",") if o], checks=not a.no_checks,
-         tma_before=a.tma_before)
+         variant=a.tma_variant or (TMA_BEFORE if a.tma_before else ""), repeat=a.repeat)

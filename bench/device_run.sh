@@ -21,6 +21,9 @@
 # with $NCU_GG_ARGS).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# a fresh Inductor cache per call: a warm machine keeps the last call's, and Inductor's FX cache keys on the
+# graph before ep_fuse's lowering, so it would serve kernels compiled from the previous call's code
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d /tmp/inductor_cache.XXXXXX)}
 repo=$PWD
 # every log and result goes to RESULTS (bench scripts write there through OUT); pack it with `pack`
 RESULTS=${RESULTS:-/tmp/ep_fuse_results}

@@ -236,6 +236,46 @@ def test_fp8_tma_kernel_matches_reference(t, k, e, h, i, block, desc):
     torch.testing.assert_close(y, R.grouped_gemm_fp8_ref(aqr, asr, q2, s2, seg, bn, bk, BF16), rtol=8e-3, atol=1e-6)
 
 
+@pytest.mark.parametrize("desc", ["device", "host", "pointer"])
+def test_fp8_tma_expert_groups_walk_the_same_tiles(desc):
+    """``expert_groups`` on the FP8 TMA walk: an empty expert, one of three row tiles (ragged last tile) whose
+    tiles span two of the plain walk's ``GROUP_M=2`` groups, one of two, and a zero tail. Each tile's K loop is
+    the same in both walks, so the outputs are bit-identical to the plain walk's and match the references."""
+    import dataclasses
+
+    from ep_fuse.providers.triton import fp8_tma_kernel as F
+
+    e, h, i, bn, bk = 4, 64, 48, 16, 32
+    counts = [0, 75, 33, 9]  # rows per expert; 32-row tiles (the interpreter's config): 0, 3, 2, 1 tiles
+    ids = torch.cat([torch.full((c,), j) for j, c in enumerate(counts)] + [torch.full((5,), e + 1)])
+    ids = ids[torch.randperm(len(ids), generator=torch.Generator().manual_seed(3))].view(-1, 1)
+    x = torch.randn(len(ids), h, generator=torch.Generator().manual_seed(4)).to(BF16)
+    (q13, s13), (q2, s2) = fp8_weights(e, h, i, (bn, bk), seed=5)
+    xq, xs, _src, seg = R.moe_permute_fp8_ref(x, ids, e, bk)
+    assert seg.tolist() == [0, 0, 75, 108, 117]
+    m = xq.shape[0]
+    outs = {}
+    for xg in (False, True):
+        cfg = dataclasses.replace(F.config_for(m, i, h, e, bk, swiglu=True), desc=desc, group_m=2, expert_groups=xg)
+        aq, a_s = torch.empty(m, i, dtype=FP8), torch.full((m, R.cdiv(i, bk)), float("nan"))
+        F.launch_fp8_gemm_tma(xq, xs, q13, s13, seg, aq, a_s, bn, bk, swiglu=True, config=cfg)
+        cfg = dataclasses.replace(F.config_for(m, h, i, e, bk), desc=desc, group_m=2, expert_groups=xg)
+        y = torch.full((m, h), float("nan"), dtype=BF16)
+        F.launch_fp8_gemm_tma(aq, a_s, q2, s2, seg, y, None, bn, bk, swiglu=False, config=cfg)
+        outs[xg] = (aq, a_s, y)
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(bits(a) if a.dtype == FP8 else a, bits(b) if b.dtype == FP8 else b)
+    aq, a_s, y = outs[True]
+    aqr, asr = R.grouped_gemm_fp8_swiglu_quant_ref(xq, xs, q13, s13, seg, bn, bk)
+    torch.testing.assert_close(a_s, asr, rtol=1e-5, atol=1e-9)
+    assert (bits(aq) != bits(aqr)).float().mean() < 0.01
+    torch.testing.assert_close(y, R.grouped_gemm_fp8_ref(aq, a_s, q2, s2, seg, bn, bk, BF16), rtol=8e-3, atol=1e-6)
+    assert not y[117:].any()
+    with pytest.raises(ValueError, match="swapped"):
+        F.launch_fp8_gemm_tma(aq, a_s, q2, s2, seg, y, None, bn, bk, swiglu=False,
+                              config=dataclasses.replace(cfg, small_bm=16))
+
+
 def test_fp8_provider_takes_the_tma_kernel_by_size_and_alignment(monkeypatch):
     """From ``perf.FP8_TMA_MIN_ROWS_PER_EXPERT`` rows per expert and 16-byte fp8 rows the provider launches the
     TMA kernel; below, or with K = 70, the one-tile-per-program kernel."""

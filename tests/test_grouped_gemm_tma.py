@@ -57,6 +57,7 @@ def test_tile_table_matches_the_host_walk(counts, tail, bm, idx64):
     expect = table_ref(counts, tail, bm)
     assert table.shape[0] == tk.TABLE_HEADER + 4 * tk.max_tiles(m, len(counts), bm)
     assert int(table[0]) == len(expect)
+    assert int(table[1]) == sum(1 for t in expect if t[0] >= 0), "the experts' tiles, listed before the tail's"
     got = table[tk.TABLE_HEADER:].view(-1, 4)[:len(expect), :3]
     assert got.tolist() == [list(t) for t in expect]
 
@@ -65,17 +66,22 @@ ROUTINGS = {"one_expert_all_rows": ([0, 0, 150, 0], 0), "ragged_zero_rows_tail":
             "all_tail": ([0, 0, 0], 6), "many_experts": ([0] * 60 + [40, 0, 3] + [0] * 70 + [65], 3)}
 
 
-@pytest.mark.parametrize("small_bm", [0, 16], ids=["bm_tiles", "expert_groups_small_last_tiles"])
+WALKS = {"bm_tiles": {}, "expert_groups_small_last_tiles": {"small_bm": 16, "expert_groups": True},
+         "flattened": {"flatten": True}}
+
+
+@pytest.mark.parametrize("walk", sorted(WALKS))
 @pytest.mark.parametrize("desc", DESCS)
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
 @pytest.mark.parametrize("swiglu", [False, True], ids=["gemm", "swiglu"])
-def test_edge_routings(routing, desc, swiglu, small_bm):
+def test_edge_routings(routing, desc, swiglu, walk):
     """Rows not a multiple of the 32-row tile, K = 40 not a multiple of BK = 16 (TMA zero fill); with
     ``small_bm`` the last tiles of at most 16 rows (5, 6 and 1 rows here, and the short tails) run swapped, in
-    groups cut at expert boundaries."""
+    groups cut at expert boundaries; ``flatten`` walks the experts' tiles, then stores the tail's zeros in a loop
+    of its own (the interpreter runs both loops as written)."""
     counts, tail = ROUTINGS[routing]
     x, w, seg = case(counts, tail, 18, 40, BF16)
-    cfg = cfg_for(swiglu, desc, small_bm=small_bm, expert_groups=bool(small_bm))
+    cfg = cfg_for(swiglu, desc, **WALKS[walk])
     assert_matches(run(x, w, seg, swiglu, cfg), loop_ref(x, w, seg, swiglu), seg, BF16)
 
 
@@ -84,15 +90,16 @@ def test_edge_routings(routing, desc, swiglu, small_bm):
        tail=st.sampled_from([0, 0, 5, 40]), n=st.sampled_from([8, 13, 40]), k=st.sampled_from([8, 24, 64]),
        dtype=st.sampled_from([BF16, F16]), swiglu=st.booleans(), desc=st.sampled_from(DESCS),
        programs=st.sampled_from([0, 1, 7]), group_m=st.sampled_from([1, 2, 8]), small_bm=st.sampled_from([0, 16]),
-       expert_groups=st.booleans(), seed=st.integers(0, 2**16))
+       expert_groups=st.booleans(), flatten=st.booleans(), seed=st.integers(0, 2**16))
 def test_kernel_matches_expert_loop(counts, tail, n, k, dtype, swiglu, desc, programs, group_m, small_bm,
-                                    expert_groups, seed):
+                                    expert_groups, flatten, seed):
     if swiglu and n % 2:
         n += 1
     x, w, seg = case(counts, tail, n, k, dtype, seed)
     if x.shape[0] == 0:
         return
-    cfg = cfg_for(swiglu, desc, programs=programs, group_m=group_m, small_bm=small_bm, expert_groups=expert_groups)
+    cfg = cfg_for(swiglu, desc, programs=programs, group_m=group_m, small_bm=small_bm, expert_groups=expert_groups,
+                  flatten=flatten)  # the interpreter runs the loops as written: flatten reaches the launch only
     assert_matches(run(x, w, seg, swiglu, cfg), loop_ref(x, w, seg, swiglu), seg, dtype)
 
 
@@ -174,11 +181,13 @@ def test_tma_rule_takes_only_shapes_whose_columns_fill_its_tiles(columns, swiglu
                                         (1408, 2880, 60, False)])
 def test_expert_groups_where_an_experts_weights_outgrow_l2(i, h, e, walk):
     """The measured rule: DeepSeek-V3's gate|up (58.7 MB per expert) walks expert groups with swapped 32-row
-    last tiles; Qwen3-30B-A3B (6.3 MB), Mixtral (few experts) and the down GEMMs keep the plain walk."""
+    last tiles; Qwen3-30B-A3B (6.3 MB), Mixtral (few experts) and the down GEMMs keep the plain walk. The down
+    GEMM flattens its K loop into the walk where there are more than 16 experts; gate|up never does."""
     up = tk.config_for(4096 * 8, i, h, e, swiglu=True, interpret=False)
     down = tk.config_for(4096 * 8, h, i, e, interpret=False)
     assert (up.expert_groups, up.small_bm) == ((True, 32) if walk else (False, 0))
     assert not down.expert_groups and not down.small_bm
+    assert not up.flatten and down.flatten == (e > 16)
 
 
 @pytest.mark.parametrize("small_bm", [8, 24, 64, 128])

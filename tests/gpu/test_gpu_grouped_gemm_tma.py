@@ -5,7 +5,8 @@ It passed on H200 (2026-11-30), which (with ``bench/bench_grouped_gemm_tma.py``)
 cases) against an fp32 per-expert loop, relative L2 error, outputs poisoned with NaN before each launch:
 model shapes (DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B experts; gate|up + SwiGLU and down), ragged
 routings (0-row experts, one expert taking every row, row counts off the tile, a zero tail), the three
-descriptor modes, CUDA-graph replay with a new routing, and the launch inlined by Inductor.
+descriptor modes, the flattened walk against the nested one, CUDA-graph replay with a new routing, and the
+launch inlined by Inductor.
 """
 
 from __future__ import annotations
@@ -146,6 +147,26 @@ def test_ragged_routings(routing, tail, dtype):
     x, seg = from_counts(ROUTINGS[routing](e), tail, h, dtype)
     check(x, w13, seg, True)
     check(x[:, :i].contiguous(), w2, seg, False)
+
+
+@pytest.mark.parametrize("swiglu", [False, True], ids=["down", "gate_up_swiglu"])
+def test_flattened_walk_matches_the_nested_walk(swiglu):
+    """``flatten`` (the K loop fused into the walk; ``config_for`` takes it for the down GEMM with more than 16
+    experts): bit-identical to the nested walk, with 0-row experts, odd counts and a 77-row zero tail."""
+    h, i, e = 2048, 768, 128
+    w13, w2 = weights(h, i, e)
+    x, seg = from_counts(ROUTINGS["zero_row_experts_and_odd_counts"](e), 77, h)
+    if not swiglu:
+        x = x[:, :i].contiguous()
+    w = w13 if swiglu else w2
+    cfg = tk().config_for(x.shape[0], w.shape[1] // 2 if swiglu else w.shape[1], x.shape[1], e, swiglu=swiglu)
+    assert cfg.flatten == (not swiglu)
+    if swiglu:  # the fused loop needs more shared memory: 64 x 256 SwiGLU tiles fit 2 stages, not 3
+        cfg = dataclasses.replace(cfg, num_stages=2)
+    flat = launch(x, w, seg, swiglu, dataclasses.replace(cfg, flatten=True))
+    nested = launch(x, w, seg, swiglu, dataclasses.replace(cfg, flatten=False))
+    assert torch.equal(flat, nested)
+    check(x, w, seg, swiglu, dataclasses.replace(cfg, flatten=True), compare_default=False)
 
 
 @pytest.mark.parametrize("desc", ["device", "host", "pointer"])

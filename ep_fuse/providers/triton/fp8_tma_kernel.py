@@ -12,7 +12,10 @@ belong to the next expert: computed and not stored, as in the bf16 kernel.
 
 Checked on H200 by ``tests/gpu/test_gpu_fp8.py`` and measured by ``bench/bench_fp8.py --tma`` (2026-11-30):
 1.06-1.10x the one-tile-per-program kernel from 64 rows per expert
-(:data:`~ep_fuse.providers.triton.perf.FP8_TMA_MIN_ROWS_PER_EXPERT`).
+(:data:`~ep_fuse.providers.triton.perf.FP8_TMA_MIN_ROWS_PER_EXPERT`). ``TmaGemmConfig.expert_groups`` (groups
+cut at expert boundaries, as in the bf16 kernel) is supported but not taken by :func:`config_for`: at
+DeepSeek-V3 sizes (29 MB of fp8 gate|up weights per expert) it measured mixed, -4 % to +8 % per GEMM and size
+(2026-12-01), next to a spread of up to 5 % between two timings of one config.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import triton.language as tl
 from ep_fuse.providers.triton.fp8_kernel import _fp8_epilogue
 from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
     TmaGemmConfig,
+    _expert_item,
     _item,
     _load_k,
     _tile_entry,
@@ -39,14 +43,16 @@ from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
 
 @triton.jit
 def _fp8_gemm_tma_kernel(
-    X, XS, W, WS, TABLE, Y, YS, M, N, K, W_ROWS, NW,
+    X, XS, W, WS, TABLE, SEG, Y, YS, M, N, K, W_ROWS, NW,
     sxm, sxsm, swn, swse, swsn, sym, sysm, NUM_PROGRAMS,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, EXPERT_GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DESC: tl.constexpr, SWIGLU: tl.constexpr, CODE: tl.constexpr, INTERP: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
 ):
     """``Y [M, N]``: block-dequantized ``X @ W[e].T`` per tile of the table; ``W`` read as [W_ROWS = E * NW, K]
-    (``SWIGLU``: N = I, gate rows ``n``, up rows ``I + n``; fp8 codes ``Y`` and 1 x ``BN`` scales ``YS``)."""
+    (``SWIGLU``: N = I, gate rows ``n``, up rows ``I + n``; fp8 codes ``Y`` and 1 x ``BN`` scales ``YS``).
+    ``EXPERT_GROUPS``: the walk's groups cut at expert boundaries (``_expert_item``, read from ``SEG``)."""
     if DESC == 1:
         xd = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
         wd = tl.make_tensor_descriptor(W, shape=[W_ROWS, K], strides=[swn, 1], block_shape=[BN, BK])
@@ -60,7 +66,10 @@ def _fp8_gemm_tma_kernel(
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
-        tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
+        if EXPERT_GROUPS:
+            tile, pid_n = _expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
+        else:
+            tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
         e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
         e_c = tl.maximum(e, 0)
         rm = m_start + rows_m
@@ -122,14 +131,17 @@ def launch_fp8_gemm_tma(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws
         raise ValueError(f"the SwiGLU requant epilogue needs BN == block_k ({cfg.bn} != {block_k})")
     if block_k % cfg.bk:
         raise ValueError(f"BK {cfg.bk} does not divide block_k {block_k}")
+    if cfg.small_bm or cfg.flatten:
+        raise ValueError(f"small_bm={cfg.small_bm}, flatten={cfg.flatten}: the FP8 TMA kernel has neither swapped "
+                         "last tiles nor a flattened walk (use 0 / False)")
     table, xd, wd, _ud, mode = walk_operands(xq, wq, seg, cfg, wrap)
     ys_ = ys if ys is not None else y
     grid = (num_programs(xq, m, n, e, cfg),)
     fn = wrap(_fp8_gemm_tma_kernel) if wrap is not None else _fp8_gemm_tma_kernel
     fn[grid](
-        xd, xs, wd, ws, table, y, ys_, m, n, k, e * nw, nw,
+        xd, xs, wd, ws, table, seg, y, ys_, m, n, k, e * nw, nw,
         xq.stride(0), xs.stride(0), wq.stride(1), ws.stride(0), ws.stride(1), y.stride(0), ys_.stride(0), grid[0],
-        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BLOCK_N=block_n, BLOCK_K=block_k, DESC=mode,
-        SWIGLU=swiglu, CODE=DTYPE_CODES[torch.float32 if swiglu else y.dtype], INTERP=INTERPRET,
-        EMULATE_RTNE=int(INTERPRET), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, EXPERT_GROUPS=cfg.expert_groups, BLOCK_N=block_n,
+        BLOCK_K=block_k, DESC=mode, SWIGLU=swiglu, CODE=DTYPE_CODES[torch.float32 if swiglu else y.dtype],
+        INTERP=INTERPRET, EMULATE_RTNE=int(INTERPRET), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

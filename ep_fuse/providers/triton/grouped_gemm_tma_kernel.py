@@ -13,7 +13,8 @@ of the sizes only, so they also trace at a symbolic row count):
    rows of one expert; expert ``e`` owns ``cdiv(count_e, BM)`` tiles, listed expert by expert, then the
    ``BM``-row tiles of the zero tail (rows from ``seg[E]`` on). At most ``cdiv(M, BM) + min(E, M)`` tiles
    exist (the bound of the existing kernel), so the table is a static int32 buffer: ``TABLE[0]`` holds the
-   tile count, tile ``t`` sits at ``4 + 4t`` as ``(expert or -1 for a tail tile, first row, row end, 0)``.
+   tile count, ``TABLE[1]`` the experts' tiles (the tail's follow), tile ``t`` sits at ``4 + 4t`` as
+   ``(expert or -1 for a tail tile, first row, row end, 0)``.
    Each program finds the experts of ``BLOCK_T`` tiles by counting, chunk by chunk of experts, those whose
    inclusive tile cumsum is ``<= t`` (and summing their tiles: the tile's index inside its expert).
 2. :func:`_grouped_gemm_tma_kernel`: ``NUM_PROGRAMS`` persistent programs (one per SM by default) walk the
@@ -32,7 +33,8 @@ of the sizes only, so they also trace at a symbolic row count):
    where about 15.7 GB is the minimum, and 15.9-16.0 GB with expert groups);
    ``small_bm`` runs an expert's last tile of at most ``small_bm`` rows with the operands swapped
    (:func:`_k_loop` with ``SWAP``: weight rows as the MMA's M, rows as its N), so a ragged remainder does not compute
-   a full ``BM``-row tile.
+   a full ``BM``-row tile. ``flatten`` fuses the K loop into the walk: the walk then covers the experts'
+   tiles only (``TABLE[1]``), each running all K slices, and a second loop stores the zero tail's tiles.
 
 Epilogue and numerics as in the existing kernel: fp32 accumulation, each GEMM output rounded to the input
 dtype, then silu and the product rounded again. There is no routing-weight epilogue: the grouped-GEMM ops
@@ -59,7 +61,8 @@ TMA_DTYPES = (torch.bfloat16, torch.float16)
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8 e4m3"}
 DESC_MODES = {"pointer": 0, "device": 1, "host": 2}
 TABLE_HEADER = 4
-"""int32 slots before the first tile entry (slot 0: tile count); each entry is 4 slots (16 bytes)."""
+"""int32 slots before the first tile entry (slot 0: tile count, slot 1: the experts' tiles); each entry is 4 slots
+(16 bytes)."""
 TABLE_BLOCK_T = 64
 TABLE_CHUNK_E = 128
 INTERPRET_PROGRAMS = 3
@@ -79,6 +82,11 @@ class TmaGemmConfig:
     programs: int = 0
     desc: str = "device"
     warp_specialize: bool = False
+    flatten: bool = False
+    """Fuse the walk's item loop and its K loop into one software-pipelined loop (``tl.range(flatten=True)``), so
+    the next item's first K slices load during this item's epilogue. Triton fuses only a body with one K loop
+    whose bound is the same for every item: with ``small_bm`` the walk stays nested. The fused loop holds more
+    shared memory (64 x 256 SwiGLU tiles at 3 stages no longer fit)."""
     expert_groups: bool = False
     """Cut the ``GROUP_M`` groups of the walk at expert boundaries (:func:`_expert_item`)."""
     small_bm: int = 0
@@ -94,6 +102,7 @@ class TmaGemmConfig:
     def __str__(self) -> str:
         return (f"BM{self.bm} BN{self.bn} BK{self.bk} w{self.num_warps} s{self.num_stages} g{self.group_m} "
                 f"p{self.programs or 'SM'} {self.desc}" + (" ws" if self.warp_specialize else "")
+                + (" flat" if self.flatten else "")
                 + (" xg" if self.expert_groups else "") + (f" small{self.small_bm}" if self.small_bm else ""))
 
 
@@ -134,6 +143,7 @@ def _tile_table_kernel(SEG, TABLE, M, E, MAX_TILES, BM: tl.constexpr, BLOCK_T: t
     tl.store(entry + 3, t * 0, mask=ok)
     if pid == 0:
         tl.store(TABLE, tl.minimum(total + (M - seg_end + BM - 1) // BM, MAX_TILES))
+        tl.store(TABLE + 1, tl.minimum(total, MAX_TILES))
 
 
 @triton.jit
@@ -199,7 +209,7 @@ def _grouped_gemm_tma_kernel(
     NUM_PROGRAMS, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EXPERT_GROUPS: tl.constexpr, SMALL_BM: tl.constexpr,
     DESC: tl.constexpr, SWIGLU: tl.constexpr, SPLIT_UP: tl.constexpr, CODE: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, EMULATE_RTNE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, EMULATE_RTNE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """``Y [M, N] = X @ W[e].T`` per tile of the table; ``W`` is read as [W_ROWS = E * NW, K] (``NW`` rows per
     expert: ``N``, or ``2N`` for the gate|up weight when ``SWIGLU``). ``SPLIT_UP`` (dense GEMM + SwiGLU, one
@@ -226,15 +236,24 @@ def _grouped_gemm_tma_kernel(
     num_tiles = tl.load(TABLE)
     num_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
+    step = tl.cast(NUM_PROGRAMS, tl.int32)
+    if FLATTEN:  # the experts' tiles only, each running all K slices: a K loop bound the same for every item,
+        # which Triton needs to fuse the two loops; the zero tail follows in a loop of its own
+        walk_tiles = tl.load(TABLE + 1)
+    else:
+        walk_tiles = num_tiles
     # int32 work items (they reach TMA coordinates, which are int32) where Inductor passes the program count,
     # a symbolic size, as int64
-    for item in tl.range(tl.program_id(0), num_tiles * num_n, tl.cast(NUM_PROGRAMS, tl.int32)):
+    for item in tl.range(tl.program_id(0), walk_tiles * num_n, step, flatten=FLATTEN):
         if EXPERT_GROUPS:
             tile, pid_n = _expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
         else:
-            tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
+            tile, pid_n = _item(item, walk_tiles, num_n, GROUP_M)
         e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
-        num_k = tl.where(e >= 0, k_tiles, 0)
+        if FLATTEN:
+            num_k = k_tiles
+        else:
+            num_k = tl.where(e >= 0, k_tiles, 0)
         if SMALL_BM > 0 and m_end - m_start <= SMALL_BM:  # an expert's ragged last tile, operands swapped
             # (own names: a variable set in both branches of a run-time `if` must keep one shape)
             acc_t, acc_ut = _k_loop(xss, ws, us, m_start, w_row, N, K, M, W_ROWS, sxm, swn, sun, num_k, SMALL_BM, BN,
@@ -245,6 +264,13 @@ def _grouped_gemm_tma_kernel(
             acc, acc_u = _k_loop(xs, ws, us, m_start, w_row, N, K, M, W_ROWS, sxm, swn, sun, num_k, BM, BN, BK,
                                  DESC, SWIGLU, SPLIT_UP, UPCAST_DOT, False, WARP_SPECIALIZE)
             _store_tile(acc, acc_u, Y, m_start, m_end, pid_n, N, sym, BM, BN, SWIGLU, False, CODE, EMULATE_RTNE)
+    if FLATTEN:  # the zero tail (rows past seg[E]): zeros, no K loop
+        for item in tl.range(tl.program_id(0), (num_tiles - walk_tiles) * num_n, step):
+            tile = walk_tiles + item // num_n
+            pid_n = item % num_n
+            _e, m_start, m_end, _w = _tile_entry(TABLE, tile, NW, pid_n, BN)
+            zero = tl.zeros([BM, BN], dtype=tl.float32)
+            _store_tile(zero, zero, Y, m_start, m_end, pid_n, N, sym, BM, BN, SWIGLU, False, CODE, EMULATE_RTNE)
 
 
 @triton.jit
@@ -338,10 +364,13 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
     Many small experts (DeepSeek-V3 E256, Qwen3-30B-A3B E128): gate|up + SwiGLU on 64 x 256 tiles (1.07-1.32x
     ``torch._grouped_mm``, vs 1.03-1.27x on 128 x 128), with groups cut at expert boundaries and swapped
     32-row last tiles where one expert's weights reach :data:`EXPERT_GROUPS_MIN_WEIGHT_BYTES`; down on
-    128 x 256 with 4 stages (expert groups there: -7 % to +5 %, not taken). Few large experts (Mixtral E8,
+    128 x 256 with 4 stages (expert groups there: -7 % to +5 %, not taken) and the K loop flattened into the
+    walk (:attr:`TmaGemmConfig.flatten`; 2026-12-01, against the nested walk: Qwen3-30B-A3B T4096 1.02-1.15x,
+    DeepSeek-V3 T4096 0.95-1.05x and T16384 1.01-1.05x, the layers within noise; gate|up + SwiGLU, two
+    accumulators, ran 0.78-0.92x flattened). Few large experts (Mixtral E8,
     ``e <= 16``): gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x), down on
-    128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8). The interpreter gets small tiles of the
-    same structure."""
+    128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8; flattened 0.97-1.01x, not taken). The
+    interpreter gets small tiles of the same structure."""
     if interpret:
         return TmaGemmConfig(32, 16, 16, 4, 2, 2) if swiglu else TmaGemmConfig(32, 32, 16, 4, 2, 2)
     few = e <= 16
@@ -351,7 +380,7 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
         if 2 * n * k * 2 >= EXPERT_GROUPS_MIN_WEIGHT_BYTES:  # gate|up rows x K x 2 bytes (bf16 / fp16)
             return TmaGemmConfig(64, 256, 64, 8, 3, 8, expert_groups=True, small_bm=32)
         return TmaGemmConfig(64, 256, 64, 8, 3, 8)
-    return TmaGemmConfig(128, 256, 64, 8, 3, 16) if few else TmaGemmConfig(128, 256, 64, 8, 4, 8)
+    return TmaGemmConfig(128, 256, 64, 8, 3, 16) if few else TmaGemmConfig(128, 256, 64, 8, 4, 8, flatten=True)
 
 
 def _null_allocator() -> bool:
@@ -457,7 +486,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, EXPERT_GROUPS=cfg.expert_groups,
         SMALL_BM=cfg.small_bm, DESC=mode, SWIGLU=swiglu, SPLIT_UP=w_up is not None,
         CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET, EMULATE_RTNE=int(INTERPRET),
-        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        WARP_SPECIALIZE=cfg.warp_specialize, FLATTEN=cfg.flatten, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
 
 

@@ -272,8 +272,9 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
                     assert rel_l2(before(x, ids, w), ref) < 1e-2
                     assert asked, "the TMA configs were not asked for: a cached compile was served"
                     var_us = [bench_graph_us(lambda: before(x, ids, w))]
-                # alternate the two, `repeat` times each (the same kernels timed twice differ by up to 4 %); the
-                # variant inside its context, in case a launch looks its config up when it runs
+                # alternate the two, `repeat` times each (identical kernels timed in one process differed by up
+                # to 13 % on 2026-12-01); the variant inside its context, in case a launch looks its config up
+                # when it runs
                 shipped_us = [us["ep_fuse"]]
                 for _ in range(repeat - 1):
                     shipped_us.append(bench_graph_us(lambda: fused(x, ids, w)))

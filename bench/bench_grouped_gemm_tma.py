@@ -33,7 +33,7 @@ import torch
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_experts import make_weights, routed_rows  # noqa: E402
-from common import bench_graph_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import bench_graph_us, env_info, markdown_table, out_dir, tma_config_fields, write_json  # noqa: E402
 
 import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel  # noqa: E402
@@ -69,10 +69,7 @@ def parse_config(spec: str) -> tuple[str, Any]:
     kernel, dims = spec.split(":")
     assert kernel in EXTRA_CONFIGS, f"--config {spec}: GEMM is one of {list(EXTRA_CONFIGS)}"
     parts = dims.split(",")
-    named = dict(p.split("=") for p in parts if "=" in p)
-    fields = {f.name: f.type for f in dataclasses.fields(tk.TmaGemmConfig)}
-    kw = {k: (v if fields[k] in (str, "str") else bool(int(v)) if fields[k] in (bool, "bool") else int(v))
-          for k, v in named.items()}
+    kw = tma_config_fields([p for p in parts if "=" in p])
     return kernel, tk.TmaGemmConfig(*(int(v) for v in parts if "=" not in v), **kw)
 
 

@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     env_info,
     markdown_table,
     out_dir,
+    tma_config_fields,
     write_json,
 )
 
@@ -60,18 +61,6 @@ TMA_BEFORE = "expert_groups=0,small_bm=0"
 """``--tma-before``: the walk before 2026-12-01."""
 
 
-def parse_fields(spec: str) -> dict[str, Any]:
-    """``field=value,...`` -> ``TmaGemmConfig`` field values (bools as 0/1)."""
-    tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
-    kinds = {f.name: f.type for f in dataclasses.fields(tk.TmaGemmConfig)}
-    out: dict[str, Any] = {}
-    for item in filter(None, spec.split(",")):
-        key, value = item.split("=")
-        kind = kinds[key]  # KeyError: not a TmaGemmConfig field
-        out[key] = value if kind in (str, "str") else bool(int(value)) if kind in (bool, "bool") else int(value)
-    return out
-
-
 @contextlib.contextmanager
 def tma_variant(spec: str) -> Iterator[list[Any]]:
     """The TMA grouped GEMM's configs with ``spec``'s fields replaced, for a same-process comparison; the
@@ -79,7 +68,7 @@ def tma_variant(spec: str) -> Iterator[list[Any]]:
     so a cache tag of its own keeps the first compile's kernels from being served again."""
     tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
     current = tk.config_for
-    fields = parse_fields(spec)
+    fields = tma_config_fields([f for f in spec.split(",") if f])
     asked: list[Any] = []
 
     def variant(*a: Any, **kw: Any) -> Any:

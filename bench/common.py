@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -89,6 +90,19 @@ def balanced_topk_ids(t: int, k: int, e: int, device: Any) -> torch.Tensor:
     ``--balanced``."""
     assert (t * k) % e == 0 and k <= e, f"balanced routing needs e | t*k and k <= e (t={t}, k={k}, e={e})"
     return (torch.arange(t, device=device)[:, None] * k + torch.arange(k, device=device)) % e
+
+
+def tma_config_fields(items: list[str]) -> dict[str, Any]:
+    """``["field=value", ...]`` -> ``TmaGemmConfig`` field values (bools as 0/1, ints, strings as given)."""
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import TmaGemmConfig
+
+    kinds = {f.name: f.type for f in dataclasses.fields(TmaGemmConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, value = item.split("=")
+        kind = kinds[key]  # KeyError: not a TmaGemmConfig field
+        out[key] = value if kind in (str, "str") else bool(int(value)) if kind in (bool, "bool") else int(value)
+    return out
 
 
 def markdown_table(head: list[str], rows: list[list[Any]]) -> str:

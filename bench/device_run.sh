@@ -18,7 +18,7 @@
 # carried .deepgemm/ source tree, or reuse a carried .deepgemm_build/; JIT cache in .deepgemm_cache/),
 # deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
 # (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: profile_grouped_gemm_tma.py
-# with $NCU_GG_ARGS).
+# with $NCU_GG_ARGS), gluon_gg (bench_gluon_grouped_gemm.py with $GLUON_ARGS).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # a fresh Inductor cache per call: a warm machine keeps the last call's, and Inductor's FX cache keys on the
@@ -97,6 +97,8 @@ for s in "$@"; do
         "$OUT/ncu_gg.log" | tail -${NCU_LINES:-120} ;;
     gg_bench)  # bench_grouped_gemm_tma.py alone ($GG_ARGS)
       step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
+    gluon_gg)  # issue 16 experiment: the warp-specialised Gluon grouped GEMM + SwiGLU vs the shipped TMA kernel
+      step gluon_gg timeout ${GLUON_TIMEOUT:-400} python3 "$repo/bench/bench_gluon_grouped_gemm.py" ${GLUON_ARGS:-} ;;
     gg_tma)  # the Hopper TMA grouped GEMM: GPU correctness first, then the one-run comparison
       step gg_tma_test timeout ${GG_TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider \
         "$repo/tests/gpu/test_gpu_grouped_gemm_tma.py"

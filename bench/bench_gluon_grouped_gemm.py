@@ -1,7 +1,8 @@
 """Issue 16 experiment: the warp-specialised Gluon grouped GEMM + SwiGLU (``gluon_grouped_gemm_kernel.py``) against
 the shipped Triton TMA kernel, same process, same routing and tile table (one H200, Triton 3.6).
 
-    python bench/bench_gluon_grouped_gemm.py [--only NAME,...] [--config BM,BN,BK,stages,warps[,group_m]] [--repeat 3]
+    python bench/bench_gluon_grouped_gemm.py [--only NAME,...] [--repeat 3] \
+        [--config BM,BN,BK,stages,warps[,group_m[,mma_lag]]]
 
 First a correctness pass on small ragged routings (0-row experts, one expert taking every row, rows not a multiple
 of the tile, a zero tail) against an fp32 loop reference and the shipped kernel; then per shape the shipped
@@ -45,12 +46,14 @@ class GluonConfig:
     stages: int
     warps: int
     group_m: int = 8
+    mma_lag: int = 1
     expert_groups: bool = False
     load_warps: int = 1
     load_regs: int = 40
 
     def __str__(self) -> str:
         return (f"gluon BM{self.bm} BN{self.bn} BK{self.bk} s{self.stages} w{self.warps} g{self.group_m}"
+                + (f" lag{self.mma_lag}" if self.mma_lag != 1 else "")
                 + (" xg" if self.expert_groups else "") + f" load{self.load_warps}x{self.load_regs}")
 
 
@@ -73,6 +76,7 @@ def launch_gluon(x: torch.Tensor, w13: torch.Tensor, seg: torch.Tensor, y: torch
     grid = (max(1, min(sms, tk.max_tiles(m, e, cfg.bm) * triton.cdiv(n, cfg.bn))),)
     gluon_grouped_gemm_swiglu_kernel[grid](xd, wd, table, seg, y, m, n, nw, y.stride(0), grid[0],
                                           GROUP_M=cfg.group_m, EXPERT_GROUPS=cfg.expert_groups, STAGES=cfg.stages,
+                                          MMA_LAG=cfg.mma_lag,
                                           LOAD_WARPS=cfg.load_warps, LOAD_REGS=cfg.load_regs, num_warps=cfg.warps)
 
 
@@ -116,7 +120,8 @@ def check_edges(cfgs: list[GluonConfig]) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="deepseek_v3_T4096,qwen3_30b_a3b_T4096,deepseek_v3_T16384,mixtral_8x7b_T8192")
-    ap.add_argument("--config", action="append", default=None, help="BM,BN,BK,stages,warps[,group_m] (repeatable)")
+    ap.add_argument("--config", action="append", default=None,
+                    help="BM,BN,BK,stages,warps[,group_m[,mma_lag]] (repeatable)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--load", default="1x40", help="load partition WARPSxREGS")
     ap.add_argument("--edges-only", action="store_true", help="only the small-routing correctness pass")

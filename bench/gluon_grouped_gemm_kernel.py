@@ -5,8 +5,8 @@ against the shipped TMA kernel (``ep_fuse/providers/triton/grouped_gemm_tma_kern
 What it tries: the shipped kernel is one software-pipelined loop per tile, so TMA loads stop at every tile boundary
 (epilogue, next tile's prologue). Here one *load* warp walks the same items as the MMA warps and keeps a ring of
 ``STAGES`` shared-memory slots full across tile boundaries (``ready``/``empty`` mbarriers per slot); the MMA warps
-(the default partition, two warpgroups for 8 warps) issue asynchronous wgmma on the gate and up slices, keep one
-K step in flight and hand each slot back once the MMA that read it has retired.
+(the default partition, two warpgroups for 8 warps) issue asynchronous wgmma on the gate and up slices, keep
+``MMA_LAG`` K steps in flight and hand each slot back once the MMA that read it has retired.
 
 Same contract as ``_grouped_gemm_tma_kernel`` with ``SWIGLU`` (``y = silu(x @ Wg.T) * (x @ Wu.T)`` per expert
 segment, each GEMM rounded to bf16 then silu and the product rounded again, zeros past ``seg[E]``), the same tile
@@ -105,7 +105,7 @@ def _round(v):
 
 @gluon.jit
 def _mma_partition(TABLE, SEG, Y, M, N, K, sym, NUM_PROGRAMS, a_bufs, g_bufs, u_bufs, ready, empty,
-                   GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr, num_warps: gl.constexpr):
+                   GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr, MMA_LAG: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_bufs.shape[1]
     BK: gl.constexpr = a_bufs.shape[2]
     BN: gl.constexpr = g_bufs.shape[1]
@@ -133,14 +133,15 @@ def _mma_partition(TABLE, SEG, Y, M, N, K, sym, NUM_PROGRAMS, a_bufs, g_bufs, u_
                 a = a_bufs.index(idx)
                 acc_g = warpgroup_mma(a, g_bufs.index(idx).permute((1, 0)), acc_g, is_async=True)
                 acc_u = warpgroup_mma(a, u_bufs.index(idx).permute((1, 0)), acc_u, is_async=True)
-                # the previous step's two MMAs have retired: their slot goes back to the load warp. (The slot is
-                # computed, not carried as ``prev = idx``: that alias is not loop-carried by the frontend, which
-                # then released the tile's first slot every step and deadlocked the ring.)
-                acc_g, acc_u = warpgroup_mma_wait(2, deps=(acc_g, acc_u))
-                mbarrier.arrive(empty.index((idx + STAGES - 1) % STAGES), pred=kk > 0)
+                # the two MMAs of the step MMA_LAG back have retired: their slot goes back to the load warp. (The
+                # slot is computed, not carried as ``prev = idx``: that alias is not loop-carried by the frontend,
+                # which then released the tile's first slot every step and deadlocked the ring.)
+                acc_g, acc_u = warpgroup_mma_wait(2 * MMA_LAG, deps=(acc_g, acc_u))
+                mbarrier.arrive(empty.index((idx + STAGES - MMA_LAG) % STAGES), pred=kk >= MMA_LAG)
                 idx, phase = _advance(idx, phase, STAGES)
             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
-            mbarrier.arrive(empty.index((idx + STAGES - 1) % STAGES))
+            for j in gl.static_range(MMA_LAG):  # the last MMA_LAG steps' slots (fewer when K is shorter)
+                mbarrier.arrive(empty.index((idx + STAGES - 1 - j) % STAGES), pred=j < k_tiles)
         g = _round(acc_g)
         act = _round(g / (1.0 + gl.exp(-g)))
         y = (act * _round(acc_u)).to(gl.bfloat16)
@@ -153,9 +154,12 @@ def _mma_partition(TABLE, SEG, Y, M, N, K, sym, NUM_PROGRAMS, a_bufs, g_bufs, u_
 @gluon.jit
 def gluon_grouped_gemm_swiglu_kernel(x_desc, w_desc, TABLE, SEG, Y, M, N, NW, sym, NUM_PROGRAMS,
                                      GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr, STAGES: gl.constexpr,
-                                     LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr, num_warps: gl.constexpr):
+                                     MMA_LAG: gl.constexpr, LOAD_WARPS: gl.constexpr, LOAD_REGS: gl.constexpr,
+                                     num_warps: gl.constexpr):
     """``Y [M, N] = silu(x @ w[e, :N].T) * (x @ w[e, N:].T)`` per tile of the table; ``w_desc`` reads the gate|up
-    weights as one [E * NW, K] tensor (``NW = 2N`` rows per expert)."""
+    weights as one [E * NW, K] tensor (``NW = 2N`` rows per expert). ``MMA_LAG`` K steps of MMAs stay in flight
+    (at most ``STAGES - 1``)."""
+    gl.static_assert(MMA_LAG >= 1 and MMA_LAG < STAGES, "MMA_LAG must be 1 .. STAGES - 1")
     dtype: gl.constexpr = x_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     g_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
@@ -169,7 +173,7 @@ def gluon_grouped_gemm_swiglu_kernel(x_desc, w_desc, TABLE, SEG, Y, M, N, NW, sy
     K = x_desc.shape[1]
     gl.warp_specialize([
         (_mma_partition, (TABLE, SEG, Y, M, N, K, sym, NUM_PROGRAMS, a_bufs, g_bufs, u_bufs, ready, empty, GROUP_M,
-                          EXPERT_GROUPS, num_warps)),
+                          EXPERT_GROUPS, MMA_LAG, num_warps)),
         (_load_partition, (x_desc, w_desc, TABLE, SEG, M, N, NW, NUM_PROGRAMS, a_bufs, g_bufs, u_bufs, ready, empty,
                            GROUP_M, EXPERT_GROUPS)),
     ], [LOAD_WARPS], [LOAD_REGS])

@@ -26,38 +26,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-
-@gluon.jit
-def _expert_rows(SEG, e, M):
-    lo = gl.minimum(gl.maximum(gl.load(SEG + e).to(gl.int32), 0), M)
-    hi = gl.minimum(gl.maximum(gl.load(SEG + e + 1).to(gl.int32), lo), M)
-    return lo, hi
-
-
-@gluon.jit
-def _grouped(item, num_tiles, num_n, GROUP_M: gl.constexpr):
-    per_group = GROUP_M * num_n
-    first = (item // per_group) * GROUP_M
-    size = gl.minimum(num_tiles - first, GROUP_M)
-    return first + (item % per_group) % size, (item % per_group) // size
+from ep_fuse.providers.triton.grouped_gemm_tma_kernel import _expert_item, _item
 
 
 @gluon.jit
 def _walk(item, TABLE, SEG, M, num_tiles, num_n, BM: gl.constexpr, GROUP_M: gl.constexpr,
           EXPERT_GROUPS: gl.constexpr):
-    """``(tile, n-tile)`` of work item ``item``: the order of the TMA kernel's ``_item`` / ``_expert_item``."""
+    """``(tile, n-tile)`` of work item ``item``, by the TMA kernel's own scalar helpers (Gluon calls them as is)."""
     if EXPERT_GROUPS:
-        t0 = item // num_n
-        entry = TABLE + 4 + 4 * t0
-        e = gl.load(entry)
-        lo, hi = _expert_rows(SEG, gl.maximum(e, 0), M)
-        j = gl.where(e >= 0, (gl.load(entry + 1) - lo) // BM, 0)
-        c = gl.where(e >= 0, (hi - lo + BM - 1) // BM, 1)
-        first = t0 - j
-        tile, pid_n = _grouped(item - first * num_n, c, num_n, GROUP_M)
-        tile = first + tile
+        tile, pid_n = _expert_item(item, TABLE, SEG, M, num_n, BM, GROUP_M)
     else:
-        tile, pid_n = _grouped(item, num_tiles, num_n, GROUP_M)
+        tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
     return tile, pid_n
 
 

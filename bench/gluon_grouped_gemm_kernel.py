@@ -26,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ep_fuse.providers.triton.gemm_tiles import swiglu_rounded
 from ep_fuse.providers.triton.grouped_gemm_tma_kernel import _expert_item, _item
 
 
@@ -78,11 +79,6 @@ def _load_partition(x_desc, w_desc, TABLE, SEG, M, N, NW, NUM_PROGRAMS, a_bufs, 
 
 
 @gluon.jit
-def _round(v):
-    return v.to(gl.bfloat16).to(gl.float32)
-
-
-@gluon.jit
 def _mma_partition(TABLE, SEG, Y, M, N, K, sym, NUM_PROGRAMS, a_bufs, g_bufs, u_bufs, ready, empty,
                    GROUP_M: gl.constexpr, EXPERT_GROUPS: gl.constexpr, MMA_LAG: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_bufs.shape[1]
@@ -121,9 +117,7 @@ def _mma_partition(TABLE, SEG, Y, M, N, K, sym, NUM_PROGRAMS, a_bufs, g_bufs, u_
             acc_g, acc_u = warpgroup_mma_wait(0, deps=(acc_g, acc_u))
             for j in gl.static_range(MMA_LAG):  # the last MMA_LAG steps' slots (fewer when K is shorter)
                 mbarrier.arrive(empty.index((idx + STAGES - 1 - j) % STAGES), pred=j < k_tiles)
-        g = _round(acc_g)
-        act = _round(g / (1.0 + gl.exp(-g)))
-        y = (act * _round(acc_u)).to(gl.bfloat16)
+        y = swiglu_rounded(acc_g, acc_u, 1, 0).to(gl.bfloat16)  # the TMA kernel's epilogue (bf16 codes)
         rows = m_start + gl.arange(0, BM, layout=gl.SliceLayout(1, layout))
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
         mask = (rows < m_end)[:, None] & (cols < N)[None, :]

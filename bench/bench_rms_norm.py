@@ -180,11 +180,7 @@ def liger_fn(op: str):
 
 def sweep(rows: int, h: int) -> list[dict[str, Any]]:
     """GPU time (CUDA-graph replay) of the raw kernel per launch config."""
-    from ep_fuse.providers.triton.rms_norm_kernel import (
-        LaunchConfig,
-        launch,
-        launch_config,
-    )
+    from ep_fuse.providers.triton.rms_norm_kernel import LaunchConfig, launch, launch_config
 
     x, r, w = inputs(rows, h, seed=11)
     y, s = torch.empty_like(x), torch.empty_like(x)

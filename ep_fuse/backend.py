@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+import ep_fuse.catalog  # noqa: F401  (every op, provider, engine and pattern)
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.dump import Dumper
 from ep_fuse.kernel_analysis import memoized_access_analysis
@@ -201,7 +202,7 @@ def _source_tag() -> str:
     from pathlib import Path
 
     import ep_fuse
-    import ep_fuse.patterns as patterns
+    import ep_fuse.patterns as patterns  # the package's own modules, read as files
 
     digest = hashlib.sha256()
     for root in {Path(ep_fuse.__file__).parent, Path(patterns.__file__).parent}:
@@ -220,7 +221,7 @@ def ep_fuse_cache_tag() -> str:
     of branches), would otherwise be reused and fail, or be wrong."""
     import sys
 
-    prov = sys.modules.get("ep_fuse.providers.triton")  # not loaded: no Triton launch is traced
+    prov = sys.modules.get("ep_fuse.providers.triton.provider")  # not loaded: no Triton launch is traced
     off = [name for name, flag in (("inline", "INLINE_IN_INDUCTOR"), ("symbolic", "INLINE_SYMBOLIC"),
                                    ("branches", "INLINE_SIZE_BRANCHES")) if not getattr(prov, flag, True)]
     return _source_tag() + (f"-no-{'-'.join(off)}" if off else "")

@@ -25,6 +25,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
+
+import ep_fuse
+from ep_fuse.catalog import PATTERN_FAMILIES, all_patterns, pattern_names
+from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.debug.targets import FactoryError, TargetError, load
+from ep_fuse.ops.registry import canonical_ops, default_priority
+
 EXIT_OK, EXIT_USAGE, EXIT_FACTORY, EXIT_COMPILE = 0, 2, 3, 4
 
 
@@ -89,12 +97,6 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 
 
 def _compile(args: argparse.Namespace, options: dict[str, Any], progress: _Progress) -> tuple[Any, list[Any]]:
-    import torch
-
-    import ep_fuse
-    from ep_fuse.config import ConfigError, EpFuseConfig
-    from ep_fuse.debug.targets import FactoryError, TargetError, load
-
     try:
         EpFuseConfig.from_options(options)
     except ConfigError as exc:
@@ -142,10 +144,8 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from ep_fuse.patterns import FAMILIES, all_patterns, pattern_names
-
     names = pattern_names()
-    if args.pattern not in names and args.pattern not in FAMILIES:
+    if args.pattern not in names and args.pattern not in PATTERN_FAMILIES:
         raise CliError(f"unknown pattern {args.pattern!r}; patterns: {', '.join(names)}", EXIT_USAGE)
     wanted = {p.name for p in all_patterns() if args.pattern in (p.name, p.__module__.rsplit(".", 1)[-1])}
     options = {"executor": args.executor, **_parse_options(args.option)}
@@ -177,10 +177,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_patterns(args: argparse.Namespace) -> int:
-    from ep_fuse.ops.registry import canonical_ops, default_priority
-    from ep_fuse.patterns import families
-
-    fams = families()
+    fams = PATTERN_FAMILIES
     if args.family and args.family not in fams:
         raise CliError(f"unknown family {args.family!r}; families: {', '.join(fams)}", EXIT_USAGE)
     ops = canonical_ops()

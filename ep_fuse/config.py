@@ -10,6 +10,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ep_fuse.catalog import pattern_names
+from ep_fuse.ep import BACKENDS
+from ep_fuse.ops.registry import known_providers
+
 EXECUTORS = ("auto", "inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "npu")
@@ -92,9 +96,6 @@ class EpFuseConfig:
         return cls(**_normalise(options))
 
     def __post_init__(self) -> None:
-        from ep_fuse.ops.registry import known_providers
-        from ep_fuse.patterns import pattern_names
-
         if self.executor not in EXECUTORS:
             raise ConfigError(f"ep_fuse: executor={self.executor!r} is not one of {', '.join(EXECUTORS)}.")
         if self.mode not in MODES:
@@ -141,8 +142,6 @@ class EpFuseConfig:
             )
 
     def _validate_ep(self) -> None:
-        from ep_fuse.ep import BACKENDS
-
         if self.ep_group is not None and not isinstance(self.ep_group, str):
             if not hasattr(self.ep_group, "group_name"):
                 raise ConfigError(f"ep_fuse: ep_group must be a torch.distributed ProcessGroup, got {self.ep_group!r}.")

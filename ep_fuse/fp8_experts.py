@@ -127,7 +127,7 @@ class _Dequantized:
 
 def dequantized_weights(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gate_up_proj, down_proj)`` of an ``FP8Experts`` module in ``dtype``, through ``ep_fuse::fp8_block_dequant``."""
-    from ep_fuse.ops import fp8_ops
+    from ep_fuse.ops import fp8 as fp8_ops
 
     op = fp8_ops.fp8_block_dequant.op
     out = []

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from ep_fuse.catalog import all_pairs, all_patterns
 from ep_fuse.config import EpFuseConfig
 from ep_fuse.dump import Dumper
 from ep_fuse.fx_utils import fake_mode_of, op_histogram
@@ -20,7 +21,6 @@ from ep_fuse.passes.expand import Expand
 from ep_fuse.passes.lower import Lower
 from ep_fuse.passes.pair import Pair
 from ep_fuse.passes.quant import QuantizeExperts
-from ep_fuse.patterns import all_pairs, all_patterns
 from ep_fuse.report import GraphReport, PassRecord
 from ep_fuse.shape_guards import ShapeGuardWatch
 

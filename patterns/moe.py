@@ -39,18 +39,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import (
-    Anchor,
-    Cast,
-    Derived,
-    Item,
-    Lit,
-    Match,
-    Pattern,
-    Replacement,
-    Var,
-    op,
-)
+from ep_fuse.matching import Anchor, Cast, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
@@ -66,7 +55,8 @@ from ep_fuse.matching.checks import (
     tensor_of,
 )
 from ep_fuse.matching.pattern import Opt, alt, equals
-from ep_fuse.ops import canonical
+from ep_fuse.ops import moe as moe_ops
+from ep_fuse.ops import moe_gating as moe_gating_ops
 
 aten = torch.ops.aten
 
@@ -284,8 +274,7 @@ def _from_topk(node: Any) -> bool:
             continue
         if node.target is operator.getitem and node.args[1] == 1:
             src = node.args[0]
-            return getattr(src, "target", None) in (aten.topk.default, getattr(canonical, "moe_gating", None)
-                                                      and canonical.moe_gating.op)
+            return getattr(src, "target", None) in (aten.topk.default, moe_gating_ops.moe_gating.op)
         return False
     return False
 
@@ -327,7 +316,7 @@ def _build(m: Match) -> Replacement:
     w = m["topk_weights"]
     if m.get("weight_dtype") is not None:
         w = Derived(torch.ops.prims.convert_element_type.default, (w, m["weight_dtype"]))
-    return Replacement(canonical.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype")))
+    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype")))
 
 
 def _expert_gemm(node: Any) -> bool:

@@ -25,21 +25,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import (
-    Cast,
-    Lit,
-    Match,
-    Opt,
-    Pattern,
-    Replacement,
-    Var,
-    alt,
-    equals,
-    is_number,
-    op,
-)
+from ep_fuse.matching import Cast, Lit, Match, Opt, Pattern, Replacement, Var, alt, equals, is_number, op
 from ep_fuse.matching.checks import tensor_of
-from ep_fuse.ops import canonical
+from ep_fuse.ops import rms_norm as rms_norm_ops
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -133,14 +121,14 @@ def _norm_args(m: Match, mode: str) -> tuple[Any, ...]:
 
 def _build_plain(mode: str):
     def build(m: Match) -> Replacement:
-        return Replacement(canonical.rms_norm.op, (m["x"], *_norm_args(m, mode)))
+        return Replacement(rms_norm_ops.rms_norm.op, (m["x"], *_norm_args(m, mode)))
 
     return build
 
 
 def _build_add(mode: str):
     def build(m: Match) -> Replacement:
-        return Replacement(canonical.add_rms_norm.op, (m["a"], m["b"], *_norm_args(m, mode)), ("root", "x"))
+        return Replacement(rms_norm_ops.add_rms_norm.op, (m["a"], m["b"], *_norm_args(m, mode)), ("root", "x"))
 
     return build
 

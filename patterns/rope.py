@@ -29,20 +29,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import literal_value, tensor_val
-from ep_fuse.matching import (
-    Cast,
-    Derived,
-    Item,
-    Lit,
-    Match,
-    Opt,
-    PairRule,
-    Pattern,
-    Replacement,
-    Var,
-    equals,
-    op,
-)
+from ep_fuse.matching import Cast, Derived, Item, Lit, Match, Opt, PairRule, Pattern, Replacement, Var, equals, op
 from ep_fuse.matching.checks import (
     INT64_MAX,
     MODEL_FLOATS,
@@ -54,8 +41,8 @@ from ep_fuse.matching.checks import (
     same_shape,
     tensor_of,
 )
-from ep_fuse.ops import canonical
-from ep_fuse.ops.reference import CACHE_FORMS
+from ep_fuse.ops import rope as rope_ops
+from ep_fuse.ops.rope import CACHE_FORMS
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -392,11 +379,11 @@ def _build(form: str):
         rot = _rot_dim(m)
         if "cos_rep" in m.bindings:
             cos, sin = _halves(m, "cos"), _halves(m, "sin")
-            return Replacement(canonical.rope.op, (m["x"], cos, sin, form, rot, None))
+            return Replacement(rope_ops.rope.op, (m["x"], cos, sin, form, rot, None))
         cache = cache_gather(m, rot) if form in CACHE_FORMS else None
         if cache is not None:
-            return Replacement(canonical.rope_cache.op, (m["x"], *cache, form, rot))
-        return Replacement(canonical.rope.op, (m["x"], m["cos"], m.get("sin"), form, rot, m.get("out_dtype")))
+            return Replacement(rope_ops.rope_cache.op, (m["x"], *cache, form, rot))
+        return Replacement(rope_ops.rope.op, (m["x"], m["cos"], m.get("sin"), form, rot, m.get("out_dtype")))
 
     return build
 
@@ -415,6 +402,6 @@ def _patterns() -> list[Pattern]:
 PATTERNS = _patterns()
 
 
-PAIRS = [PairRule("rope_qk", canonical.rope.op, canonical.rope_qk.op),
-         PairRule("rope_qk_cache", canonical.rope_cache.op, canonical.rope_qk_cache.op)]
+PAIRS = [PairRule("rope_qk", rope_ops.rope.op, rope_ops.rope_qk.op),
+         PairRule("rope_qk_cache", rope_ops.rope_cache.op, rope_ops.rope_qk_cache.op)]
 """q and k rotated with the same cos/sin (or cache and positions), form and width run as one call (one launch)."""

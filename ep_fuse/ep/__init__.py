@@ -2,7 +2,7 @@
 
 * :func:`shard_experts` / :func:`ep_options`: shard a model's experts over a process group and get the
   backend options that enable the EP pass (``ep_fuse/passes/ep.py``).
-* :mod:`ep_fuse.ep.ops`: the canonical ``ep_dispatch`` / ``ep_combine`` ops.
+* :mod:`ep_fuse.ops.ep`: the canonical ``ep_dispatch`` / ``ep_combine`` ops.
 * Providers: :mod:`~ep_fuse.ep.all_to_all` (default, the reference), :mod:`~ep_fuse.ep.deepep`,
   :mod:`~ep_fuse.ep.npu`, :mod:`~ep_fuse.ep.symm_mem`.
 """

@@ -1,6 +1,6 @@
 """Triton kernels of the ``all_to_all`` EP provider, rank layout (no host synchronisation).
 
-Wire format and handle: :mod:`ep_fuse.ep.layout` (:func:`~ep_fuse.ep.layout.packed_row`). Dispatch is
+Wire format and handle: :mod:`ep_fuse.ops.ep_layout` (:func:`~ep_fuse.ops.ep_layout.packed_row`). Dispatch is
 three launches around the one NCCL message:
 
 1. ``_route_kernel``, one program per block of ``BT`` tokens: which ranks each token goes to (once per
@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.ep.layout import CODES, HEADER
-from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store
+from ep_fuse.ops.ep_layout import CODES, HEADER
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store
 
 RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 """Integer dtype the rows are copied as, by element size."""
@@ -208,7 +208,7 @@ def _combine_kernel(BACK, HANDLE, OUT, H, NHB, sb, SLOT0,
         sent = (tl.zeros([BLOCK_H], dtype=tl.int64) + s) >= 0  # a vector mask (the interpreter wants one)
         v = tl.load(BACK + tl.maximum(s, 0) * sb + cols, mask=cm & sent, other=0.0)
         acc += v.to(tl.float32)
-    tl.store(OUT + t.to(tl.int64) * H + cols, _for_store(acc, OUT_CODE, EMULATE_RTNE), mask=cm)
+    tl.store(OUT + t.to(tl.int64) * H + cols, for_store(acc, OUT_CODE, EMULATE_RTNE), mask=cm)
 
 
 # --------------------------------------------------------------------------- launches

@@ -1,8 +1,8 @@
 """The default EP provider, and the reference kernels of ``ep_dispatch`` / ``ep_combine``:
 ``torch.distributed.all_to_all_single`` on any backend (gloo on CPU, NCCL on GPU, HCCL on NPU).
 
-Layouts, wire format and handle: :mod:`ep_fuse.ep.layout`. Rank layout: one message per direction
-(token rows with their ids and weights packed into extra columns, :func:`~ep_fuse.ep.layout.packed_row`);
+Layouts, wire format and handle: :mod:`ep_fuse.ops.ep_layout`. Rank layout: one message per direction
+(token rows with their ids and weights packed into extra columns, :func:`~ep_fuse.ops.ep_layout.packed_row`);
 handle payload ``[send_counts (W), recv_counts (W), slot (T*W)]``. Expert layout payload
 ``[src_slot (T*K)]`` -- where each (token, slot)'s row comes back in the combine buffer ``[W, E_r, C]``
 (-1: invalid slot).
@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 
+from ep_fuse import runtime
 from ep_fuse.ep import groups
-from ep_fuse.ep.layout import (
+from ep_fuse.ops.ep_layout import (
     CODES,
     HEADER,
     capacity_rows,
@@ -40,7 +41,7 @@ from ep_fuse.ep.layout import (
     recv_rows,
     unpack_rows,
 )
-from ep_fuse.ops.registry import triton_interpret
+from ep_fuse.ops.ep import register_ep_provider
 
 log = logging.getLogger("ep_fuse.ep")
 CODE = CODES["all_to_all"]
@@ -161,7 +162,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernels_run_on(device: torch.device) -> bool:
-    return USE_KERNELS and (device.type == "cuda" or (device.type == "cpu" and triton_interpret()))
+    return USE_KERNELS and (device.type == "cuda" or (device.type == "cpu" and runtime.triton_interpret()))
 
 
 def _dispatch_kernels(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, world: int) -> bool:
@@ -258,7 +259,7 @@ def pack_rank(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
               capacity: int, cfg: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pack_rank_reference` with the Triton kernels (no host sync; rows of ``send`` that carry no
     token are uninitialised except for their padding metadata)."""
-    from ep_fuse.ep import a2a_kernels
+    from ep_fuse.ep import a2a_kernels  # imports triton: on first use
 
     t, k = topk_ids.shape
     hp, moff = packed_row(x.shape[1], x.dtype, k, topk_weights.dtype)
@@ -275,7 +276,7 @@ def unpack_rank(recv: torch.Tensor, n_valid: int, hidden: int, top_k: int, w_dty
                 handle: torch.Tensor, zero_tail: bool,
                 cfg: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`unpack_rank_reference` with the Triton kernel."""
-    from ep_fuse.ep import a2a_kernels
+    from ep_fuse.ep import a2a_kernels  # imports triton: on first use
 
     _hp, moff = packed_row(hidden, recv.dtype, top_k, w_dtype)
     rows = recv.shape[0]
@@ -288,7 +289,7 @@ def unpack_rank(recv: torch.Tensor, n_valid: int, hidden: int, top_k: int, w_dty
 def combine_rank(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: int, out_dtype: torch.dtype,
                  cfg: Any = None) -> torch.Tensor:
     """:func:`combine_rank_reference` with the Triton kernel."""
-    from ep_fuse.ep import a2a_kernels
+    from ep_fuse.ep import a2a_kernels  # imports triton: on first use
 
     back = back if back.stride(1) == 1 else back.contiguous()
     out = torch.empty(tokens, back.shape[1], dtype=out_dtype, device=back.device)
@@ -371,3 +372,5 @@ def _combine_expert(y, handle, topk_ids, topk_weights, num_experts, group, capac
     out = torch.where(valid, prod, torch.zeros((), dtype=prod.dtype, device=y.device)).sum(1)
     return out.to(out_dtype) if out_dtype is not None else out
 
+
+register_ep_provider("all_to_all", dispatch, combine, layout="rank")

@@ -39,14 +39,8 @@ from typing import Any
 import torch
 
 from ep_fuse.ep import groups, handles
-from ep_fuse.ep.layout import (
-    CODES,
-    HEADER,
-    capacity_rows,
-    handle_len,
-    recv_rows,
-    valid_slots,
-)
+from ep_fuse.ops.ep_layout import CODES, HEADER, capacity_rows, handle_len, recv_rows, valid_slots
+from ep_fuse.ops.ep import register_ep_provider
 
 log = logging.getLogger("ep_fuse.ep")
 
@@ -339,3 +333,12 @@ def combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_na
 
 
 __all__ = ["HEADER", "available", "destroy_buffers", "get_buffer", "supports"]
+
+
+# module attributes are looked up per call (tests swap runtimes and limits in and out)
+register_ep_provider(
+    "deepep", dispatch_normal, combine_normal, layout="rank", available=lambda: available(),
+    supports=lambda x, ids, dt, world, e, cap: supports("normal", x, ids, dt, world, cap, e))
+register_ep_provider(
+    "deepep_low_latency", dispatch_low_latency, combine_low_latency, layout="expert", available=lambda: available(),
+    supports=lambda x, ids, dt, world, e, cap: supports("low_latency", x, ids, dt, world, cap, e))

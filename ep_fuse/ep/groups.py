@@ -14,33 +14,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ep_fuse.ops.ep import EpError, initialized, resolve_group  # noqa: F401  (re-exported for the engines)
+
 log = logging.getLogger("ep_fuse.ep")
-
-
-class EpError(RuntimeError):
-    """Expert parallelism cannot run as configured (the message says what to change)."""
-
-
-def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def resolve_group(group: Any) -> Any:
-    """A ``ProcessGroup`` from a group, a group name, or ``None`` (the default world group)."""
-    if not initialized():
-        raise EpError(
-            "ep_fuse: expert parallelism needs torch.distributed: call torch.distributed.init_process_group() "
-            "on every rank before compiling (or leave ep/ep_group unset for a single-process model)."
-        )
-    if group is None:
-        return dist.group.WORLD
-    if isinstance(group, str):
-        try:
-            return dist.distributed_c10d._resolve_process_group(group)
-        except Exception as exc:
-            raise EpError(f"ep_fuse: no process group named {group!r} ({exc}); pass the ProcessGroup itself "
-                          "as ep_group") from exc
-    return group
 
 
 def group_name(group: Any) -> str:

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from ep_fuse import npu_runtime
+from ep_fuse import runtime
 from ep_fuse.ep import groups, handles
-from ep_fuse.ep.layout import CODES, capacity_rows, handle_len, valid_slots
+from ep_fuse.ops.ep_layout import CODES, capacity_rows, handle_len, valid_slots
+from ep_fuse.ops.ep import register_ep_provider
 
 log = logging.getLogger("ep_fuse.ep")
 
@@ -52,9 +53,9 @@ LIMITS = {
 """Documented limits of ``npu_moe_distribute_dispatch/combine`` per SoC (§8.11)."""
 
 
-available = npu_runtime.available
-_torch_npu = npu_runtime.torch_npu
-CONTRACTS = npu_runtime.contracts("npu_moe_distribute_dispatch", "npu_moe_distribute_combine")
+available = runtime.npu_available
+_torch_npu = runtime.torch_npu
+CONTRACTS = runtime.npu_contracts("npu_moe_distribute_dispatch", "npu_moe_distribute_combine")
 
 
 def soc() -> str | None:
@@ -163,3 +164,8 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
     out = npu.npu_moe_distribute_combine(expand_y, st["ids"], st["expand_idx"], st["ep_recv_counts"], scales,
                                          st["comm"], world, me, num_experts, global_bs=st["global_bs"])
     return out.to(out_dtype or torch.promote_types(y.dtype, topk_weights.dtype))
+
+
+register_ep_provider(
+    "npu", dispatch, combine, layout="expert", available=lambda: available(),
+    supports=lambda x, ids, dt, world, e, cap: supports(x, ids, e, world, cap), contracts=CONTRACTS)

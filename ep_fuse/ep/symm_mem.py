@@ -6,7 +6,7 @@ dispatch and ``all_to_all_vdev_2d_offset`` combine. **Not run on a GPU yet**: te
   static ``R = W * (C or T)`` buffer past the real count carries id -1 (the local permute skips it).
 * One message per row: ``[x | weights | local ids (int32)]`` bytes, so ids and weights travel with the
   token in the same exchange (one op = two kernels per direction, no second barrier).
-* Each destination rank's rows go as :func:`~ep_fuse.ep.layout.symm_mem_chunks` splits ("virtual
+* Each destination rank's rows go as :func:`~ep_fuse.ops.ep_layout.symm_mem_chunks` splits ("virtual
   experts" of the 2-D op), one thread block each, so ``W * chunks <= 64`` blocks share the copy.
   The received rows arrive chunk-major (chunk, source rank) with holes (an empty chunk still takes one
   row: ``major_align`` 1); dispatch gathers them into the compact ``[R, H]`` output (the copy out of the
@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ep_fuse.ep import groups
 from ep_fuse.ep.all_to_all import sum_rank_rows
-from ep_fuse.ep.layout import (
+from ep_fuse.ops.ep_layout import (
     CODES,
     HEADER,
     capacity_rows,
@@ -48,6 +48,7 @@ from ep_fuse.ep.layout import (
     local_slots,
     symm_mem_chunks,
 )
+from ep_fuse.ops.ep import register_ep_provider
 
 log = logging.getLogger("ep_fuse.ep")
 CODE = CODES["symm_mem"]
@@ -371,7 +372,7 @@ def dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacit
                         dtype=torch.int64, device=dev)
     handle[:1].fill_(CODE)  # a kernel, not a host-to-device copy (CUDA-graph capturable)
     handle[2] = total
-    slots0 = HEADER + 2 * world  # the rank layout's slot table (ep_fuse.ep.layout.handle_len)
+    slots0 = HEADER + 2 * world  # the rank layout's slot table (ep_fuse.ops.ep_layout.handle_len)
     handle[slots0:slots0 + t * world] = torch.where(in_rank, slot, -1).reshape(-1)
     handle[slots0 + t * world:] = splits
     return recv_x, recv_ids, recv_w, handle
@@ -401,3 +402,8 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
 
 
 __all__ = ["Runtime", "available", "buffer_bytes", "destroy_buffers", "heap_bytes", "runtime", "supports"]
+
+
+register_ep_provider(
+    "symm_mem", dispatch, combine, layout="rank", available=lambda: available(),
+    supports=lambda x, ids, dt, world, e, cap: supports(x, ids, dt, world, cap))

@@ -11,13 +11,7 @@ import torch
 import torch.fx as fx
 
 from ep_fuse.fx_utils import module_class, module_path, val
-from ep_fuse.matching.matcher import (
-    CAST_TARGETS,
-    Mismatch,
-    State,
-    external_users,
-    match_tree,
-)
+from ep_fuse.matching.matcher import CAST_TARGETS, Mismatch, State, external_users, match_tree
 from ep_fuse.matching.pattern import Alt, Cast, Item, Op, Opt, Pat
 
 Guard = Callable[["Match"], "str | tuple[Any, str] | None"]

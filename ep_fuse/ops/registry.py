@@ -7,22 +7,50 @@ devices it runs on and which calls it supports. Lowering replaces a canonical no
 provider, in the device's priority order, that is available and supports the call; ``reference``
 is always last. At run time a provider op re-checks its inputs and falls back to the reference
 (with a warning) when its kernel raises.
+
+This module is the floor: it imports nothing of the package. Op families (:mod:`ep_fuse.ops.rms_norm`, ...)
+define their ops here, providers register from their own modules, and :mod:`ep_fuse.catalog` loads them all
+and sets each device's provider order (:func:`set_priority`).
+
+Ops are defined on ``torch.library`` fragments directly (schema + one Python kernel + fake) instead of
+``torch.library.custom_op``, which adds a Python dispatch layer per call: a launch stays at C++-dispatcher cost.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ep_fuse.ops.library import define_op
-
 log = logging.getLogger("ep_fuse.ops")
+
+_LIBS: dict[str, torch.library.Library] = {}
+
+
+def library(namespace: str) -> torch.library.Library:
+    if namespace not in _LIBS:
+        _LIBS[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    return _LIBS[namespace]
+
+
+def define_op(
+    namespace: str,
+    name: str,
+    schema: str,
+    impl: Callable[..., Any],
+    fake: Callable[..., Any],
+) -> torch._ops.OpOverload:
+    """Define ``namespace::name`` with ``schema`` (the part after the name), one kernel for all devices, and a fake."""
+    lib = library(namespace)
+    lib.define(f"{name}{schema}")
+    lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{namespace}::{name}", fake, lib=lib)
+    return getattr(getattr(torch.ops, namespace), name).default
+
 
 REFERENCE = "reference"
 Check = Callable[[tuple[Any, ...]], "str | None"]
@@ -96,7 +124,8 @@ class Provider:
 
 _OPS: dict[str, CanonicalOp] = {}
 _PROVIDER_NAMES: list[str] = [REFERENCE]
-_DEFAULT_PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("deepgemm", "triton"), "npu": ("npu",), "cpu": ()}
+_PRIORITY: dict[str, tuple[str, ...] | Callable[[], tuple[str, ...]]] = {}
+"""Device type -> the order providers are tried in (or a function giving it per call); set by the catalog."""
 _SPARSE: set[str] = set()
 """Providers that implement a few ops only (``deepgemm``): the default order skips them without a note where they
 have no implementation (every other op's report would otherwise list them)."""
@@ -104,21 +133,26 @@ _warned: set[tuple[str, str, str]] = set()
 _warn_lock = threading.Lock()
 
 
-def triton_interpret() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def mark_sparse(name: str) -> None:
     """Declare provider ``name`` one that implements a few ops only (:data:`_SPARSE`)."""
     _SPARSE.add(name)
 
 
+def set_priority(device: str, order: tuple[str, ...] | Callable[[], tuple[str, ...]]) -> None:
+    """Try providers on ``device`` in ``order`` (a function: asked per choice, for orders that depend on the
+    run-time environment such as the Triton interpreter); ``reference`` always comes last."""
+    _PRIORITY[device] = order
+
+
 def default_priority(device: str) -> tuple[str, ...]:
-    """Provider order for ``device``; the Triton interpreter makes ``triton`` a CPU provider too."""
-    order = _DEFAULT_PRIORITY.get(device, ())
-    if device == "cpu" and triton_interpret():
-        order = ("triton", *order)
-    return (*order, REFERENCE)
+    """Provider order for ``device`` (:func:`set_priority`), then ``reference``."""
+    order = _PRIORITY.get(device, ())
+    return (*(order() if callable(order) else order), REFERENCE)
+
+
+def never_traceable(args: tuple[Any, ...]) -> bool:
+    """``traceable`` of an op whose reference does not trace to ATen ops (a host loop, a collective)."""
+    return False
 
 
 def define_canonical(
@@ -204,7 +238,7 @@ def _warn_once(provider: str, op: str, error: str) -> None:
 
 
 def canonical_ops() -> dict[str, CanonicalOp]:
-    _load_builtin()
+    """Every op defined so far (:mod:`ep_fuse.catalog` defines them all)."""
     return dict(_OPS)
 
 
@@ -216,7 +250,7 @@ def canonical_for(target: Any) -> CanonicalOp | None:
 
 
 def known_providers() -> list[str]:
-    _load_builtin()
+    """Every provider name registered so far, ``reference`` last."""
     return list(_PROVIDER_NAMES)
 
 
@@ -267,8 +301,3 @@ def choose(
             continue
         return Choice(name, prov.op, tuple(declined))
     return Choice(REFERENCE, canonical.op, tuple(declined))
-
-
-def _load_builtin() -> None:
-    import ep_fuse.ops.canonical  # noqa: F401  (defines the canonical ops)
-    import ep_fuse.providers  # noqa: F401  (registers triton / npu providers)

@@ -27,9 +27,9 @@ from torch import fx
 
 from ep_fuse.ep import groups
 from ep_fuse.ep.groups import EpError
-from ep_fuse.ep.ops import ep_combine, ep_dispatch, ep_provider
+from ep_fuse.ops.ep import ep_combine, ep_dispatch, ep_provider
 from ep_fuse.fx_utils import module_path, val
-from ep_fuse.ops import canonical
+from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.report import EpRecord
@@ -140,7 +140,7 @@ class ExpertParallel(GraphPass):
     name = "ep"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
-        op = canonical.moe_experts.op
+        op = moe_ops.moe_experts.op
         blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
         if not blocks:
             return 0
@@ -193,7 +193,7 @@ class ExpertParallel(GraphPass):
             d = graph.call_function(ep_dispatch.op, (x, ids, w, *common))
             parts = [graph.call_function(operator.getitem, (d, i)) for i in range(4)]
             experts_dtype = out_dtype if layout == "rank" else xv.dtype
-            y = graph.call_function(canonical.moe_experts.op, (parts[0], parts[1], parts[2], w13, w2, experts_dtype))
+            y = graph.call_function(moe_ops.moe_experts.op, (parts[0], parts[1], parts[2], w13, w2, experts_dtype))
             out = graph.call_function(ep_combine.op, (y, parts[3], ids, w, *common,
                                                       None if layout == "rank" else out_dtype))
         for n in (d, *parts, y, out):

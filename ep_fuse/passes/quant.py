@@ -2,7 +2,7 @@
 
 Runs after EP and before expand. Each ``ep_fuse::moe_experts(x, ids, w, w13, w2, out_dtype)`` becomes
 ``ep_fuse::moe_experts_w8a8(x, ids, w, w13_q, w13_scale, w2_q, w2_scale, out_dtype)``
-(:mod:`ep_fuse.ops.quant_ops`), which expand turns into ``moe_permute -> quant_per_token ->
+(:mod:`ep_fuse.ops.w8a8`), which expand turns into ``moe_permute -> quant_per_token ->
 grouped_gemm_w8a8_swiglu_quant -> grouped_gemm_w8a8 -> moe_unpermute``. Dense layers are untouched.
 
 Where the int8 weights come from:
@@ -20,7 +20,7 @@ Where the int8 weights come from:
   ``moe_experts`` pattern matches).
 * **Everything else**: the weight's real value is computed from the graph's *static* inputs
   (parameters and buffers; :attr:`PassContext.inputs`, filled by the backend from Dynamo's example
-  inputs) and quantized per output channel (:func:`ep_fuse.ops.quant_reference.quantize_weight`) once:
+  inputs) and quantized per output channel (:func:`ep_fuse.ops.w8a8.quantize_weight`) once:
   the result is cached by a weak reference to the source parameter(s) plus their ``_version``, so a
   recompile (or a second graph over the same weights) reuses it and an in-place weight update
   requantizes. The codes and scales enter the graph as constants (``get_attr`` of non-persistent
@@ -31,13 +31,13 @@ A block whose weights depend on activations, or whose weights the backend could 
 ``run_passes`` called without inputs), is left in bf16 with a warning.
 
 **FP8** (``quant="fp8_block"``): each block becomes ``ep_fuse::moe_experts_fp8(x, ids, w, w13_q,
-w13_scale, w2_q, w2_scale, block_n, block_k, out_dtype)`` (:mod:`ep_fuse.ops.fp8_ops`), expanded into
+w13_scale, w2_q, w2_scale, block_n, block_k, out_dtype)`` (:mod:`ep_fuse.ops.fp8`), expanded into
 ``moe_permute_fp8 -> grouped_gemm_fp8_swiglu_quant -> grouped_gemm_fp8 -> moe_unpermute``. Weights
 that are ``ep_fuse::fp8_block_dequant(q, scale_inv, bn, bk, dtype)`` of an fp8 tensor (what
 :func:`ep_fuse.prepare` emits for transformers' ``FP8Experts``, optionally behind casts) are used as
 they are, with their own block; every other weight is evaluated from the static inputs as above and
 quantized once to E4M3 with 128 x 128 block scales
-(:func:`ep_fuse.ops.fp8_reference.quantize_weight_fp8`). Both weights of a block must share one
+(:func:`ep_fuse.ops.fp8.quantize_weight_fp8`). Both weights of a block must share one
 block shape (the activation group is its ``block_k``); otherwise the block stays unquantized. On CUDA, bf16
 weights are quantized only where the FP8 experts measured faster (:func:`ep_fuse.providers.triton.perf.
 fp8_block_quant_rule`). Behind an ``all_to_all`` or DeepEP-normal EP dispatch the activation quantization moves
@@ -56,8 +56,8 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ep_fuse.ops.fp8_reference import BLOCK, FP8, cdiv, quantize_weight_fp8
-from ep_fuse.ops.quant_reference import quantize_weight
+from ep_fuse.ops.fp8 import BLOCK, FP8, cdiv, quantize_weight_fp8
+from ep_fuse.ops.w8a8 import quantize_weight
 from ep_fuse.passes.base import GraphPass, PassContext
 
 log = logging.getLogger("ep_fuse.passes.quant")
@@ -118,9 +118,9 @@ class QuantizeExperts(GraphPass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         if ctx.config.quant is None:
             return 0
-        from ep_fuse.ops import canonical
+        from ep_fuse.ops import moe as moe_ops
 
-        block = canonical.moe_experts.op
+        block = moe_ops.moe_experts.op
         fp8 = ctx.config.quant == "fp8_block"
         target = canonical._fp8_ops.moe_experts_fp8.op if fp8 else canonical._quant_ops.moe_experts_w8a8.op
         changes = 0
@@ -191,7 +191,6 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
     received scales, the tokens' dtype)``, or ``None`` when the dispatch is not one this applies to."""
     from ep_fuse.ep.deepep import ROW_BYTES
     from ep_fuse.fx_utils import val
-    from ep_fuse.ops import canonical
     from ep_fuse.providers.triton.unverified import cleared
 
     recv = block.args[0]
@@ -336,7 +335,7 @@ def _fp8_not_faster(block: fx.Node, w13: fx.Node, deepgemm: bool = False) -> str
     token and destination, padded to the capacity), whose rows x top-k overcount the rows its local experts
     get; the rule then counts the tokens this rank sends instead: with ranks sending alike, each rank's experts
     receive ``T * k`` rows in all, ``T * k / E_local`` each."""
-    from ep_fuse.providers.triton.perf import fp8_block_quant_rule
+    from ep_fuse.providers.triton.fp8 import fp8_block_quant_rule
 
     x_node, ids_node = block.args[:2]
     sent = _dispatch_of(x_node)
@@ -351,7 +350,7 @@ def _fp8_not_faster(block: fx.Node, w13: fx.Node, deepgemm: bool = False) -> str
 
 def _dispatch_of(recv: Any) -> fx.Node | None:
     """The ``ep_dispatch`` node whose received tokens (output 0) ``recv`` is, else ``None``."""
-    from ep_fuse.ep.ops import ep_dispatch
+    from ep_fuse.ops.ep import ep_dispatch
 
     if not (isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
         return None
@@ -363,7 +362,7 @@ def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node
                       ) -> tuple[fx.Node, fx.Node, tuple[int, int]] | None:
     """``(codes, fp32 scales, (bn, bk))`` when ``weight`` is ``[cast](fp8_block_dequant(q fp8 [E,N,K], s, bn, bk))``
     with ``s`` [E, ceil(N/bn), ceil(K/bk)] (fp32, or another float dtype cast to fp32 in the graph)."""
-    from ep_fuse.ops.fp8_ops import fp8_block_dequant
+    from ep_fuse.ops.fp8 import fp8_block_dequant
 
     w = _strip_casts(weight)
     if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target is fp8_block_dequant.op):

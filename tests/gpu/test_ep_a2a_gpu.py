@@ -65,7 +65,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _checks(rank: int, device: torch.device) -> None:
     import ep_fuse.ops.canonical  # noqa: F401  (defines the EP ops)
     from ep_fuse.ep import all_to_all as a2a
-    from ep_fuse.providers.triton.rms_norm_kernel import INTERPRET
+    from ep_fuse.providers.triton.jit_helpers import INTERPRET
 
     assert not INTERPRET, "the GPU test must compile the kernels"
     for i, (h, e, k, t, cap, xd, wd, mode) in enumerate(CASES):

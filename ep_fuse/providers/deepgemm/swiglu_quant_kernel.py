@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ep_fuse.providers.triton.fp8_kernel import FP8_MAX, _quantize
-from ep_fuse.providers.triton.rms_norm_kernel import INTERPRET
+from ep_fuse.providers.triton.jit_helpers import INTERPRET
 
 
 @triton.jit

@@ -16,9 +16,9 @@ report and the stage runs the pure-torch reference (not run on an NPU by this pr
 
 from __future__ import annotations
 
-from ep_fuse.ops import fp8_ops
+from ep_fuse.ops import fp8 as fp8_ops
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.providers.npu import _devices
+from ep_fuse.providers.npu.provider import devices
 
 NO_FP8 = ("torch_npu 2.14.0 documents no FP8 grouped matmul for Atlas A2/A3 (npu_grouped_matmul takes "
           "fp16/bf16/fp32/int8; npu_dynamic_block_quant quantizes to int8 only; fp8 per-block scales exist only "
@@ -39,4 +39,4 @@ DECLINED = frozenset(op.name for op in _STAGES)
 """Canonical ops whose ``npu`` provider only declines (no torch_npu call to check against a contract)."""
 
 for _op in _STAGES:
-    register_provider(_op, "npu", _op.reference, devices=_devices, available=_never, supports=_unused)
+    register_provider(_op, "npu", _op.reference, devices=devices, available=_never, supports=_unused)

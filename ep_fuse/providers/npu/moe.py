@@ -6,7 +6,7 @@ The routed-expert block runs as::
         -> npu_moe_finalize_routing
 
 one provider per canonical stage op (``moe_permute``, ``grouped_gemm_swiglu``, ``grouped_gemm``,
-``moe_unpermute``), converting between ep_fuse's conventions (:mod:`ep_fuse.ops.moe_reference`) and
+``moe_unpermute``), converting between ep_fuse's conventions (:mod:`ep_fuse.ops.moe`) and
 the documented torch_npu ones (op-plugin ``docs/context/torch_npu-*.md``; **not run on Ascend
 hardware by this project** -- calls checked against torch_npu 2.14.0's schemas and meta functions, numerics
 against ``tests/npu_double.py``: ``docs/npu.md``):
@@ -59,9 +59,9 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ep_fuse.ops import canonical
+from ep_fuse.ops import moe as ops
 from ep_fuse.ops.registry import CanonicalOp, register_provider
-from ep_fuse.providers.npu import _available, _devices, _npu, contracts
+from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
 from ep_fuse.symbolic import known, sym_eq
 
 log = logging.getLogger("ep_fuse.providers.npu.moe")
@@ -178,7 +178,7 @@ def moe_permute_kernel(
     t, k = topk_ids.shape
     valid = (topk_ids >= 0) & (topk_ids < num_experts)
     ids = torch.where(valid, topk_ids, -1).to(torch.int32).contiguous()  # the docs forbid ids >= expert_num
-    expanded_x, row_idx, counts, _scale = _npu().npu_moe_init_routing_v2(
+    expanded_x, row_idx, counts, _scale = torch_npu().npu_moe_init_routing_v2(
         x.contiguous(), ids, active_num=t * k, expert_num=num_experts, drop_pad_mode=0,
         expert_tokens_num_type=1, expert_tokens_num_flag=True, quant_mode=-1,
         active_expert_range=[0, num_experts], row_idx_type=0)
@@ -219,7 +219,7 @@ def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
 
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
-    (y,) = _npu().npu_grouped_matmul(
+    (y,) = torch_npu().npu_grouped_matmul(
         [x.contiguous()], [gmm_weight(w)], group_list=_group_list(seg_indptr, x.shape[0]), group_list_type=0,
         group_type=0, split_item=2, output_dtype=x.dtype)
     return y
@@ -231,7 +231,7 @@ def grouped_gemm_kernel(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tens
 
 def grouped_gemm_swiglu_kernel(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
     h = _grouped_matmul(x, w13, seg_indptr)
-    return _zero_tail(_npu().npu_swiglu(h, dim=-1), seg_indptr)  # mask the narrower [S, I] output
+    return _zero_tail(torch_npu().npu_swiglu(h, dim=-1), seg_indptr)  # mask the narrower [S, I] output
 
 
 # --------------------------------------------------------------------------- unpermute
@@ -278,7 +278,7 @@ def moe_unpermute_kernel(
     weights = topk_weights.reshape(s) if topk_weights is not None else torch.ones((), dtype=rows_dtype,
                                                                                   device=y.device)
     scales = torch.where(valid, weights.to(rows_dtype), torch.zeros((), dtype=rows_dtype, device=y.device))
-    out = _npu().npu_moe_finalize_routing(y.to(rows_dtype).contiguous(), None, None, None, scales.reshape(t, top_k),
+    out = torch_npu().npu_moe_finalize_routing(y.to(rows_dtype).contiguous(), None, None, None, scales.reshape(t, top_k),
                                           index, None, ROW_MAJOR_DROPLESS)
     return out.to(result)
 
@@ -286,12 +286,12 @@ def moe_unpermute_kernel(
 # --------------------------------------------------------------------------- registration
 def _register(op: CanonicalOp, kernel: Callable[..., Any], supports: Callable[[tuple[Any, ...]], str | None],
               *calls: str) -> None:
-    register_provider(op, "npu", kernel, devices=_devices, available=_available, supports=supports,
+    register_provider(op, "npu", kernel, devices=devices, available=available, supports=supports,
                       contracts=contracts(*calls))
 
 
-_register(canonical.moe_permute, moe_permute_kernel, permute_supports, "npu_moe_init_routing_v2")
-_register(canonical.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, gemm_swiglu_supports, "npu_grouped_matmul",
+_register(ops.moe_permute, moe_permute_kernel, permute_supports, "npu_moe_init_routing_v2")
+_register(ops.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, gemm_swiglu_supports, "npu_grouped_matmul",
           "npu_swiglu")
-_register(canonical.grouped_gemm, grouped_gemm_kernel, gemm_supports, "npu_grouped_matmul")
-_register(canonical.moe_unpermute, moe_unpermute_kernel, unpermute_supports, "npu_moe_finalize_routing")
+_register(ops.grouped_gemm, grouped_gemm_kernel, gemm_supports, "npu_grouped_matmul")
+_register(ops.moe_unpermute, moe_unpermute_kernel, unpermute_supports, "npu_moe_finalize_routing")

@@ -27,16 +27,10 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops import quant_ops as Q
+from ep_fuse.ops import w8a8 as Q
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.providers.npu import _available, _devices, _npu, contracts
-from ep_fuse.providers.npu.moe import (
-    INNER_LIMIT,
-    MAX_GROUPS,
-    _group_list,
-    _rows_mask,
-    gmm_weight,
-)
+from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
+from ep_fuse.providers.npu.moe import INNER_LIMIT, MAX_GROUPS, _group_list, _rows_mask, gmm_weight
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 GMM_OUT = (torch.float16, torch.bfloat16)
@@ -88,12 +82,12 @@ def gemm_supports(args: tuple[Any, ...]) -> str | None:
 
 
 def quant_per_token_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = _npu().npu_dynamic_quant(x.contiguous())
+    q, s = torch_npu().npu_dynamic_quant(x.contiguous())
     return q, s.reshape(x.shape[0]).to(torch.float32)
 
 
 def _gmm(xq: torch.Tensor, wq: torch.Tensor, seg: torch.Tensor, **kw: Any) -> torch.Tensor:
-    (y,) = _npu().npu_grouped_matmul([xq.contiguous()], [gmm_weight(wq)], group_list=_group_list(seg, xq.shape[0]),
+    (y,) = torch_npu().npu_grouped_matmul([xq.contiguous()], [gmm_weight(wq)], group_list=_group_list(seg, xq.shape[0]),
                                      group_list_type=0, group_type=0, split_item=2, **kw)
     return y
 
@@ -101,7 +95,7 @@ def _gmm(xq: torch.Tensor, wq: torch.Tensor, seg: torch.Tensor, **kw: Any) -> to
 def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr):
     h = _gmm(xq, w13_q, seg_indptr, output_dtype=torch.int32)
     counts = torch.diff(_group_list(seg_indptr, xq.shape[0]), prepend=seg_indptr.new_zeros(1)).to(torch.int64)
-    q, s = _npu().npu_dequant_swiglu_quant(h, weight_scale=w13_scale.contiguous(), activation_scale=x_scale,
+    q, s = torch_npu().npu_dequant_swiglu_quant(h, weight_scale=w13_scale.contiguous(), activation_scale=x_scale,
                                            group_index=counts, activate_left=True, quant_mode=1)
     return _tail_zero(q, seg_indptr), _tail_zero(s.reshape(-1).to(torch.float32), seg_indptr)
 
@@ -116,5 +110,5 @@ for _op, _kernel, _supports, _calls in (
         (Q.grouped_gemm_w8a8_swiglu_quant, grouped_gemm_w8a8_swiglu_quant_kernel, swiglu_quant_supports,
          ("npu_grouped_matmul", "npu_dequant_swiglu_quant")),
         (Q.grouped_gemm_w8a8, grouped_gemm_w8a8_kernel, gemm_supports, ("npu_grouped_matmul",))):
-    register_provider(_op, "npu", _kernel, devices=_devices, available=_available, supports=_supports,
+    register_provider(_op, "npu", _kernel, devices=devices, available=available, supports=_supports,
                       contracts=contracts(*_calls))

@@ -1,10 +1,10 @@
-"""Host side of the Triton FP8 providers: ``quant_fp8_group``, ``moe_permute_fp8``,
-``grouped_gemm_fp8_swiglu_quant``, ``grouped_gemm_fp8`` (kernels in :mod:`ep_fuse.providers.triton.fp8_kernel`).
+"""The Triton provider of the FP8 family: ``quant_fp8_group``, ``moe_permute_fp8``,
+``grouped_gemm_fp8_swiglu_quant``, ``grouped_gemm_fp8`` (kernels in :mod:`ep_fuse.providers.triton.fp8_kernel`
+and :mod:`~ep_fuse.providers.triton.fp8_tma_kernel`): host code, perf rules, registration.
 
-Checked on H200 against the pure-torch reference (``tests/gpu/test_gpu_fp8.py``, 2026-11-30) and under the
-Triton interpreter on CPU. No tensor value is read on the host (CUDA-graph capturable). Which blocks
-``quant="fp8_block"`` quantizes on CUDA is decided by the measured rule
-:func:`ep_fuse.providers.triton.perf.fp8_block_quant_rule`.
+Checked on a GPU against the pure-torch reference (``tests/gpu/test_gpu_fp8.py``) and under the Triton
+interpreter on CPU. No tensor value is read on the host (CUDA-graph capturable). Which blocks
+``quant="fp8_block"`` quantizes on CUDA is decided by the measured rule :func:`fp8_block_quant_rule`.
 """
 
 from __future__ import annotations
@@ -14,10 +14,13 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops.fp8_reference import FP8, cdiv
-from ep_fuse.providers.common import KERNEL_DTYPES
+from ep_fuse.ops import fp8 as ops
+from ep_fuse.ops.fp8 import FP8, aligned_rows, cdiv
+from ep_fuse.providers.measured import Threshold
+from ep_fuse.providers.tensor_checks import KERNEL_DTYPES, static_rows
 from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, quantized_operand_checks, unit_last
 from ep_fuse.providers.triton.moe_permute import check_moe_permute_call
+from ep_fuse.providers.triton.provider import register
 from ep_fuse.providers.triton.unverified import gpu_unverified
 from ep_fuse.symbolic import same_shape, sym_eq
 
@@ -104,7 +107,7 @@ def check_fp8_swiglu_call(args: tuple[Any, ...]) -> str | None:
 
 def quant_fp8_group_kernel(x, group, wrap=None):
     """``ep_fuse_triton::quant_fp8_group``."""
-    from ep_fuse.providers.triton.fp8_kernel import launch_quant_group
+    from ep_fuse.providers.triton.fp8_kernel import launch_quant_group  # imports triton
 
     q = torch.empty(x.shape, dtype=FP8, device=x.device)
     s = torch.empty((x.shape[0], cdiv(x.shape[1], group)), dtype=torch.float32, device=x.device)
@@ -116,8 +119,7 @@ def quant_fp8_group_kernel(x, group, wrap=None):
 def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, align=1, wrap=None):
     """``ep_fuse_triton::moe_permute_fp8``: permute + 1 x group quant in one pass over the T tokens (``align > 1``:
     the aligned layout, padding rows zeroed by a second small kernel)."""
-    from ep_fuse.ops.fp8_reference import aligned_rows
-    from ep_fuse.providers.triton.fp8_kernel import launch_permute_quant
+    from ep_fuse.providers.triton.fp8_kernel import launch_permute_quant  # imports triton
 
     t, k = topk_ids.shape
     h = x.shape[1]
@@ -127,7 +129,7 @@ def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, align=1, wrap=None):
     src2dst = torch.empty((t * k,), dtype=torch.int64, device=x.device)
     seg = torch.empty((num_experts + 1,), dtype=torch.int64, device=x.device)
     if h == 0:
-        from ep_fuse.providers.triton.moe_permute_kernel import launch_permute
+        from ep_fuse.providers.triton.moe_permute_kernel import launch_permute  # imports triton
 
         launch_permute(x, topk_ids, num_experts, x.new_empty(t * k, 0), src2dst, seg, wrap=wrap)
         return q, s, src2dst, seg
@@ -138,8 +140,7 @@ def moe_permute_fp8_kernel(x, topk_ids, num_experts, group, align=1, wrap=None):
 def gemm_variant(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False) -> str:
     """``"tma"`` (the persistent TMA kernel, :mod:`~ep_fuse.providers.triton.fp8_tma_kernel`) or ``"default"``:
     the FP8 grouped-GEMM kernel that runs this call (static sizes)."""
-    from ep_fuse.providers.triton.fp8_tma_kernel import fp8_tma_unsupported
-    from ep_fuse.providers.triton.perf import fp8_tma_rule
+    from ep_fuse.providers.triton.fp8_tma_kernel import fp8_tma_unsupported  # imports triton
 
     why = fp8_tma_rule(xq, wq) or gpu_unverified(TMA_VARIANT, xq) or fp8_tma_unsupported(xq, wq, traced)
     return "default" if why else "tma"
@@ -147,8 +148,8 @@ def gemm_variant(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False) -> st
 
 def _gemm(xq, xs, wq, ws, seg, bn: int, bk: int, dtype: torch.dtype | None, swiglu: bool,
           wrap: Callable[[Any], Any] | None) -> Any:
-    from ep_fuse.providers.triton.fp8_kernel import launch_fp8_gemm
-    from ep_fuse.providers.triton.fp8_tma_kernel import launch_fp8_gemm_tma
+    from ep_fuse.providers.triton.fp8_kernel import launch_fp8_gemm  # imports triton
+    from ep_fuse.providers.triton.fp8_tma_kernel import launch_fp8_gemm_tma  # imports triton
 
     m = xq.shape[0]
     n = wq.shape[1] // 2 if swiglu else wq.shape[1]
@@ -179,3 +180,52 @@ def grouped_gemm_fp8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indp
 def grouped_gemm_fp8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, align=1, wrap=None):
     """``ep_fuse_triton::grouped_gemm_fp8``: fp8 GEMM with block-scale dequant in the K loop."""
     return _gemm(xq, x_scale, w_q, w_scale, seg_indptr, block_n, block_k, out_dtype, False, wrap)
+
+
+# --------------------------------------------------------------------------- perf rules
+FP8_TMA_MIN_ROWS_PER_EXPERT = Threshold(
+    64, command="python bench/bench_fp8.py --tma",
+    evidence="DeepSeek-V3 routed layer, each GEMM alone, its best config vs the one-tile-per-program kernel's: gate|up + "
+             "SwiGLU + requant 1.06x at 64 rows per expert (T2048), 1.09x at 128 (T4096), 1.08x at 512 (T16384); down "
+             "1.10x / 1.10x / 1.08x; unmeasured below 64 (decode's swapped small-M tiles)")
+"""From this many rows per expert the FP8 grouped GEMMs take the persistent TMA kernel
+(:mod:`~ep_fuse.providers.triton.fp8_tma_kernel`); below it the other kernel keeps those sizes."""
+
+def fp8_tma_rule(xq: Any, wq: Any) -> str | None:
+    """Per call (static sizes): why not the FP8 TMA variant on these sizes (``None``: take it)."""
+    per_expert = xq.shape[0] / max(wq.shape[0], 1)
+    if per_expert < FP8_TMA_MIN_ROWS_PER_EXPERT:
+        return f"{per_expert:.0f} rows per expert < {FP8_TMA_MIN_ROWS_PER_EXPERT}"
+    return None
+
+FP8_BLOCK_MAX_ROWS_PER_EXPERT = Threshold(
+    128, command="python bench/bench_fp8.py",
+    evidence="DeepSeek-V3 routed layer H7168 I2048 E256 k8, tile configs from --sweep: the Triton FP8 experts ran 1.92x "
+             "the bf16 ep_fuse experts at 4 rows per expert (T128), 2.17x at 16, 1.59x at 32, 1.30x at 64, 1.08x at "
+             "128 (T4096) and 0.90x at 512 (T16384)")
+"""``quant="fp8_block"`` on bf16 weights: above this many rows per expert (unmeasured up to 512) the block stays
+bf16."""
+
+def fp8_block_quant_rule(x: Any, top_k: int, experts: int, deepgemm: bool = False) -> str | None:
+    """Why ``quant="fp8_block"`` keeps a block (tokens ``x`` [T, H]) with bf16 weights in bf16 on CUDA (``None``:
+    quantize it). Models whose experts already hold fp8 weights are not asked: they have no bf16 weights.
+    ``deepgemm``: DeepGEMM takes the block's GEMMs (:func:`ep_fuse.providers.deepgemm.align_for`), measured
+    faster than bf16 at every size it takes."""
+    if deepgemm:
+        return None
+    t = static_rows(x)
+    if t is None:
+        return ("symbolic token count: the FP8 experts measured faster only up to "
+                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} rows per expert, and bf16 and fp8 weights cannot both be kept")
+    rows = t * top_k / max(experts, 1)
+    if rows > FP8_BLOCK_MAX_ROWS_PER_EXPERT:
+        return (f"{rows:.1f} rows per expert: the Triton FP8 experts measured faster than bf16 only up to "
+                f"{FP8_BLOCK_MAX_ROWS_PER_EXPERT} (1.08x at 128; 0.90x at 512)")
+    return None
+
+
+# declined on CUDA where a variant is not yet cleared for GPUs (:mod:`~ep_fuse.providers.triton.unverified`)
+register(ops.quant_fp8_group, quant_fp8_group_kernel, supports=check_quant_fp8_call)
+register(ops.moe_permute_fp8, moe_permute_fp8_kernel, supports=check_permute_fp8_call)
+register(ops.grouped_gemm_fp8_swiglu_quant, grouped_gemm_fp8_swiglu_quant_kernel, supports=check_fp8_swiglu_call)
+register(ops.grouped_gemm_fp8, grouped_gemm_fp8_kernel, supports=check_fp8_gemm_call)

@@ -1,7 +1,7 @@
 """Triton FP8 (E4M3, block-scaled) kernels: 1 x g activation quant fused into the permute, and the
 grouped GEMMs with block-scale dequantization in the K loop.
 
-Semantics: :mod:`ep_fuse.ops.fp8_reference`. **Verified only under the Triton interpreter**
+Semantics: :mod:`ep_fuse.ops.fp8`. **Verified only under the Triton interpreter**
 (``tests/test_fp8.py``); on CUDA the provider declines unless ``EP_FUSE_UNVERIFIED_KERNELS=1``
 (``tests/gpu/test_gpu_fp8.py`` is the GPU check).
 
@@ -29,26 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.ops.fp8_reference import aligned_seg_indptr
+from ep_fuse.ops.fp8 import aligned_seg_indptr
 from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _operand_ptrs
-from ep_fuse.providers.triton.grouped_gemm_kernel import (
-    _tile_rows,
-    _work_item,
-    block_e,
-    is_decode,
-    num_programs,
-)
-from ep_fuse.providers.triton.moe_permute_kernel import (
-    _token_destinations,
-    index_config,
-    launch_permute_index,
-)
-from ep_fuse.providers.triton.rms_norm_kernel import (
-    DTYPE_CODES,
-    INTERPRET,
-    _for_store,
-    _round,
-)
+from ep_fuse.providers.triton.grouped_gemm_kernel import _tile_rows, _work_item, block_e, is_decode, num_programs
+from ep_fuse.providers.triton.moe_permute_kernel import _token_destinations, index_config, launch_permute_index
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 FP8_MAX = tl.constexpr(448.0)
 
@@ -203,8 +188,8 @@ def _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU:
         tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _quantize(v, scale[:, None], INTERP), mask=mask)
         tl.store(YS + rm.to(tl.int64) * sysm + pid_n, scale, mask=row_ok)
     else:
-        y = _round(acc, CODE, EMULATE_RTNE)
-        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+        y = round_as(acc, CODE, EMULATE_RTNE)
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
 
 # --------------------------------------------------------------------------- configs and launches
@@ -269,7 +254,7 @@ def launch_permute_quant(x: torch.Tensor, topk_ids: torch.Tensor, num_experts: i
                          s: torch.Tensor, src2dst: torch.Tensor, seg_indptr: torch.Tensor, align: int = 1,
                          wrap: Callable[[Any], Any] | None = None) -> None:
     """Fill ``q [M, H]``, ``s [M, ceil(H/group)]``, ``src2dst`` and ``seg_indptr`` (``align > 1``: the aligned
-    layout of :mod:`ep_fuse.ops.fp8_reference`: each expert's destinations shifted to its aligned start, then
+    layout of :mod:`ep_fuse.ops.fp8`: each expert's destinations shifted to its aligned start, then
     its padding rows zeroed)."""
     t, k = topk_ids.shape
     h = x.shape[1]

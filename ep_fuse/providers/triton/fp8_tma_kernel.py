@@ -38,7 +38,7 @@ from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
     tma_unsupported,
     walk_operands,
 )
-from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET
 
 
 @triton.jit

@@ -15,13 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import (
-    GemmConfig,
-    _accumulate,
-    _operand_ptrs,
-    swiglu_rounded,
-)
-from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs, swiglu_rounded
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store
 
 
 @triton.jit
@@ -50,7 +45,7 @@ def _gemm_swiglu_kernel(
                                True, False)
     y = swiglu_rounded(acc_g, acc_u, CODE, EMULATE_RTNE)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
 
 DECODE_ROWS = 64

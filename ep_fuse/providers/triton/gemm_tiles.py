@@ -13,7 +13,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.rms_norm_kernel import _round
+from ep_fuse.providers.triton.jit_helpers import round_as
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,10 +37,10 @@ class GemmConfig:
 def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """``silu(gate) * up`` from fp32 GEMM accumulators, rounded where the unfused model rounds: each GEMM
     output to the input dtype, silu (computed in fp32) and the product again."""
-    g = _round(acc_g, CODE, EMULATE_RTNE)
-    u = _round(acc_u, CODE, EMULATE_RTNE)
-    act = _round(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
-    return _round(act * u, CODE, EMULATE_RTNE)
+    g = round_as(acc_g, CODE, EMULATE_RTNE)
+    u = round_as(acc_u, CODE, EMULATE_RTNE)
+    act = round_as(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
+    return round_as(act * u, CODE, EMULATE_RTNE)
 
 
 @triton.jit

@@ -9,8 +9,8 @@ Two kernels behind each op, chosen per call from static sizes (:func:`kernel_var
   decode (swapped 16-row tiles) and every shape the other kernel does not take.
 * :mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel` (Hopper grouped GEMM): persistent programs over
   a device-built tile table, TMA descriptors, 64x256 / 128x256-class tiles; from 128 rows per expert
-  (:func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`) on bf16/fp16 operands TMA can address, at
-  any larger size (measured faster than ``torch._grouped_mm`` up to 2048 rows per expert, H200 2026-11-30).
+  (:func:`grouped_gemm_tma_rule`) on bf16/fp16 operands TMA can address, at
+  any larger size (measured faster than ``torch._grouped_mm`` up to 2048 rows per expert).
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 
-from ep_fuse.providers.common import KERNEL_DTYPES
+from ep_fuse.providers.measured import Threshold
+from ep_fuse.providers.tensor_checks import KERNEL_DTYPES
+from ep_fuse.providers.triton.unverified import gpu_unverified
 from ep_fuse.symbolic import known, sym_eq
 
 INT32_MAX = 2**31 - 1
@@ -54,7 +56,7 @@ def quantized_operand_checks(xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tenso
 def expert_weight_limits(w: torch.Tensor) -> str | None:
     """What the grouped-GEMM kernels (bf16 and int8) address: ``MAX_EXPERTS`` experts, int32 offsets
     inside one expert's [N, K] weight (expert weights are parameters: static sizes)."""
-    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS
+    from ep_fuse.providers.triton.grouped_gemm_kernel import MAX_EXPERTS  # imports triton
 
     if not known(w.shape[0] <= MAX_EXPERTS):
         return f"more than {MAX_EXPERTS} experts"
@@ -90,11 +92,9 @@ def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
 def tma_declined(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False) -> str | None:
     """Why this call (``swiglu``: of ``grouped_gemm_swiglu``, ``w`` = [E, 2I, K]) does not take the TMA kernel
     (``None``: it does)."""
-    from ep_fuse.providers.triton import perf
-    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import tma_unsupported
-    from ep_fuse.providers.triton.unverified import gpu_unverified
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import tma_unsupported  # imports triton
 
-    return (perf.grouped_gemm_tma_rule(x, w, swiglu) or gpu_unverified(TMA_VARIANT, x)
+    return (grouped_gemm_tma_rule(x, w, swiglu) or gpu_unverified(TMA_VARIANT, x)
             or tma_unsupported(x, w, traced))
 
 
@@ -119,18 +119,11 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
     if (variant or kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu)) == "tma":
-        from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
-            launch_grouped_gemm_swiglu_tma,
-            launch_grouped_gemm_tma,
-        )
+        from ep_fuse.providers.triton.grouped_gemm_tma_kernel import launch_grouped_gemm_tma
 
         launch = launch_grouped_gemm_swiglu_tma if swiglu else launch_grouped_gemm_tma
     else:
-        # imported by module path: the package attribute ``grouped_gemm_kernel`` is this file's function
-        from ep_fuse.providers.triton.grouped_gemm_kernel import (
-            launch_grouped_gemm,
-            launch_grouped_gemm_swiglu,
-        )
+        from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm_swiglu
 
         launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
     launch(x, w, seg, y, config=config, wrap=wrap)
@@ -145,3 +138,37 @@ def grouped_gemm_kernel(x, w, seg_indptr, wrap=None):
 def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, wrap=None):
     """``ep_fuse_triton::grouped_gemm_swiglu``."""
     return run_grouped(True, x, w13, seg_indptr, wrap)
+
+
+GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = Threshold(
+    128, command="python bench/bench_moe.py --stage grouped_gemm --tma",
+    evidence="CUDA-graph replays at 128 to 2048 rows per expert on five prefill shapes with the configs of config_for: "
+             "gate|up + SwiGLU 1.10-1.36x torch._grouped_mm followed by the SwiGLU (0.97-1.30x the GEMM alone), down "
+             "1.00-1.29x torch._grouped_mm, faster than the one-tile-per-program kernel everywhere (1.12x / 1.27x at "
+             "128 rows per expert, DeepSeek-V3 T4096); unmeasured below 128")
+"""From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
+(:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size, where the GEMM's output
+columns fill its column tiles (:func:`grouped_gemm_tma_rule`); below it the other kernel keeps those sizes."""
+
+def grouped_gemm_tma_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
+    """Per call (static sizes): why not the TMA variant on these sizes (``None``: take it). The GEMM's output
+    columns (``I`` for gate|up + SwiGLU, ``w.shape[1]`` otherwise) must fill the config's column tiles: on an
+    E60 H2880 I1408 model (1408 and 2880 columns on 256-wide tiles) the TMA kernel ran 0.92-0.96x
+    ``torch._grouped_mm`` at 205 and 410 rows per expert, every swept config."""
+    per_expert = x.shape[0] / max(w.shape[0], 1)
+    if per_expert < GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT:
+        return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
+    return grouped_gemm_tma_columns_rule(x, w, swiglu)
+
+def grouped_gemm_tma_columns_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
+    """The row-count-free part of :func:`grouped_gemm_tma_rule` (``x``'s rows are not read)."""
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for  # imports triton
+
+    if x.device.type != "cuda":  # a GPU measurement: the interpreter's tiles are not the GPU's
+        return None
+    n, k, e = (w.shape[1] // 2 if swiglu else w.shape[1]), w.shape[2], w.shape[0]
+    bn = config_for(0, n, k, e, swiglu=swiglu, interpret=False).bn
+    if n % bn:
+        return (f"{n} output columns do not fill the TMA kernel's {bn}-column tiles (measured 0.92-0.96x "
+                "torch._grouped_mm on such a shape)")
+    return None

@@ -30,18 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import (
-    GemmConfig,
-    _accumulate,
-    _operand_ptrs,
-    swiglu_rounded,
-)
-from ep_fuse.providers.triton.rms_norm_kernel import (
-    DTYPE_CODES,
-    INTERPRET,
-    _for_store,
-    _round,
-)
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs, swiglu_rounded
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 MIN_BLOCK_E = 16
 MAX_EXPERTS = 8192
@@ -110,9 +100,9 @@ def _grouped_gemm_kernel(
     if SWIGLU:
         y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
     else:
-        y = _round(acc, CODE, EMULATE_RTNE)
+        y = round_as(acc, CODE, EMULATE_RTNE)
     mask = (rm < m_end)[:, None] & (rn < N)[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
 
 def is_decode(m: int, e: int) -> bool:

@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ep_fuse.providers.triton.gemm_tiles import swiglu_rounded
-from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET, _for_store, _round
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 TMA_DTYPES = (torch.bfloat16, torch.float16)
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8 e4m3"}
@@ -316,15 +316,15 @@ def _store_tile(acc, acc_u, Y, m_start, m_end, pid_n, N, sym, ROWS: tl.constexpr
     if SWIGLU:
         y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
     else:
-        y = _round(acc, CODE, EMULATE_RTNE)
+        y = round_as(acc, CODE, EMULATE_RTNE)
     rm = m_start + tl.arange(0, ROWS)
     rn = pid_n * BN + tl.arange(0, BN)
     if SWAP:
         mask = (rn < N)[:, None] & (rm < m_end)[None, :]
-        tl.store(Y + rm[None, :].to(tl.int64) * sym + rn[:, None], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+        tl.store(Y + rm[None, :].to(tl.int64) * sym + rn[:, None], for_store(y, CODE, EMULATE_RTNE), mask=mask)
     else:
         mask = (rm < m_end)[:, None] & (rn < N)[None, :]
-        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(y, CODE, EMULATE_RTNE), mask=mask)
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
 
 # --------------------------------------------------------------------------- host side

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ep_fuse.providers.common import KERNEL_DTYPES, row_stride
+from ep_fuse.providers.tensor_checks import KERNEL_DTYPES, row_stride
 
 ID_DTYPES = (torch.int32, torch.int64)
 MAX_TOP_K = 64
@@ -76,7 +76,7 @@ def check_moe_unpermute_call(args: tuple[Any, ...]) -> str | None:
 
 def moe_permute_kernel(x, topk_ids, num_experts, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_triton::moe_permute`` -> ``(rows [T*K, H], src2dst [T*K] int64, seg_indptr [E+1] int64)``."""
-    from ep_fuse.providers.triton.moe_permute_kernel import launch_permute
+    from ep_fuse.providers.triton.moe_permute_kernel import launch_permute  # imports triton: on first launch
 
     t, k = topk_ids.shape
     rows = torch.empty((t * k, x.shape[1]), dtype=x.dtype, device=x.device)
@@ -88,7 +88,7 @@ def moe_permute_kernel(x, topk_ids, num_experts, wrap=None):  # noqa: ANN001, AN
 
 def moe_unpermute_kernel(y, src2dst, topk_weights, top_k, out_dtype, wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::moe_unpermute`` -> ``out [T, H]``: weighted top-k sum of the permuted rows."""
-    from ep_fuse.providers.triton.moe_permute_kernel import launch_unpermute
+    from ep_fuse.providers.triton.moe_permute_kernel import launch_unpermute  # imports triton: on first launch
 
     prod = _prod_dtype(y, topk_weights)
     t = src2dst.shape[0] // top_k

@@ -24,12 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.rms_norm_kernel import (
-    DTYPE_CODES,
-    INTERPRET,
-    _for_store,
-    _round,
-)
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 from ep_fuse.symbolic import known
 
 
@@ -203,10 +198,10 @@ def _unpermute_kernel(
                     v = _mul_rn(v, w)
                 else:
                     v = v * w
-            v = _round(v, PROD_CODE, EMULATE_RTNE)
+            v = round_as(v, PROD_CODE, EMULATE_RTNE)
             acc += tl.where(ok, v, 0.0)
-        acc = _round(acc, PROD_CODE, EMULATE_RTNE)
-        tl.store(OUT + t.to(tl.int64) * H + cols, _for_store(acc, OUT_CODE, EMULATE_RTNE), mask=cm)
+        acc = round_as(acc, PROD_CODE, EMULATE_RTNE)
+        tl.store(OUT + t.to(tl.int64) * H + cols, for_store(acc, OUT_CODE, EMULATE_RTNE), mask=cm)
 
 
 # --------------------------------------------------------------------------- launches

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -18,55 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
+
 MODES = {"llama": 0, "weight_fp32": 1, "gemma": 2, "none": 3}
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_BLOCK = 16384
 """Widest row held in registers at once; wider rows take the two-pass chunked kernel."""
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _rn_bf16(x):
-    # cvt.rn in inline PTX: an exact bf16 rounding the compiler cannot fold into a neighbouring FMA
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .b16 t; cvt.rn.bf16.f32 t, $1; cvt.f32.bf16 $0, t; }",
-        constraints="=f,f", args=[x], dtype=tl.float32, is_pure=True, pack=1,
-    )
-
-
-@triton.jit
-def _round(x, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """fp32 ``x`` rounded (nearest-even) to the dtype ``CODE`` (0 fp32, 1 bf16, 2 fp16), as fp32.
-
-    ``EMULATE_RTNE`` picks how bf16 rounds: 0 a plain conversion round trip; 1 on the bits (the
-    interpreter truncates fp32 -> bf16 conversions); 2 inline PTX ``cvt.rn`` (GPU, never contracted).
-    """
-    if CODE == 1:
-        if EMULATE_RTNE == 1:
-            bits = x.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-        elif EMULATE_RTNE == 2:
-            return _rn_bf16(x)
-        return x.to(tl.bfloat16).to(tl.float32)
-    elif CODE == 2:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
-def _for_store(x, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """``x`` ready for a store into dtype ``CODE`` (stores round themselves; only the interpreter needs help)."""
-    if EMULATE_RTNE == 1 and CODE == 1:
-        return _round(x, CODE, EMULATE_RTNE)
-    return x
 
 
 @triton.jit
 def _weigh(n, w, MODE: tl.constexpr, CAST_CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     if MODE == 0:  # llama: round n to the model dtype, then multiply
-        return _round(n, CAST_CODE, EMULATE_RTNE) * w
+        return round_as(n, CAST_CODE, EMULATE_RTNE) * w
     elif MODE == 1:  # weight_fp32
         return n * w
     elif MODE == 2:  # gemma
@@ -91,8 +52,8 @@ def _row_kernel(
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = _round(x + r, SUM_CODE, EMULATE_RTNE)
-        tl.store(S + rows[:, None] * N + cols[None, :], _for_store(x, SUM_CODE, EMULATE_RTNE), mask=mask)
+        x = round_as(x + r, SUM_CODE, EMULATE_RTNE)
+        tl.store(S + rows[:, None] * N + cols[None, :], for_store(x, SUM_CODE, EMULATE_RTNE), mask=mask)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
     n = x * rstd[:, None]
     if HAS_W:
@@ -100,7 +61,7 @@ def _row_kernel(
         y = _weigh(n, w[None, :], MODE, CAST_CODE, EMULATE_RTNE)
     else:
         y = n
-    tl.store(Y + rows[:, None] * N + cols[None, :], _for_store(y, OUT_CODE, EMULATE_RTNE), mask=mask)
+    tl.store(Y + rows[:, None] * N + cols[None, :], for_store(y, OUT_CODE, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit
@@ -121,8 +82,8 @@ def _chunked_kernel(
         x = tl.load(X + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(R + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
-            x = _round(x + r, SUM_CODE, EMULATE_RTNE)
-            tl.store(S + row * N + cols, _for_store(x, SUM_CODE, EMULATE_RTNE), mask=m)
+            x = round_as(x + r, SUM_CODE, EMULATE_RTNE)
+            tl.store(S + row * N + cols, for_store(x, SUM_CODE, EMULATE_RTNE), mask=m)
         acc += x * x
     rstd = tl.math.rsqrt(tl.sum(acc, axis=0) / N + eps)
     for start in range(0, N, BLOCK_N):
@@ -138,7 +99,7 @@ def _chunked_kernel(
             y = _weigh(n, w, MODE, CAST_CODE, EMULATE_RTNE)
         else:
             y = n
-        tl.store(Y + row * N + cols, _for_store(y, OUT_CODE, EMULATE_RTNE), mask=m)
+        tl.store(Y + row * N + cols, for_store(y, OUT_CODE, EMULATE_RTNE), mask=m)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ With ``HAS_POS`` (the cos/sin-cache form) the cos/sin strides address ``position
 head's cos/sin row is ``cache[positions[...]]`` (cos half at ``C``, sin half at ``S``).
 Products and sums are rounded to the input dtype where the model code rounds them
 (``half``/``chunk``/``deinterleave``); the ``complex`` form computes in fp32. ``EMULATE_RTNE`` picks
-how (see :func:`~ep_fuse.providers.triton.rms_norm_kernel._round`): 3 (GPU, bf16/fp16) keeps the values
+how (see :func:`~ep_fuse.providers.triton.jit_helpers.round_as`): 3 (GPU, bf16/fp16) keeps the values
 in the storage dtype and uses packed ``fma.rn.{bf16x2,f16x2}`` instructions, each one correctly
 rounded operation, which is what PyTorch's upcast-compute-round of one eager op gives (fp32 has at
 least 2p+2 bits for p = 8 or 11, so the double rounding is innocuous); 1 (interpreter) upcasts after
@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.rms_norm_kernel import _for_store, _round
+from ep_fuse.providers.triton.jit_helpers import for_store, round_as
 
 FORMS = {"half": 0, "chunk": 1, "deinterleave": 2, "complex": 3, "interleave": 4}
 
@@ -106,8 +106,8 @@ def _rope_rows(
         b = tl.load(X + xb + 2 * j + 1, mask=m, other=0.0).to(tl.float32)
         c = tl.load(C + cb + 2 * j, mask=m, other=0.0).to(tl.float32)
         s = tl.load(S + sb + 2 * j, mask=m, other=0.0).to(tl.float32)
-        tl.store(Y + yb + 2 * j, _for_store(a * c - b * s, OUT_CODE, EMULATE_RTNE), mask=m)
-        tl.store(Y + yb + 2 * j + 1, _for_store(a * s + b * c, OUT_CODE, EMULATE_RTNE), mask=m)
+        tl.store(Y + yb + 2 * j, for_store(a * c - b * s, OUT_CODE, EMULATE_RTNE), mask=m)
+        tl.store(Y + yb + 2 * j + 1, for_store(a * s + b * c, OUT_CODE, EMULATE_RTNE), mask=m)
     else:
         jj = tl.arange(0, 2 * BLOCK)[None, :]
         mm = rmask[:, None] & (jj < 2 * HALF)
@@ -128,8 +128,8 @@ def _rope_rows(
             y1 = _pair_native(x1, c1, x2, s1, True, CODE)
             y2 = _pair_native(x2, c2, x1, s2, False, CODE)
         else:
-            y1 = _round(_round(x1 * c1, CODE, EMULATE_RTNE) - _round(x2 * s1, CODE, EMULATE_RTNE), CODE, EMULATE_RTNE)
-            y2 = _round(_round(x2 * c2, CODE, EMULATE_RTNE) + _round(x1 * s2, CODE, EMULATE_RTNE), CODE, EMULATE_RTNE)
+            y1 = round_as(round_as(x1 * c1, CODE, EMULATE_RTNE) - round_as(x2 * s1, CODE, EMULATE_RTNE), CODE, EMULATE_RTNE)
+            y2 = round_as(round_as(x2 * c2, CODE, EMULATE_RTNE) + round_as(x1 * s2, CODE, EMULATE_RTNE), CODE, EMULATE_RTNE)
         if FORM == 4:  # interleaved output (GPT-J): pairs joined in registers, one contiguous store
             tl.store(Y + yb + jj, tl.reshape(tl.join(y1, y2), (ROWS, 2 * BLOCK)), mask=mm)
         else:

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
-from ep_fuse.providers.common import KERNEL_DTYPES
+from ep_fuse.ops import w8a8 as ops
+from ep_fuse.providers.tensor_checks import KERNEL_DTYPES
 from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, quantized_operand_checks, unit_last
+from ep_fuse.providers.triton.provider import register
 from ep_fuse.symbolic import same_shape, sym_eq
 
 
@@ -52,7 +54,7 @@ def check_w8a8_swiglu_call(args: tuple[Any, ...]) -> str | None:
 
 def quant_per_token_kernel(x, wrap=None):
     """``ep_fuse_triton::quant_per_token``."""
-    from ep_fuse.providers.triton.w8a8_kernel import launch_quant_rows
+    from ep_fuse.providers.triton.w8a8_kernel import launch_quant_rows  # imports triton: on first launch
 
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     s = torch.empty(x.shape[:1], dtype=torch.float32, device=x.device)
@@ -65,7 +67,7 @@ def quant_per_token_kernel(x, wrap=None):
 
 def _gemm(xq, xs, wq, ws, seg, n: int, dtype: torch.dtype, swiglu: bool,
           wrap: Callable[[Any], Any] | None) -> torch.Tensor:
-    from ep_fuse.providers.triton.w8a8_kernel import launch_w8a8_gemm
+    from ep_fuse.providers.triton.w8a8_kernel import launch_w8a8_gemm  # imports triton: on first launch
 
     y = torch.empty((xq.shape[0], n), dtype=dtype, device=xq.device)
     if xq.shape[0] == 0 or n == 0:
@@ -85,3 +87,8 @@ def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_ind
 def grouped_gemm_w8a8_kernel(xq, x_scale, w_q, w_scale, seg_indptr, out_dtype, wrap=None):
     """``ep_fuse_triton::grouped_gemm_w8a8``: int8 GEMM with the per-token x per-channel dequant epilogue."""
     return _gemm(xq, x_scale, w_q, w_scale, seg_indptr, w_q.shape[1], out_dtype, False, wrap)
+
+
+register(ops.quant_per_token, quant_per_token_kernel, supports=check_quant_call)
+register(ops.grouped_gemm_w8a8_swiglu_quant, grouped_gemm_w8a8_swiglu_quant_kernel, supports=check_w8a8_swiglu_call)
+register(ops.grouped_gemm_w8a8, grouped_gemm_w8a8_kernel, supports=check_w8a8_gemm_call)

@@ -1,6 +1,6 @@
 """Triton W8A8 int8 kernels: per-token quant and int8 grouped GEMMs with fused dequant epilogues.
 
-Semantics: :mod:`ep_fuse.ops.quant_reference`. The grouped GEMMs reuse the work list of
+Semantics: :mod:`ep_fuse.ops.w8a8`. The grouped GEMMs reuse the work list of
 :mod:`ep_fuse.providers.triton.grouped_gemm_kernel` (tiles of ``BM`` rows of one expert built on the
 device from ``seg_indptr``, flat grid ``(cdiv(M, BM) + min(E, M)) * cdiv(N, BN)``, ``SWAP_AB`` for decode):
 
@@ -26,19 +26,8 @@ import triton
 import triton.language as tl
 
 from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs
-from ep_fuse.providers.triton.grouped_gemm_kernel import (
-    _tile_rows,
-    _work_item,
-    num_programs,
-    block_e,
-    is_decode,
-)
-from ep_fuse.providers.triton.rms_norm_kernel import (
-    DTYPE_CODES,
-    INTERPRET,
-    _for_store,
-    _round,
-)
+from ep_fuse.providers.triton.grouped_gemm_kernel import _tile_rows, _work_item, num_programs, block_e, is_decode
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 QUANT_BLOCK = 4096
 """Columns one per-token quant program handles per step (wider rows loop)."""
@@ -105,9 +94,9 @@ def _w8a8_gemm_kernel(
         u = (acc_u.to(tl.float32) * xs[:, None]) * wsu[None, :]
         v = v / (1.0 + tl.exp(-v)) * u
     else:
-        v = _round(v, CODE, EMULATE_RTNE)
+        v = round_as(v, CODE, EMULATE_RTNE)
     mask = (rm < m_end)[:, None] & (rn < N)[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _for_store(v, CODE, EMULATE_RTNE), mask=mask)
+    tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], for_store(v, CODE, EMULATE_RTNE), mask=mask)
 
 
 # --------------------------------------------------------------------------- configs and launches

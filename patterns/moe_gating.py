@@ -2,7 +2,7 @@
 
 Matched from the fp32 router logits (the input of ``_softmax``/``sigmoid``; the router GEMM and its
 upcast stay outside) to the ``(weights, ids)`` pair the experts consume; both become the two outputs
-of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its semantics):
+of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.moe_gating` for its semantics):
 
 * ``softmax_topk`` (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V2 ``greedy``)::
 
@@ -26,7 +26,7 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.router_reference` for its sema
   selection bias; Ernie-4.5-MoE, whose ``div(w, clamp(sum, min=eps))`` tail becomes ``renorm_clamp=True``).
 * ``topk_softmax`` (Granite-MoE, Cohere2-MoE): ``v, ids = topk(logits, K)`` on fp32 or bf16 logits,
   ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; the softmax must run in fp32 (:func:`softmax_in_fp32`).
-  Its own score in the canonical op (see :mod:`ep_fuse.ops.router_reference` for why it is not
+  Its own score in the canonical op (see :mod:`ep_fuse.ops.moe_gating` for why it is not
   softmax -> top-k -> renormalise, ties included).
 * ``topk_sigmoid`` (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``v, ids = topk(logits, K)``,
   ``sigmoid(v)`` in fp32, then the tail (``norm_topk_prob``: ``div(w, sum(w))``).
@@ -51,19 +51,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import (
-    Anchor,
-    Cast,
-    Item,
-    Lit,
-    Match,
-    Opt,
-    Pattern,
-    Replacement,
-    Var,
-    alt,
-    op,
-)
+from ep_fuse.matching import Anchor, Cast, Item, Lit, Match, Opt, Pattern, Replacement, Var, alt, op
 from ep_fuse.matching.checks import (
     MODEL_FLOATS,
     VIEWS,
@@ -79,8 +67,8 @@ from ep_fuse.matching.checks import (
 )
 from ep_fuse.matching.matcher import CAST_TARGETS
 from ep_fuse.matching.pattern import equals, is_number
-from ep_fuse.ops import canonical
-from ep_fuse.ops.router_reference import TOPK_FIRST
+from ep_fuse.ops import moe_gating as moe_gating_ops
+from ep_fuse.ops.moe_gating import TOPK_FIRST
 
 aten = torch.ops.aten
 log = logging.getLogger("ep_fuse.patterns")
@@ -340,7 +328,7 @@ def _build(m: Match) -> Replacement:
     if clamp:  # the schema's trailing ``renorm_clamp=False``: other calls keep their 11 arguments
         args = (*args, True)
     log.debug("ep_fuse: moe_gating%s at %s", args[2:], m.root.name)
-    return Replacement(canonical.moe_gating.op, args, ("root", "ids"))
+    return Replacement(moe_gating_ops.moe_gating.op, args, ("root", "ids"))
 
 
 def _router_head(node: Any) -> bool:

@@ -1,4 +1,5 @@
-"""Pure-torch reference implementations of the MoE canonical ops (``op-contracts.md`` §6, §7).
+"""The routed-expert (MoE) family: ``ep_fuse::moe_permute``, ``moe_unpermute``, ``grouped_gemm``,
+``grouped_gemm_swiglu`` and their block ``moe_experts`` (schemas and pure-torch references).
 
 Conventions shared by every MoE op and provider:
 
@@ -22,6 +23,8 @@ rounded once.
 from __future__ import annotations
 
 import torch
+
+from ep_fuse.ops.registry import define_canonical
 
 
 def _valid(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -137,3 +140,30 @@ def moe_experts_ref(
     act = ops.grouped_gemm_swiglu(rows, w13, seg_indptr)
     y = ops.grouped_gemm(act, w2, seg_indptr)
     return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
+
+
+moe_permute = define_canonical(
+    "moe_permute", "(Tensor x, Tensor topk_ids, int num_experts) -> (Tensor, Tensor, Tensor)", moe_permute_ref)
+"""``moe_permute(x, topk_ids, E) -> (rows, src2dst, seg_indptr)``: see :mod:`ep_fuse.ops.moe`."""
+
+moe_unpermute = define_canonical(
+    "moe_unpermute",
+    "(Tensor y, Tensor src2dst, Tensor? topk_weights, int top_k, ScalarType? out_dtype) -> Tensor",
+    moe_unpermute_ref)
+"""``moe_unpermute(y, src2dst, w, K, out_dtype)``: weighted top-k sum of permuted rows back per token."""
+
+grouped_gemm = define_canonical(
+    "grouped_gemm", "(Tensor x, Tensor w, Tensor seg_indptr) -> Tensor", grouped_gemm_ref,
+    fake=grouped_gemm_fake, traceable=grouped_gemm_traceable)
+"""``grouped_gemm(x, w [E, N, K], seg_indptr)``: per-expert ``x @ w[e].T`` over row segments."""
+
+grouped_gemm_swiglu = define_canonical(
+    "grouped_gemm_swiglu", "(Tensor x, Tensor w13, Tensor seg_indptr) -> Tensor", grouped_gemm_swiglu_ref,
+    fake=grouped_gemm_swiglu_fake, traceable=grouped_gemm_traceable)
+"""``grouped_gemm_swiglu(x, w13 [E, 2I, H], seg_indptr)``: ``silu(gate) * up`` of the gate|up grouped GEMM."""
+
+moe_experts = define_canonical(
+    "moe_experts",
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, ScalarType? out_dtype) -> Tensor",
+    moe_experts_ref, block=True, stages=("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"))
+"""The routed-expert block; expanded into the four stage ops above before lowering."""

@@ -1,17 +1,20 @@
-"""Canonical EP ops ``ep_fuse::ep_dispatch`` / ``ep_fuse::ep_combine`` (``op-contracts.md`` §8.9).
+"""The EP family: the canonical ops ``ep_fuse::ep_dispatch`` / ``ep_fuse::ep_combine`` and the table of engines
+that run them.
 
 ``ep_dispatch(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s)
 -> (recv_x, recv_ids, recv_weights, handle)`` sends each token to the ranks owning its experts;
 ``ep_combine(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
 timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and the handle format:
-:mod:`ep_fuse.ep.layout`.
+:mod:`ep_fuse.ops.ep_layout`.
 
-* The kernels run the provider named by ``backend`` (``all_to_all``, ``deepep``,
-  ``deepep_low_latency``, ``npu``, ``symm_mem``); the EP pass picks it at compile time, identically on every rank,
-  so dispatch and combine of one block always use the same provider. ``all_to_all`` is the reference.
+* The kernels run the engine named by ``backend`` (``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu``,
+  ``symm_mem``), looked up in a table the engines fill from their own modules (:func:`register_ep_provider`,
+  called by :mod:`ep_fuse.ep.all_to_all` etc.; :mod:`ep_fuse.catalog` imports them). The EP pass picks the
+  engine at compile time, identically on every rank, so dispatch and combine of one block always use the
+  same one. ``all_to_all`` is the reference.
 * Fake impls have fixed shapes (a static bound, or the capacity), so the rest of the graph keeps
   static shapes; data-dependent receive counts live in the handle. ``all_to_all``'s rank-layout
-  ``recv_x`` is a row-strided view (row stride ``Hp`` of :func:`~ep_fuse.ep.layout.packed_row`).
+  ``recv_x`` is a row-strided view (row stride ``Hp`` of :func:`~ep_fuse.ops.ep_layout.packed_row`).
 * Both ops are marked side-effectful (``torch.fx.node.has_side_effect``): DCE, CSE and ep_fuse's
   cleanup never drop or merge them; data dependencies (dispatch -> experts -> combine -> next layer)
   order them. They are opaque to Inductor (never inlined).
@@ -24,11 +27,37 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx
 
-from ep_fuse.ep import groups
-from ep_fuse.ep.layout import handle_len, packed_row, recv_rows
-from ep_fuse.ops.registry import define_canonical
+from ep_fuse.ops.ep_layout import handle_len, packed_row, recv_rows
+from ep_fuse.ops.registry import define_canonical, never_traceable
+
+class EpError(RuntimeError):
+    """Expert parallelism cannot run as configured (the message says what to change)."""
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def resolve_group(group: Any) -> Any:
+    """A ``ProcessGroup`` from a group, a group name, or ``None`` (the default world group)."""
+    if not initialized():
+        raise EpError(
+            "ep_fuse: expert parallelism needs torch.distributed: call torch.distributed.init_process_group() "
+            "on every rank before compiling (or leave ep/ep_group unset for a single-process model)."
+        )
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, str):
+        try:
+            return dist.distributed_c10d._resolve_process_group(group)
+        except Exception as exc:
+            raise EpError(f"ep_fuse: no process group named {group!r} ({exc}); pass the ProcessGroup itself "
+                          "as ep_group") from exc
+    return group
+
 
 DISPATCH_SCHEMA = (
     "(Tensor x, Tensor topk_ids, Tensor topk_weights, int num_experts, str group_name, str backend, str layout, "
@@ -50,7 +79,7 @@ class EpProvider:
     combine: Callable[..., Any]
     """``(y, handle, ids, w, E, group_name, layout, capacity, timeout_s, out_dtype) -> out``."""
     layout: str
-    """``rank`` or ``expert`` (:mod:`ep_fuse.ep.layout`)."""
+    """``rank`` or ``expert`` (:mod:`ep_fuse.ops.ep_layout`)."""
     available: Callable[[], str | None]
     """``None`` when its runtime (deep_ep, NVSHMEM, torch_npu) can be used here, else why not."""
     supports: Callable[[Any, Any, Any, int, int, int], str | None]
@@ -76,10 +105,10 @@ def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Calla
 
 
 def ep_provider(backend: str) -> EpProvider:
-    """The provider registered as ``backend`` (:class:`~ep_fuse.ep.groups.EpError` when there is none)."""
-    _load_providers()
+    """The engine registered as ``backend`` (:class:`EpError` when there is none)."""
     if backend not in _PROVIDERS:
-        raise groups.EpError(f"ep_fuse: unknown EP backend {backend!r}; known: {', '.join(sorted(_PROVIDERS))}")
+        raise EpError(f"ep_fuse: unknown EP backend {backend!r}; known: {', '.join(sorted(_PROVIDERS)) or 'none'} "
+                      "(import ep_fuse.catalog to register the built-in engines)")
     return _PROVIDERS[backend]
 
 
@@ -97,7 +126,7 @@ def ep_combine_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, 
 
 
 def ep_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s):
-    world = groups.resolve_group(group_name).size()
+    world = resolve_group(group_name).size()
     t, k = topk_ids.shape
     rows = recv_rows(layout, world, num_experts, t, capacity)
     kk = k if layout == "rank" else 1
@@ -118,40 +147,9 @@ def ep_combine_fake(y, handle, topk_ids, topk_weights, num_experts, group_name, 
     return y.new_empty(topk_ids.shape[0], y.shape[1], dtype=out_dtype)
 
 
-def _never_inline(_args: tuple[Any, ...]) -> bool:
-    return False
-
-
 ep_dispatch = define_canonical("ep_dispatch", DISPATCH_SCHEMA, ep_dispatch_impl, fake=ep_dispatch_fake,
-                               traceable=_never_inline, engine=True)
+                               traceable=never_traceable, engine=True)
 ep_combine = define_canonical("ep_combine", COMBINE_SCHEMA, ep_combine_impl, fake=ep_combine_fake,
-                              traceable=_never_inline, engine=True)
+                              traceable=never_traceable, engine=True)
 torch.fx.node.has_side_effect(ep_dispatch.op)
 torch.fx.node.has_side_effect(ep_combine.op)
-
-_loaded = False
-
-
-def _load_providers() -> None:
-    global _loaded
-    if _loaded:
-        return
-    from ep_fuse.ep import all_to_all, deepep, npu, symm_mem
-
-    # module attributes are looked up per call (tests swap runtimes and limits in and out)
-    register_ep_provider("all_to_all", all_to_all.dispatch, all_to_all.combine, layout="rank")
-    register_ep_provider(
-        "deepep", deepep.dispatch_normal, deepep.combine_normal, layout="rank",
-        available=lambda: deepep.available(),
-        supports=lambda x, ids, dt, world, e, cap: deepep.supports("normal", x, ids, dt, world, cap, e))
-    register_ep_provider(
-        "deepep_low_latency", deepep.dispatch_low_latency, deepep.combine_low_latency, layout="expert",
-        available=lambda: deepep.available(),
-        supports=lambda x, ids, dt, world, e, cap: deepep.supports("low_latency", x, ids, dt, world, cap, e))
-    register_ep_provider(
-        "npu", npu.dispatch, npu.combine, layout="expert", available=lambda: npu.available(),
-        supports=lambda x, ids, dt, world, e, cap: npu.supports(x, ids, e, world, cap), contracts=npu.CONTRACTS)
-    register_ep_provider(
-        "symm_mem", symm_mem.dispatch, symm_mem.combine, layout="rank", available=lambda: symm_mem.available(),
-        supports=lambda x, ids, dt, world, e, cap: symm_mem.supports(x, ids, dt, world, cap))
-    _loaded = True

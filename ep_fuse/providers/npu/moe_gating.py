@@ -15,7 +15,7 @@ against torch_npu 2.14.0's schema and meta function: ``docs/npu.md``):
 
 Declined where the documented limits do not fit: logits not 2-D, more than 2048 experts,
 E / group_count <= 2, k > (E / group_count) * k_group. Within them the result equals
-:func:`ep_fuse.ops.router_reference.moe_gating_stable_ref` except one corner of DeepSeek-V2's
+:func:`ep_fuse.ops.moe_gating.moe_gating_stable_ref` except one corner of DeepSeek-V2's
 ``max`` grouping: HF masks dropped groups to 0.0 (not -inf), which differs only when a kept expert's
 probability underflows to exactly 0.0.
 """
@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops import canonical
+from ep_fuse.ops import moe_gating as ops
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.ops.router_reference import check_gating_args, finish_weights
-from ep_fuse.providers.npu import _available, _devices, _npu, contracts
+from ep_fuse.ops.moe_gating import check_gating_args, finish_weights
+from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
 from ep_fuse.symbolic import concrete_int
 
 MAX_EXPERTS = 2048
@@ -72,7 +72,7 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
                       scale, weight_dtype, renorm_clamp=False):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_npu::moe_gating``."""
     divide_after = score == "softmax" and renormalize
-    y, ids, _norm = _npu().npu_moe_gating_top_k(
+    y, ids, _norm = torch_npu().npu_moe_gating_top_k(
         logits.to(torch.float32), int(top_k), bias=bias.to(torch.float32) if bias is not None else None,
         k_group=int(topk_group), group_count=int(n_group), group_select_mode=GROUP_SELECT_MODES[group_score],
         renorm=0, norm_type=NORM_TYPES[score], out_flag=False,
@@ -82,5 +82,5 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
     return y, ids.to(torch.int64)
 
 
-register_provider(canonical.moe_gating, "npu", moe_gating_kernel, devices=_devices, available=_available,
+register_provider(ops.moe_gating, "npu", moe_gating_kernel, devices=devices, available=available,
                   supports=gating_supports, contracts=contracts("npu_moe_gating_top_k"))

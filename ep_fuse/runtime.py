@@ -1,5 +1,9 @@
-"""``torch_npu`` for every Ascend code path (op providers, EP): whether it can be used (asked once), and which
-torch_npu release the op contracts of those paths were checked against.
+"""Facts about the run-time environment that several layers ask (a leaf: it imports nothing of the package).
+
+* :func:`triton_interpret`: whether Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1``, which
+  must be set before the first kernel is defined).
+* ``torch_npu`` for every Ascend code path (op providers, EP): whether it can be used (asked once), and which
+  torch_npu release the op contracts of those paths were checked against.
 
 No Ascend hardware runs in this project's tests. What is checked instead (``tests/test_npu_conformance.py``,
 ``docs/npu.md``): every ``torch_npu.npu_*`` call the providers and the EP engine make is bound to the op's
@@ -13,7 +17,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from typing import Any
+
+
+def triton_interpret() -> bool:
+    """Whether Triton runs under its CPU interpreter (``TRITON_INTERPRET=1``): its kernels then run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 TORCH_NPU_CONTRACT_VERSION = "2.14.0"
 """The torch_npu release whose schemas and meta functions the NPU calls were checked against."""
@@ -22,7 +33,7 @@ CHECKED_AGAINST = f"torch_npu {TORCH_NPU_CONTRACT_VERSION}"
 
 
 @functools.lru_cache(maxsize=1)
-def available() -> str | None:
+def npu_available() -> str | None:
     """``None`` when ``torch_npu`` imports, else why not (one cached answer; ``cache_clear`` re-asks)."""
     try:
         importlib.import_module("torch_npu")
@@ -35,6 +46,6 @@ def torch_npu() -> Any:
     return importlib.import_module("torch_npu")
 
 
-def contracts(*ops: str) -> dict[str, str]:
+def npu_contracts(*ops: str) -> dict[str, str]:
     """``{op: "torch_npu X.Y.Z"}`` for the torch_npu ops one provider calls (the compile report shows them)."""
     return dict.fromkeys(ops, CHECKED_AGAINST)

@@ -6,7 +6,7 @@ next power of two), are upcast to fp32 right after the load, and never leave the
 ``[T, K]`` weights and ids are stored. Every top-k is an unrolled loop of arg-max steps in which the
 **lowest index wins among equal values** (a max, then a min over the indices that reach it), i.e. a
 stable descending top-k -- the tie order of ``npu_moe_gating_top_k`` and of
-:func:`ep_fuse.ops.router_reference.moe_gating_stable_ref`. Only Triton 3.x core ops are used
+:func:`ep_fuse.ops.moe_gating.moe_gating_stable_ref`. Only Triton 3.x core ops are used
 (``max``/``min``/``maximum``/``sum``/``where``/``exp``/``static_range``), nothing newer than Triton 3.6 offers.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.rms_norm_kernel import _for_store
+from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store
 
 SCORES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sigmoid": 3}
 GROUP_SCORES = {"none": 0, "max": 1, "sum_top2": 2, "sum_top2_fill0": 3}
@@ -123,15 +123,13 @@ def _gating_kernel(
         w = w * scale
     out = rows[:, None].to(tl.int64) * K + kcols
     omask = rmask[:, None] & (kcols < K)
-    tl.store(W + out, _for_store(w, OUT_CODE, EMULATE_RTNE), mask=omask)
+    tl.store(W + out, for_store(w, OUT_CODE, EMULATE_RTNE), mask=omask)
     tl.store(I + out, ids, mask=omask)
 
 
 def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
            scale, renorm_clamp=False, wrap=None) -> None:  # noqa: ANN001 - tensors and schema scalars
     """Launch the gating kernel writing ``weights`` and ``ids`` (both contiguous [T, K])."""
-    from ep_fuse.providers.triton.rms_norm_kernel import DTYPE_CODES, INTERPRET
-
     t, e = logits.shape
     block_e = triton.next_power_of_2(int(e))
     block_t = max(1, min(16, 2048 // block_e))

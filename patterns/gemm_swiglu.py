@@ -25,19 +25,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import (
-    Anchor,
-    Derived,
-    Item,
-    Lit,
-    Match,
-    Pattern,
-    Replacement,
-    Var,
-    op,
-)
+from ep_fuse.matching import Anchor, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
 from ep_fuse.matching.checks import MODEL_FLOATS, VIEWS, is_shape, same_shape, tensor_of
-from ep_fuse.ops import canonical
+from ep_fuse.ops import gemm_swiglu as gemm_swiglu_ops
 
 aten = torch.ops.aten
 
@@ -133,8 +123,8 @@ def _build(m: Match) -> Replacement:
         w, inter = m["w_gate_up"], m["inter"]
         gate = Derived(aten.slice.Tensor, (w, 0, 0, inter))
         up = Derived(aten.slice.Tensor, (w, 0, inter, 2 * inter))
-        return Replacement(canonical.gemm_swiglu.op, (m["x"], gate, up))
-    return Replacement(canonical.gemm_swiglu.op, (m["x"], m["w_gate"], m["w_up"]))
+        return Replacement(gemm_swiglu_ops.gemm_swiglu.op, (m["x"], gate, up))
+    return Replacement(gemm_swiglu_ops.gemm_swiglu.op, (m["x"], m["w_gate"], m["w_up"]))
 
 
 GEMMS = {aten.mm.default, aten.addmm.default}

@@ -1,4 +1,4 @@
-"""Pure-torch reference of the router gating op ``ep_fuse::moe_gating`` (``op-contracts.md`` §5).
+"""The router family: ``ep_fuse::moe_gating`` (schema and pure-torch reference).
 
 ``moe_gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
 scale, weight_dtype, renorm_clamp=False) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging Face
@@ -85,6 +85,8 @@ Every other step is spelled with the ATen ops the HF code traces to (``_softmax`
 from __future__ import annotations
 
 import torch
+
+from ep_fuse.ops.registry import define_canonical
 
 SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 GROUP_SCORES = ("none", "max", "sum_top2", "sum_top2_fill0")
@@ -253,3 +255,13 @@ def moe_gating_stable_ref(
     """The fused providers' contract: as :func:`moe_gating_ref` with stable, lowest-index-first ties."""
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
                    scale, weight_dtype, renorm_clamp, stable=True)
+
+
+MOE_GATING_SCHEMA = (
+    "(Tensor logits, Tensor? bias, int top_k, str score, int n_group, int topk_group, str group_score, "
+    "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype, bool renorm_clamp=False) "
+    "-> (Tensor, Tensor)"
+)
+"""``renorm_clamp`` (Ernie-4.5-MoE) is passed only when true: calls keep the 11 arguments otherwise."""
+moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, moe_gating_ref)
+"""``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.moe_gating`."""

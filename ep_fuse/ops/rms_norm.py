@@ -1,0 +1,122 @@
+"""The RMSNorm family: ``ep_fuse::rms_norm`` and ``ep_fuse::add_rms_norm`` (schemas, pure-torch references, and
+the argument conventions every provider of them shares).
+
+The references are the semantics: the fallback of every provider, the fake impls, the test oracles, and what the
+Inductor executor inlines where no fused provider is taken. They spell out the exact operation order of the model
+code they replace, so an inlined reference is what Inductor would have compiled anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ep_fuse.ops.registry import define_canonical
+
+RMS_NORM_MODES = ("llama", "weight_fp32", "gemma", "none")
+"""How the weight meets the normalised value ``n`` (fp32 when ``upcast``):
+
+* ``llama``: ``w * n.to(out_dtype)`` -- cast first, multiply in the model dtype (HF Llama/Mixtral/Qwen/DeepSeek);
+* ``weight_fp32``: ``(w * n)`` then an optional cast (GPT-OSS; also plain fp32 models);
+* ``gemma``: ``n * (w.float() + 1)`` then an optional cast (zero-centred weight, Qwen3-Next);
+* ``none``: ``n`` then an optional cast (weightless L2 q/k-norm).
+"""
+
+
+def _check_mode(mode: str, weight: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:
+    if mode not in RMS_NORM_MODES:
+        raise ValueError(f"ep_fuse rms_norm: mode {mode!r} is not one of {RMS_NORM_MODES}")
+    if (weight is None) != (mode == "none"):
+        raise ValueError(f"ep_fuse rms_norm: mode {mode!r} {'needs' if mode != 'none' else 'takes no'} weight")
+    if mode == "llama" and out_dtype is None:
+        raise ValueError("ep_fuse rms_norm: mode 'llama' casts before the weight multiply and needs out_dtype")
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    eps_t: torch.Tensor | None,
+    mode: str,
+    upcast: bool,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim: ``n = xf * rsqrt(mean(xf**2) + eps)`` then the weight as ``mode`` says."""
+    _check_mode(mode, weight, out_dtype)
+    xf = x.to(torch.float32) if upcast else x
+    var = xf.pow(2).mean(-1, keepdim=True)
+    var = var + (eps_t if eps_t is not None else eps)
+    n = xf * torch.rsqrt(var)
+    if mode == "llama":
+        assert weight is not None and out_dtype is not None
+        return weight * n.to(out_dtype)
+    if mode == "weight_fp32":
+        assert weight is not None
+        y = weight * n
+    elif mode == "gemma":
+        assert weight is not None
+        y = n * (weight.to(torch.float32) + 1.0)
+    else:
+        y = n
+    return y.to(out_dtype) if out_dtype is not None else y
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    eps_t: torch.Tensor | None,
+    mode: str,
+    upcast: bool,
+    out_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (rounded to the input dtype), then :func:`rms_norm_ref` of ``s``; returns ``(normed, s)``."""
+    s = x + residual
+    return rms_norm_ref(s, weight, eps, eps_t, mode, upcast, out_dtype), s
+
+
+def unpack_norm_args(args: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor | None, tuple[Any, ...]]:
+    """Split ``(x[, residual], weight, eps, eps_t, mode, upcast, out_dtype)``."""
+    if len(args) == 8:
+        return args[0], args[1], args[2:]
+    return args[0], None, args[1:]
+
+
+def rms_norm_out_dtype(
+    x: torch.Tensor, weight: torch.Tensor | None, mode: str, upcast: bool, out_dtype: torch.dtype | None
+) -> torch.dtype:
+    """Output dtype of ``rms_norm_ref`` (type promotion of its last op)."""
+    stat = torch.float32 if upcast else x.dtype
+    if mode == "llama":
+        assert weight is not None and out_dtype is not None
+        return torch.promote_types(weight.dtype, out_dtype)
+    if out_dtype is not None:
+        return out_dtype
+    if mode == "weight_fp32":
+        assert weight is not None
+        return torch.promote_types(weight.dtype, stat)
+    if mode == "gemma":
+        return torch.promote_types(stat, torch.float32)
+    return stat
+
+
+def host_eps(eps: float, eps_t: torch.Tensor | None) -> float:
+    """The eps value; a dynamic-shape eps arrives as a 0-d CPU tensor, whose read does not sync a device."""
+    return float(eps_t.item()) if eps_t is not None else float(eps)
+
+
+RMS_NORM_SCHEMA = (
+    "(Tensor x, Tensor? weight, float eps, Tensor? eps_t, str mode, bool upcast, ScalarType? out_dtype) -> Tensor"
+)
+ADD_RMS_NORM_SCHEMA = (
+    "(Tensor x, Tensor residual, Tensor? weight, float eps, Tensor? eps_t, str mode, bool upcast, "
+    "ScalarType? out_dtype) -> (Tensor, Tensor)"
+)
+
+rms_norm = define_canonical("rms_norm", RMS_NORM_SCHEMA, rms_norm_ref)
+"""``rms_norm(x, weight, eps, eps_t, mode, upcast, out_dtype)``: see :func:`ep_fuse.ops.reference.rms_norm_ref`."""
+
+add_rms_norm = define_canonical("add_rms_norm", ADD_RMS_NORM_SCHEMA, add_rms_norm_ref)
+"""``add_rms_norm(x, residual, ...) -> (normed, x + residual)``: see :func:`ep_fuse.ops.reference.add_rms_norm_ref`."""

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 import torch
-from _norm_cases import MODES, norm_args, ulp_close
+from support.norm_cases import MODES, norm_args, ulp_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _norm_cases import ulp_close
+from support.norm_cases import ulp_close
 from torch import nn
 
 import ep_fuse

@@ -27,13 +27,13 @@ def _fresh_dynamo():
 
 @pytest.fixture
 def torch_npu_double(monkeypatch):
-    """``import torch_npu`` yields the test double of the documented op semantics (``npu_double.py``), bound to
-    torch_npu's real op schemas and meta functions (``npu_conformance.py``; skips when the pinned wheel is
-    unavailable). A provider kernel that raises fails the test instead of falling back to the reference."""
+    """``import torch_npu`` yields the test double of the documented op semantics (``support/npu_double.py``),
+    bound to torch_npu's real op schemas and meta functions (``support/npu_conformance.py``; skips when the pinned
+    wheel is unavailable). A provider kernel that raises fails the test instead of falling back to the reference."""
     import sys
 
-    import npu_conformance
-    import npu_double
+    from support import npu_conformance
+    from support import npu_double
 
     npu_conformance.require()
 

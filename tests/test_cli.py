@@ -12,7 +12,7 @@ import pytest
 import ep_fuse
 
 HERE = Path(__file__).resolve().parent
-NEAR_MISS = f"{HERE / 'cli_targets.py'}:near_miss"
+NEAR_MISS = f"{HERE / 'support' / 'cli_targets.py'}:near_miss"
 
 
 def run(*args, cwd=None):
@@ -130,8 +130,8 @@ def test_patterns_lists_the_stage_providers_of_a_block():
         (("dump", "nothing"), 2, "is not 'path/to/file.py:factory'"),
         (("dump", "hf:llama9"), 2, "unknown built-in model 'hf:llama9'"),
         (("dump", "no/such/file.py:f"), 2, "no such file: no/such/file.py"),
-        (("dump", f"{HERE / 'cli_targets.py'}:broken"), 3, "raised ValueError: factory failed on purpose"),
-        (("dump", f"{HERE / 'cli_targets.py'}:missing"), 2, "has no callable 'missing'"),
+        (("dump", f"{HERE / 'support' / 'cli_targets.py'}:broken"), 3, "raised ValueError: factory failed on purpose"),
+        (("dump", f"{HERE / 'support' / 'cli_targets.py'}:missing"), 2, "has no callable 'missing'"),
         (("explain", NEAR_MISS, "--pattern", "ropee"), 2, "unknown pattern 'ropee'"),
         (("dump", NEAR_MISS, "--option", "executr=eager"), 2, "unknown option 'executr'"),
         (("patterns", "--family", "nope"), 2, "unknown family 'nope'"),
@@ -152,7 +152,7 @@ def test_console_script_is_installed():
 
 def test_env_switch_dumps_plain_torch_compile(tmp_path, monkeypatch):
     import torch
-    from cli_targets import near_miss
+    from support.cli_targets import near_miss
 
     monkeypatch.setenv("EP_FUSE_DUMP_DIR", str(tmp_path))
     mod, args = near_miss()

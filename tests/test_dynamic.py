@@ -4,7 +4,7 @@ Qwen2-MoE-style model runs a decode/prefill shape sequence in at most two graphs
 
 import pytest
 import torch
-from moe_modules import MODULES, RoutedClampedBatched
+from support.moe_modules import MODULES, RoutedClampedBatched
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv

@@ -6,8 +6,8 @@ block. Every rank's output must equal the single-process full model's output for
 
 To stay within a few minutes on two CPU cores, one group of processes per world size runs a list of
 *scenarios* (module-scoped fixture); each test asserts its scenario passed on every rank. DeepEP and
-Ascend providers run against test doubles of their documented contracts (``deepep_double.py``,
-``npu_ep_double.py``) -- not against real DeepEP / torch_npu.
+Ascend providers run against test doubles of their documented contracts (``support/deepep_double.py``,
+``support/npu_ep_double.py``) -- not against real DeepEP / torch_npu.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def sc_hf_mixtral_batched_mm(world):
 
 
 def sc_hand_written_module(world):
-    """tests/moe_modules.py ScatterAddCombine (matched by the pattern, not written as the canonical op)."""
-    from moe_modules import ScatterAddCombine
+    """tests/support/moe_modules.py ScatterAddCombine (matched by the pattern, not written as the canonical op)."""
+    from support.moe_modules import ScatterAddCombine
 
     e = 2 * world
     full = ScatterAddCombine(e, 32, 16)
@@ -292,7 +292,7 @@ def _install(name, module):
 
 
 def sc_deepep_double(world):
-    import deepep_double
+    from support import deepep_double
 
     from ep_fuse.ep import deepep, handles
 
@@ -364,7 +364,7 @@ def sc_deepep_double(world):
 
 
 def sc_npu_double(world):
-    import npu_ep_double
+    from support import npu_ep_double
 
     from ep_fuse.ep import handles, npu
 
@@ -510,7 +510,7 @@ def sc_fp8_dispatch_deepep(world):
     """The same through DeepEP's normal dispatch (the test double, bound to DeepEP's host checks): the codes +
     scales cross as one uint8 row of 16-byte words (H = 512: 512 + 16 bytes); a width whose row is not a
     multiple of 16 bytes (H = 256: 264 bytes) keeps the bf16 dispatch, with the reason logged."""
-    import deepep_double
+    from support import deepep_double
 
     from ep_fuse.ep import deepep
 
@@ -541,15 +541,15 @@ NO_BARRIER = ("sc_timeout", "sc_unequal_batches")
 
 
 def run_ranks(world: int, scenarios: list, timeout_s: float = 400.0) -> list[dict[str, str]]:
-    """Run ``scenarios`` (functions of one test module) on ``world`` gloo ranks (``dist_harness``)."""
-    from dist_harness import run_ranks as run
+    """Run ``scenarios`` (functions of one test module) on ``world`` gloo ranks (``support/dist_harness.py``)."""
+    from support.dist_harness import run_ranks as run
 
     return run(scenarios[0].__module__, [f.__name__ for f in scenarios], world, "gloo", timeout_s, NO_BARRIER)
 
 
 @pytest.fixture(scope="module")
 def ep2():
-    import npu_conformance
+    from support import npu_conformance
 
     try:  # fetch the torch_npu wheel once here, not in every worker (sc_npu_double binds to its schemas)
         npu_conformance.contracts()
@@ -564,7 +564,7 @@ def ep4():
 
 
 def _check(results, name):
-    from dist_harness import check
+    from support.dist_harness import check
 
     check(results, name)
 
@@ -572,7 +572,7 @@ def _check(results, name):
 @pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS_2])
 def test_two_ranks(ep2, name):
     if name == "sc_npu_double":
-        import npu_conformance
+        from support import npu_conformance
 
         npu_conformance.require()  # the double runs under torch_npu's schemas: skip (with why) without them
     _check(ep2, name)

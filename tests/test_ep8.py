@@ -24,7 +24,7 @@ def sc_deepseek_v3_layout(world):
 def sc_deepseek_v3_layout_deepep_double(world):
     """The same layout through the DeepEP test double: normal (data-dependent) and low-latency (capacity,
     hidden 2048: DeepEP's LL kernels exist for a few hidden sizes only)."""
-    import deepep_double
+    from support import deepep_double
 
     from ep_fuse.ep import deepep
 
@@ -45,13 +45,13 @@ SCENARIOS = [sc_deepseek_v3_layout, sc_deepseek_v3_layout_deepep_double, sc_tiny
 
 @pytest.fixture(scope="module")
 def ep8():
-    from dist_harness import run_ranks
+    from support.dist_harness import run_ranks
 
     return run_ranks(__name__, [f.__name__ for f in SCENARIOS], 8, "gloo", 900.0, ())
 
 
 @pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS])
 def test_eight_ranks(ep8, name):
-    from dist_harness import check
+    from support.dist_harness import check
 
     check(ep8, name)

@@ -200,7 +200,7 @@ def sc_gloo_checks(world: int) -> None:
 
 
 def test_gloo_provider_kernels_equal_reference():
-    from dist_harness import check, run_ranks
+    from support.dist_harness import check, run_ranks
 
     assert os.environ.get("TRITON_INTERPRET") == "1", "conftest sets the interpreter for the workers"
     check(run_ranks(__name__, ["sc_gloo_checks"], world=2, timeout_s=240.0), "sc_gloo_checks")

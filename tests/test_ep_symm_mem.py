@@ -1,5 +1,5 @@
 """The symm_mem EP provider (``ep_fuse/ep/symm_mem.py``) on CPU: gloo processes run it against
-``symm_mem_double.py``, a double of PyTorch's NVSHMEM ``all_to_all_vdev_2d`` / ``_offset`` contract (not the
+``support/symm_mem_double.py``, a double of PyTorch's NVSHMEM ``all_to_all_vdev_2d`` / ``_offset`` contract (not the
 real ops; ``tests/gpu/test_ep_symm_mem_gpu.py`` runs those). Results must equal the ``all_to_all``
 reference provider and the single-process model.
 
@@ -26,7 +26,7 @@ TIMEOUT_S = 60.0
 # =========================================================================== helpers (run in the workers)
 @contextlib.contextmanager
 def _double():
-    import symm_mem_double
+    from support import symm_mem_double
 
     undo = symm_mem_double.install()
     try:
@@ -394,7 +394,7 @@ def test_auto_on_cuda_without_runtimes_keeps_the_reference():
 
 
 def test_supports_and_heap(monkeypatch):
-    import symm_mem_double
+    from support import symm_mem_double
 
     from ep_fuse.ep import symm_mem
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_modules import routed_case
+from support.moe_modules import routed_case
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ep_fuse

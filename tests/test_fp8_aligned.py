@@ -4,7 +4,7 @@
   the plain layout's rows, padding is zero (hypothesis over token counts, experts, top-k, dropped slots);
 * the Triton permute (interpreter) writes the same layout, padding zeroed;
 * the block's output does not depend on ``align``;
-* the DeepGEMM provider against a test double of ``deep_gemm`` (``tests/deepgemm_double.py``): the prefix-sum
+* the DeepGEMM provider against a test double of ``deep_gemm`` (``tests/support/deepgemm_double.py``): the prefix-sum
   layout it passes, its SwiGLU/requant kernel (interpreter), when it declines, and when the quant pass asks for
   the aligned layout (:func:`ep_fuse.providers.deepgemm.align_for`). The real DeepGEMM runs in
   ``tests/gpu/test_gpu_deepgemm.py``.
@@ -111,7 +111,7 @@ def test_block_output_does_not_depend_on_align():
 @pytest.fixture
 def deep_gemm(monkeypatch):
     """``import deep_gemm`` yields the double; its call log starts empty."""
-    import deepgemm_double
+    from support import deepgemm_double
 
     deepgemm_double.calls.clear()
     monkeypatch.setitem(sys.modules, "deep_gemm", deepgemm_double)

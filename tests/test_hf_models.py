@@ -56,7 +56,7 @@ def test_triton_kernels_match_eager(name, seq):
     model = tiny_models.build(name)
     # seed 0 (and seed 1 at 4 x 1 tokens) gives one Qwen3-MoE token two experts of exactly equal probability;
     # the Triton gating kernel gives ties to the lowest expert id, torch.topk on the CPU does not
-    # (tests/test_router.py)
+    # (tests/test_moe_gating.py)
     inputs = tiny_models.example_inputs(seed=1, batch=2, seq=seq) if seq > 1 else \
         tiny_models.example_inputs(seed=2, batch=4, seq=1)
     with torch.no_grad():

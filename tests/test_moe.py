@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moe_modules import MODULES, ArgsortIndexAdd
+from support.moe_modules import MODULES, ArgsortIndexAdd
 
 import ep_fuse
 from ep_fuse import tiny_models
@@ -171,7 +171,7 @@ class _CountsOfOtherExperts(ArgsortIndexAdd):
 
 def test_clamped_batched_form_needs_topk_ids():
     """``clamp(ids, 0, E-1)`` is a no-op only for top-k ids: fused with a router, refused with raw ids."""
-    from moe_modules import ClampedBatched, RoutedClampedBatched
+    from support.moe_modules import ClampedBatched, RoutedClampedBatched
 
     args = _module_inputs()
     routed = RoutedClampedBatched(4, 32, 16)

@@ -1,8 +1,8 @@
 """Every torch_npu call of the Ascend providers and the EP engine, checked against torch_npu itself.
 
-No Ascend hardware here. ``npu_conformance.py`` reads the pinned torch_npu wheel (never imported) and defines
-each ``npu::<op>`` from its real schema with torch_npu's own meta function; the doubles of ``npu_double.py`` /
-``npu_ep_double.py`` are the ops' CPU kernels. For every provider this module runs
+No Ascend hardware here. ``support/npu_conformance.py`` reads the pinned torch_npu wheel (never imported) and defines
+each ``npu::<op>`` from its real schema with torch_npu's own meta function; the doubles of ``support/npu_double.py`` /
+``support/npu_ep_double.py`` are the ops' CPU kernels. For every provider this module runs
 
 * the real call on CPU tensors: each ``torch_npu.npu_*`` call binds to the schema, then the double runs;
 * the same call under ``FakeTensorMode``: torch_npu's meta functions compute the shapes and dtypes the
@@ -21,12 +21,12 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-import npu_conformance as C
-import npu_double
-import npu_ep_double
+from support import npu_conformance as C
+from support import npu_double
+from support import npu_ep_double
 import pytest
 import torch
-from _norm_cases import norm_args
+from support.norm_cases import norm_args
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from _norm_cases import norm_args, ulp_close
+from support.norm_cases import norm_args, ulp_close
 
 from ep_fuse.config import EpFuseConfig
 from ep_fuse.ops import canonical, choose

@@ -1,11 +1,12 @@
-"""``ep_fuse.prepare`` on MoE blocks that loop over an ``nn.ModuleList`` of experts (``tests/loop_moe_modules.py``):
-stacked experts, the same outputs in eager and compiled, one graph with the expert block fused, the state
-dict unchanged; non-SwiGLU experts, biased Linears and routing it does not reproduce are refused."""
+"""``ep_fuse.prepare`` on MoE blocks that loop over an ``nn.ModuleList`` of experts
+(``tests/support/loop_moe_modules.py``): stacked experts, the same outputs in eager and compiled, one graph with
+the expert block fused, the state dict unchanged; non-SwiGLU experts, biased Linears and routing it does not
+reproduce are refused."""
 
 import functools
 import logging
 
-import loop_moe_modules as L
+from support import loop_moe_modules as L
 import pytest
 import torch
 

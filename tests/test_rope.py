@@ -3,10 +3,10 @@
 
 import pytest
 import torch
-from _norm_cases import ulp_close
+from support.norm_cases import ulp_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rope_cache_modules import CacheRope, cache_inputs
+from support.rope_cache_modules import CacheRope, cache_inputs
 from torch import nn
 
 import ep_fuse

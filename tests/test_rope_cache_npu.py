@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _norm_cases import ulp_close
+from support.norm_cases import ulp_close
 
 from ep_fuse.ops import canonical, choose
 from ep_fuse.ops.reference import CACHE_FORMS, rope_cache_ref, rope_qk_cache_ref

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_modules import routed_case
+from support.moe_modules import routed_case
 
 import ep_fuse
 from ep_fuse import tiny_models

@@ -138,7 +138,7 @@ def sc_checks(world: int) -> None:
 
 
 def test_a2a_kernels_on_two_gpus():
-    from dist_harness import check, run_ranks
+    from support.dist_harness import check, run_ranks
 
     check(run_ranks(__name__, ["sc_checks"], world=WORLD, backend="nccl", timeout_s=400.0), "sc_checks")
 

@@ -118,7 +118,7 @@ def test_deepgemm_chain_replays_from_a_cuda_graph(weights):
 
 
 def test_quant_fp8_block_lowers_the_gemms_to_deepgemm():
-    from moe_modules import compile_routed_case  # tests/moe_modules.py
+    from support.moe_modules import compile_routed_case  # tests/support/moe_modules.py
 
     import ep_fuse
 

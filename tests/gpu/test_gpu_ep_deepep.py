@@ -157,7 +157,7 @@ def sc_teardown(world):
 # ----------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def results():
-    from dist_harness import run_ranks
+    from support.dist_harness import run_ranks
 
     return run_ranks("test_gpu_ep_deepep", SCENARIOS, world=2, backend="nccl", timeout_s=600.0)
 
@@ -166,6 +166,6 @@ def results():
 @needs_deep_ep
 @pytest.mark.parametrize("name", SCENARIOS)
 def test_deepep_two_gpus(results, name):
-    from dist_harness import check
+    from support.dist_harness import check
 
     check(results, name)

@@ -77,7 +77,7 @@ def test_triton_fp8_kernels_match_reference(t, h, i, e, k):
 
 
 def test_fp8_block_is_lowered_to_triton_when_enabled():
-    from moe_modules import compile_routed_case  # tests/moe_modules.py
+    from support.moe_modules import compile_routed_case  # tests/support/moe_modules.py
 
     import ep_fuse
 

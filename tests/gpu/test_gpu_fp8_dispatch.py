@@ -98,7 +98,7 @@ def sc_fp8_dispatch_decode_deepep(world):
 # ----------------------------------------------------------------------------------- the tests
 @pytest.fixture(scope="module")
 def results():
-    from dist_harness import run_ranks
+    from support.dist_harness import run_ranks
 
     return run_ranks("test_gpu_fp8_dispatch", SCENARIOS, world=2, backend="nccl", timeout_s=400.0)
 
@@ -109,7 +109,7 @@ def results():
 def test_fp8_dispatch_two_gpus(results, name):
     import importlib.util
 
-    from dist_harness import check
+    from support.dist_harness import check
 
     if name.endswith("_deepep") and importlib.util.find_spec("deep_ep") is None:
         pytest.skip("deep_ep is not importable (bash bench/device_run.sh deepep builds it)")

@@ -4,7 +4,7 @@ import importlib
 
 import pytest
 import torch
-from _norm_cases import ulp_close
+from support.norm_cases import ulp_close
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

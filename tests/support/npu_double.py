@@ -14,7 +14,7 @@ import importlib.machinery
 import types
 
 import torch
-from npu_conformance import bound, scalar_type
+from support.npu_conformance import bound, scalar_type
 
 _RMS_DTYPES = {
     (torch.float16, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float16),

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from dist_exchange import exchange
-from npu_conformance import bound
+from support.dist_exchange import exchange
+from support.npu_conformance import bound
 
 DEVICE_NAME = "Ascend910B3"
 calls: list[str] = []

@@ -2,7 +2,7 @@
 
 The interpreter runs tensor descriptors (device-side ``tl.make_tensor_descriptor`` and host-side
 ``TensorDescriptor``) with TMA's bounds and alignment rules, so the descriptor paths run here as well as
-the pointer path; what it cannot show is GPU behaviour (``tests/gpu/test_gpu_grouped_gemm_tma.py``).
+the pointer path; what it cannot show is GPU behaviour (``tests/gpu/test_gpu_moe_grouped_gemm_tma.py``).
 """
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_grouped_gemm import assert_matches, case, loop_ref
+from test_moe_grouped_gemm import assert_matches, case, loop_ref
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.providers.triton import grouped_gemm as host

@@ -3,7 +3,7 @@ Ernie-4.5-MoE's ``clamp(sum, min=eps)`` renormalisation and Cohere2-MoE's ``expe
 the pattern variants, exact equality with eager through the reference provider, the Triton kernel (interpreter)
 against the stable reference, and look-alikes reported as near misses with the failing check."""
 
-import loop_moe_modules as L
+from support import loop_moe_modules as L
 import pytest
 import torch
 import transformers as tf

@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import ep_fuse.catalog  # noqa: E402,F401  (every op, provider and engine, as the backend loads them)
+
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")
 
 
@@ -38,7 +40,7 @@ def torch_npu_double(monkeypatch):
     npu_conformance.require()
 
     from ep_fuse.ops import registry
-    from ep_fuse.providers import npu
+    from ep_fuse.providers.npu import provider as npu_provider
 
     warn_once = registry._warn_once
 
@@ -49,6 +51,6 @@ def torch_npu_double(monkeypatch):
 
     monkeypatch.setattr(registry, "_warn_once", no_silent_fallback)
     monkeypatch.setitem(sys.modules, "torch_npu", npu_double.make_module())
-    npu._available.cache_clear()
+    npu_provider.available.cache_clear()
     yield
-    npu._available.cache_clear()
+    npu_provider.available.cache_clear()

@@ -14,9 +14,10 @@ from ep_fuse import tiny_models
 from ep_fuse.matching import Lit, Mismatch, op
 from ep_fuse.matching.checks import is_int, is_size
 from ep_fuse.matching.matcher import State, match_tree
-from ep_fuse.ops import canonical
+from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops.registry import AtRunTime, canonical_ops
-from ep_fuse.providers.triton import perf
+from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+from ep_fuse.providers.triton import moe as triton_moe
 from ep_fuse.symbolic import concrete_int, known, same_shape, sym_eq
 from ep_fuse.testing import capture_aten
 
@@ -94,7 +95,7 @@ def _provider_args(mode, t):
 def test_provider_checks_and_perf_rules_on_symbolic_rows(unbacked):
     """Every provider accepts symbolic token counts without a guard (unbacked: without raising); the
     size-dependent perf rules defer to run time instead of declining."""
-    import ep_fuse.providers.npu  # noqa: F401  (registers the NPU provider's checks)
+    import ep_fuse.catalog  # noqa: F401  (registers the NPU provider too)
 
     env, mode, t = _env(unbacked)
     calls = _provider_args(mode, t)
@@ -119,48 +120,48 @@ def test_provider_checks_and_perf_rules_on_symbolic_rows(unbacked):
 
 
 def test_run_time_rules_use_the_measured_thresholds():
-    x = torch.empty(perf.GEMM_SWIGLU_MAX_ROWS, 8, dtype=BF16)
-    assert perf.gemm_swiglu_at_run_time((x, None, None)) is None
-    assert "rows > 32" in perf.gemm_swiglu_at_run_time((torch.empty(33, 8, dtype=BF16), None, None))
+    x = torch.empty(triton_gemm_swiglu.GEMM_SWIGLU_MAX_ROWS, 8, dtype=BF16)
+    assert triton_gemm_swiglu.gemm_swiglu_at_run_time((x, None, None)) is None
+    assert "rows > 32" in triton_gemm_swiglu.gemm_swiglu_at_run_time((torch.empty(33, 8, dtype=BF16), None, None))
     w = torch.empty(4, 16, 8, dtype=BF16)
-    at = perf.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4
-    assert perf.grouped_gemm_at_run_time((torch.empty(at, 8, dtype=BF16), w)) is None
-    assert "torch._grouped_mm" in perf.grouped_gemm_at_run_time((torch.empty(at + 4, 8, dtype=BF16), w))
-    assert perf.grouped_gemm_at_run_time((torch.empty(at + 4, 8, dtype=F16), w.half())) is None, \
+    at = triton_moe.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4
+    assert triton_moe.grouped_gemm_at_run_time((torch.empty(at, 8, dtype=BF16), w)) is None
+    assert "torch._grouped_mm" in triton_moe.grouped_gemm_at_run_time((torch.empty(at + 4, 8, dtype=BF16), w))
+    assert triton_moe.grouped_gemm_at_run_time((torch.empty(at + 4, 8, dtype=F16), w.half())) is None, \
         "no torch._grouped_mm for fp16: the kernel beats the reference's host loop"
 
 
 def test_dense_tma_wins_keep_gemm_swiglu_at_prefill(monkeypatch):
     """The dense TMA kernel's measured wins (>= 2048 rows, I >= 11008) keep ``gemm_swiglu`` at prefill sizes,
     at compile time and per call; CPU tensors and narrow MLPs keep cuBLAS + SwiGLU."""
-    assert perf.dense_tma_size_wins(2048, 11008) and perf.dense_tma_size_wins(8192, 18432)
-    assert not perf.dense_tma_size_wins(1024, 11008)  # 0.94x
-    assert not perf.dense_tma_size_wins(8192, 2048)  # the DeepSeek-V3 shared expert: 0.95-1.00x
+    assert triton_gemm_swiglu.dense_tma_size_wins(2048, 11008) and triton_gemm_swiglu.dense_tma_size_wins(8192, 18432)
+    assert not triton_gemm_swiglu.dense_tma_size_wins(1024, 11008)  # 0.94x
+    assert not triton_gemm_swiglu.dense_tma_size_wins(8192, 2048)  # the DeepSeek-V3 shared expert: 0.95-1.00x
     x, wg = torch.empty(4096, 64, dtype=BF16), torch.empty(11008, 64, dtype=BF16)
-    assert "cuBLAS" in perf.gemm_swiglu_prefers((x, wg, wg), "inductor"), "CPU tensors: no TMA win"
-    assert perf.gemm_swiglu_at_run_time((x, wg, wg)) is not None
-    monkeypatch.setattr(perf, "_dense_tma_wins", lambda x, wg, wu, rows: True)
-    assert perf.gemm_swiglu_prefers((x, wg, wg), "inductor") is None
-    assert perf.gemm_swiglu_at_run_time((x, wg, wg)) is None
+    assert "cuBLAS" in triton_gemm_swiglu.gemm_swiglu_prefers((x, wg, wg), "inductor"), "CPU tensors: no TMA win"
+    assert triton_gemm_swiglu.gemm_swiglu_at_run_time((x, wg, wg)) is not None
+    monkeypatch.setattr(triton_gemm_swiglu, "_dense_tma_wins", lambda x, wg, wu, rows: True)
+    assert triton_gemm_swiglu.gemm_swiglu_prefers((x, wg, wg), "inductor") is None
+    assert triton_gemm_swiglu.gemm_swiglu_at_run_time((x, wg, wg)) is None
 
 
 def test_tma_kernel_lifts_the_grouped_mm_threshold(monkeypatch):
     """Above 128 rows per expert the provider keeps the call where the TMA kernel takes it (measured faster
     than torch._grouped_mm up to 2048 rows per expert), at compile time and per call; CPU tensors never count."""
     w = torch.empty(4, 16, 8, dtype=BF16)
-    x = torch.empty(perf.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4 + 4, 8, dtype=BF16)
-    assert not perf._tma_takes(x, w), "CPU tensors: the rule is about CUDA"
-    monkeypatch.setattr(perf, "_tma_takes", lambda x, w, swiglu=False: True)
-    assert perf.grouped_gemm_at_run_time((x, w)) is None
-    assert perf.grouped_gemm_prefers((x, w, None), "inductor") is None
-    monkeypatch.setattr(perf, "_tma_takes", lambda x, w, swiglu=False: False)
-    assert "torch._grouped_mm" in perf.grouped_gemm_at_run_time((x, w))
-    assert "TMA kernel does not take" in perf.grouped_gemm_prefers((x, w, None), "inductor")
+    x = torch.empty(triton_moe.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4 + 4, 8, dtype=BF16)
+    assert not triton_moe._tma_takes(x, w), "CPU tensors: the rule is about CUDA"
+    monkeypatch.setattr(triton_moe, "_tma_takes", lambda x, w, swiglu=False: True)
+    assert triton_moe.grouped_gemm_at_run_time((x, w)) is None
+    assert triton_moe.grouped_gemm_prefers((x, w, None), "inductor") is None
+    monkeypatch.setattr(triton_moe, "_tma_takes", lambda x, w, swiglu=False: False)
+    assert "torch._grouped_mm" in triton_moe.grouped_gemm_at_run_time((x, w))
+    assert "TMA kernel does not take" in triton_moe.grouped_gemm_prefers((x, w, None), "inductor")
 
 
 def test_by_size_ops_run_the_kernel_or_the_reference():
-    from ep_fuse.ops.moe_reference import grouped_gemm_ref
-    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.ops.moe import grouped_gemm_ref
+    from ep_fuse.ops.gemm_swiglu import gemm_swiglu_ref
 
     g = torch.Generator().manual_seed(0)
     ops = torch.ops.ep_fuse_triton
@@ -171,7 +172,7 @@ def test_by_size_ops_run_the_kernel_or_the_reference():
         torch.testing.assert_close(out.float(), gemm_swiglu_ref(x, wg, wu).float(), rtol=1e-2, atol=1e-2)
     assert torch.equal(out, gemm_swiglu_ref(x, wg, wu))
     w = torch.randn(2, 16, 32, generator=g).to(BF16)
-    rows = 2 * perf.GROUPED_GEMM_MAX_ROWS_PER_EXPERT + 2
+    rows = 2 * triton_moe.GROUPED_GEMM_MAX_ROWS_PER_EXPERT + 2
     x = torch.randn(rows, 32, generator=g).to(BF16)
     seg = torch.tensor([0, rows // 2, rows])
     assert torch.equal(ops.grouped_gemm_by_size(x, w, seg), grouped_gemm_ref(x, w, seg))
@@ -377,7 +378,7 @@ def test_canonical_block_keeps_symbolic_rows():
         x = torch.empty(t, 32, dtype=BF16)
         ids, w = torch.empty(t, 2, dtype=torch.int64), torch.empty(t, 2, dtype=torch.float32)
         w13, w2 = torch.empty(4, 32, 32, dtype=BF16), torch.empty(4, 32, 16, dtype=BF16)
-        out = canonical.moe_experts.op(x, ids, w, w13, w2, BF16)
+        out = moe_ops.moe_experts.op(x, ids, w, w13, w2, BF16)
     assert sym_eq(out.shape[0], t) and env.guards == []
 
 

@@ -179,7 +179,7 @@ def sc_edge_routing(world):
 
 
 def _layout_oracle(ids, e, world):
-    """Per-rank layout with Python loops (DeepEP test style, independent of ep_fuse.ep.layout)."""
+    """Per-rank layout with Python loops (DeepEP test style, independent of ep_fuse.ops.ep_layout)."""
     per_rank = e // world
     in_rank = torch.zeros(ids.shape[0], world, dtype=torch.bool)
     per_expert = torch.zeros(e, dtype=torch.int64)
@@ -195,7 +195,7 @@ def sc_structured_dispatch(world):
     """DeepEP-style: x = rank (+ token index in the last column), layouts recomputed in torch, counts
     checked with all_reduce, round-trip identities for both layouts, data-dependent and capacity modes."""
     from ep_fuse.ep import handles
-    from ep_fuse.ep.layout import dispatch_layout
+    from ep_fuse.ops.ep_layout import dispatch_layout
 
     rank, name = dist.get_rank(), dist.group.WORLD.group_name
     per_rank, t, k, h = 3, 20, 3, 8

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from ep_fuse.ep import a2a_kernels
 from ep_fuse.ep import all_to_all as a2a
-from ep_fuse.ep.layout import HEADER, packed_row
+from ep_fuse.ops.ep_layout import HEADER, packed_row
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 TINY = a2a_kernels.A2aConfig(block_t=4, block_bytes=16, pad_rows=4, unpack_rows=4)
@@ -144,7 +144,7 @@ def test_splits_are_reused():
 
 
 def test_fake_matches_the_packed_view():
-    from ep_fuse.ep.layout import weight_words
+    from ep_fuse.ops.ep_layout import weight_words
 
     hp, moff = packed_row(7168, BF16, 8, FP32)
     assert (hp, moff) == (7200, 3584) and hp % 16 == 0 and weight_words(FP32) == 1
@@ -159,7 +159,7 @@ TIMEOUT_S = 60.0
 def _gloo_checks(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    import ep_fuse.ops.canonical  # noqa: F401  (defines the EP ops)
+    import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
 
     name = dist.group.WORLD.group_name
     ops = torch.ops.ep_fuse

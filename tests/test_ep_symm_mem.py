@@ -362,7 +362,7 @@ def test_backend_option():
 
 def test_unavailable_without_cuda_and_guards():
     from ep_fuse.ep import symm_mem
-    from ep_fuse.ep.layout import handle_len, symm_mem_chunks
+    from ep_fuse.ops.ep_layout import handle_len, symm_mem_chunks
 
     symm_mem.available.cache_clear()
     assert "CUDA is not available" in symm_mem.available()

@@ -25,8 +25,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import ep_fuse
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ops import choose
-from ep_fuse.ops import fp8_ops as O
-from ep_fuse.ops import fp8_reference as R
+from ep_fuse.ops import fp8 as O
+from ep_fuse.ops import fp8 as R
 from ep_fuse.passes.quant import WEIGHT_CACHE
 from ep_fuse.providers.triton import fp8 as T
 from ep_fuse.testing import compile_and_run
@@ -277,15 +277,15 @@ def test_fp8_tma_expert_groups_walk_the_same_tiles(desc):
 
 
 def test_fp8_provider_takes_the_tma_kernel_by_size_and_alignment(monkeypatch):
-    """From ``perf.FP8_TMA_MIN_ROWS_PER_EXPERT`` rows per expert and 16-byte fp8 rows the provider launches the
+    """From ``triton_fp8.FP8_TMA_MIN_ROWS_PER_EXPERT`` rows per expert and 16-byte fp8 rows the provider launches the
     TMA kernel; below, or with K = 70, the one-tile-per-program kernel."""
     from ep_fuse.providers.triton import fp8_tma_kernel as F
-    from ep_fuse.providers.triton import perf
+    from ep_fuse.providers.triton import fp8 as triton_fp8
 
     calls = []
     real = F.launch_fp8_gemm_tma
     monkeypatch.setattr(F, "launch_fp8_gemm_tma", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
-    monkeypatch.setattr(perf, "FP8_TMA_MIN_ROWS_PER_EXPERT", 4)
+    monkeypatch.setattr(T, "FP8_TMA_MIN_ROWS_PER_EXPERT", 4)
     for t, h, tma in ((9, 64, True), (3, 64, False), (9, 70, False)):
         x, ids = routed(t, 2, 4, h, seed=t)
         (q13, s13), _ = fp8_weights(4, h, 48, (16, 32), seed=2)
@@ -339,7 +339,7 @@ def test_fp8_block_quant_rule_takes_only_the_measured_win():
     DeepSeek-V3's E256 k8, 1.08x at T4096; 0.90x at T16384)."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from ep_fuse.providers.triton.perf import FP8_BLOCK_MAX_ROWS_PER_EXPERT, fp8_block_quant_rule
+    from ep_fuse.providers.triton.fp8 import FP8_BLOCK_MAX_ROWS_PER_EXPERT, fp8_block_quant_rule
 
     assert FP8_BLOCK_MAX_ROWS_PER_EXPERT == 128
     assert fp8_block_quant_rule(torch.empty(128, 7168, device="meta"), 8, 256) is None
@@ -366,7 +366,7 @@ def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
 
     import torch.fx as fx
 
-    from ep_fuse.ep.ops import ep_dispatch
+    from ep_fuse.ops.ep import ep_dispatch
     from ep_fuse.passes.quant import _fp8_not_faster
 
     def block_behind(t: int, dispatched: bool) -> tuple[fx.Node, fx.Node]:
@@ -392,7 +392,7 @@ def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
 
 
 def test_npu_declines_fp8_with_the_reason():
-    import ep_fuse.providers.npu  # noqa: F401  (registers the NPU declines)
+    import ep_fuse.catalog  # noqa: F401  (registers the NPU provider too)
     from ep_fuse.providers.npu.fp8 import NO_FP8
 
     choice = choose(O.grouped_gemm_fp8, (*_fake_args("cpu"), 128, 128, BF16), "npu")

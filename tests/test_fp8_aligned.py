@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ep_fuse.ops import choose
-from ep_fuse.ops import fp8_ops as O
-from ep_fuse.ops import fp8_reference as R
-from ep_fuse.providers import deepgemm as D
+from ep_fuse.ops import fp8 as O
+from ep_fuse.ops import fp8 as R
+from ep_fuse.providers.deepgemm import fp8 as D
 from ep_fuse.providers.triton import fp8 as T
 
 BF16 = torch.bfloat16
@@ -139,7 +139,7 @@ def test_deepgemm_provider_on_the_double(deep_gemm):
     yr = R.grouped_gemm_fp8_ref(aq, a_s, q2, s2, seg, 128, 128, BF16)
     torch.testing.assert_close(y[:n].float(), yr[:n].float(), rtol=1e-2, atol=1e-2)
     # the block's rows, summed back per token, against the reference block on the plain layout
-    from ep_fuse.ops.moe_reference import moe_unpermute_ref
+    from ep_fuse.ops.moe import moe_unpermute_ref
 
     c = R.moe_permute_fp8_ref(x, ids, e, 128)
     ac, acs = R.grouped_gemm_fp8_swiglu_quant_ref(c[0], c[1], q13, s13, c[3], 128, 128)
@@ -206,7 +206,7 @@ def test_align_for_asks_for_the_layout_only_where_deepgemm_is_faster(monkeypatch
 
 
 def test_fp8_rule_quantizes_large_blocks_when_deepgemm_takes_them():
-    from ep_fuse.providers.triton.perf import fp8_block_quant_rule
+    from ep_fuse.providers.triton.fp8 import fp8_block_quant_rule
 
     with FakeTensorMode():
         x = torch.empty(16384, 7168, dtype=BF16, device="cuda")

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.reference import gemm_swiglu_ref
-from ep_fuse.providers import npu
+from ep_fuse.ops import choose
+from ep_fuse.ops import gemm_swiglu as gemm_swiglu_ops
+from ep_fuse.ops.gemm_swiglu import gemm_swiglu_ref
+from ep_fuse.providers.npu import gemm_swiglu as npu_gemm_swiglu
 from ep_fuse.testing import compile_and_run
 
 BF16 = torch.bfloat16
@@ -226,9 +227,9 @@ def test_opcheck():
 
 def test_npu_gemm_swiglu_with_the_double(torch_npu_double):
     x, wg, wu = _x((2, 3, 32)), _x((40, 32), 1) / 6, _x((40, 32), 2) / 6
-    assert choose(canonical.gemm_swiglu, (x, wg, wu), "npu").provider == "npu"
-    ulp_close(npu.gemm_swiglu_kernel(x, wg, wu), gemm_swiglu_ref(x, wg, wu), BF16)
-    first = npu.concat_weights(wg, wu)
-    assert npu.concat_weights(wg, wu) is first, "the gate|up concatenation is made once"
+    assert choose(gemm_swiglu_ops.gemm_swiglu, (x, wg, wu), "npu").provider == "npu"
+    ulp_close(npu_gemm_swiglu.gemm_swiglu_kernel(x, wg, wu), gemm_swiglu_ref(x, wg, wu), BF16)
+    first = npu_gemm_swiglu.concat_weights(wg, wu)
+    assert npu_gemm_swiglu.concat_weights(wg, wu) is first, "the gate|up concatenation is made once"
     wg.mul_(2)
-    assert npu.concat_weights(wg, wu) is not first, "an in-place weight update invalidates it"
+    assert npu_gemm_swiglu.concat_weights(wg, wu) is not first, "an in-place weight update invalidates it"

@@ -103,9 +103,9 @@ def test_inductor_caches_are_keyed_on_this_ep_fuse(monkeypatch):
     # (compile_fx re-enters itself once to apply ep_fuse's Inductor config patches)
     assert seen and set(seen) == {tag} and torch.compiler.config.cache_key_tag == ""
     # the inline switches change how Inductor traces the provider ops: a graph cached under others is not reused
-    import ep_fuse.providers.triton as P
+    from ep_fuse.providers.triton import provider
 
-    monkeypatch.setattr(P, "INLINE_SIZE_BRANCHES", False)
+    monkeypatch.setattr(provider, "INLINE_SIZE_BRANCHES", False)
     assert ep_fuse_cache_tag() == tag + "-no-branches"
 
 

@@ -80,7 +80,7 @@ def _record_all() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    import ep_fuse.providers.triton as P
+    from ep_fuse.providers.triton import provider
     from ep_fuse.providers.triton import size_branches as sb
 
     tma = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
@@ -89,7 +89,7 @@ def _record_all() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     def symbolic_op(op: str, args: tuple[Any, ...]) -> Callable[[Any, Any], None]:
         def call(tokens: Any, rec: tsl._Recorder) -> None:
             fake = [tsl._symbolic_like(a, tokens) if isinstance(a, torch.Tensor) and a.dim() else a for a in args]
-            P.SYMBOLIC_INLINE[op](*fake, wrap=rec)
+            provider.SYMBOLIC_INLINE[op](*fake, wrap=rec)
         return call
 
     def by_size(op: str, args: tuple[Any, ...]) -> Callable[[Any, Any], None]:

@@ -9,9 +9,10 @@ from torch import nn
 
 import ep_fuse
 from ep_fuse import tiny_models
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.router_reference import moe_gating_ref, moe_gating_stable_ref
-from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel
+from ep_fuse.ops import choose
+from ep_fuse.ops import moe_gating as moe_gating_ops
+from ep_fuse.ops.moe_gating import moe_gating_ref, moe_gating_stable_ref
+from ep_fuse.providers.triton.moe_gating import check_gating_call, moe_gating_kernel
 from ep_fuse.testing import compile_and_run
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -160,7 +161,7 @@ def test_triton_declines_outside_its_limits():
 # --------------------------------------------------------------------------- Ascend provider (test double)
 @pytest.mark.parametrize("form", ["mixtral", "qwen2", "v2", "v3", "v3_k4"])
 def test_npu_matches_the_stable_reference(torch_npu_double, form):
-    from ep_fuse.providers.npu import router as npu_router
+    from ep_fuse.providers.npu import moe_gating as npu_router
 
     x = _logits(33, 16, ties=True, seed=3)
     b = torch.linspace(-0.2, 0.2, 16)
@@ -169,7 +170,7 @@ def test_npu_matches_the_stable_reference(torch_npu_double, form):
             "v2": (x, None, 3, "softmax", 4, 2, "max", False, 0.0, 16.0, None),
             "v3": (x, b, 2, "sigmoid", 4, 1, "sum_top2", True, 1e-20, 2.5, None),
             "v3_k4": (x, b, 4, "sigmoid", 2, 1, "sum_top2", True, 1e-20, 2.5, BF16)}[form]
-    assert choose(canonical.moe_gating, args, "npu").provider == "npu"
+    assert choose(moe_gating_ops.moe_gating, args, "npu").provider == "npu"
     w, ids = npu_router.moe_gating_kernel(*args)
     rw, rids = moe_gating_stable_ref(*args)
     assert torch.equal(ids, rids)
@@ -178,7 +179,7 @@ def test_npu_matches_the_stable_reference(torch_npu_double, form):
 
 
 def test_npu_declines_what_the_op_cannot_compute(torch_npu_double):
-    from ep_fuse.providers.npu.router import gating_supports
+    from ep_fuse.providers.npu.moe_gating import gating_supports
 
     x = torch.randn(4, 8)
     assert "E / group_count" in gating_supports((x, None, 2, "sigmoid", 4, 1, "sum_top2", True, 0.0, 1.0, None))

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-from ep_fuse.ops.router_reference import moe_gating_ref, moe_gating_stable_ref
-from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel
+from ep_fuse.ops.moe_gating import moe_gating_ref, moe_gating_stable_ref
+from ep_fuse.providers.triton.moe_gating import check_gating_call, moe_gating_kernel
 from ep_fuse.testing import compile_and_run
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -289,8 +289,8 @@ def test_new_kernel_variants_are_checked_and_npu_declines(monkeypatch):
     """Triton asks :func:`gpu_unverified` about the score, the group mask and the clamp (each is a kernel variant
     of its own, off on CUDA until ``tests/gpu/test_gpu_forms.py`` has run); ``npu_moe_gating_top_k`` has neither
     the 0.0 mask nor the clamp: the NPU provider declines them (the reference runs)."""
-    import ep_fuse.providers.triton.router as triton_router
-    from ep_fuse.providers.npu.router import gating_supports
+    import ep_fuse.providers.triton.moe_gating as triton_router
+    from ep_fuse.providers.npu.moe_gating import gating_supports
 
     asked = []
     monkeypatch.setattr(triton_router, "gpu_unverified", lambda v, _t: asked.append(v))

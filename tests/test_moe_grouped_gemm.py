@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.moe_reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
+from ep_fuse.ops import choose
+from ep_fuse.ops import moe as moe_ops
+from ep_fuse.ops.moe import grouped_gemm_ref, grouped_gemm_swiglu_ref
 from ep_fuse.providers.triton.grouped_gemm import (
     check_grouped_gemm_call,
     check_grouped_gemm_swiglu_call,
@@ -133,8 +134,8 @@ def test_checks_decline():
     assert "unit-stride" in check_grouped_gemm_call((x, w.transpose(1, 2).contiguous().transpose(1, 2), seg))
     assert "shapes" in check_grouped_gemm_call((x[:, :8], w, seg))
     assert "odd" in check_grouped_gemm_swiglu_call((x, w[:, :15], seg))
-    assert choose(canonical.grouped_gemm, (x, w, seg), "cpu").provider == "triton"
-    assert choose(canonical.grouped_gemm_swiglu, (x, w, seg), "cpu").provider == "triton"
+    assert choose(moe_ops.grouped_gemm, (x, w, seg), "cpu").provider == "triton"
+    assert choose(moe_ops.grouped_gemm_swiglu, (x, w, seg), "cpu").provider == "triton"
 
 
 def test_opcheck(monkeypatch):

@@ -16,7 +16,8 @@ from test_moe_grouped_gemm import assert_matches, case, loop_ref
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.providers.triton import grouped_gemm as host
-from ep_fuse.providers.triton import perf
+from ep_fuse.providers.triton import grouped_gemm as triton_grouped_gemm
+from ep_fuse.providers.triton import moe as triton_moe
 from ep_fuse.providers.triton.unverified import ENV
 
 tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")
@@ -108,7 +109,7 @@ def test_provider_takes_the_tma_kernel_at_prefill_rows_only(monkeypatch):
     for name in ("launch_grouped_gemm_tma", "launch_grouped_gemm_swiglu_tma"):
         real = getattr(tk, name)
         monkeypatch.setattr(tk, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw)))
-    rows = perf.GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT
+    rows = triton_grouped_gemm.GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT
     x, w, seg = case([rows + 9, rows - 20, rows + 30], 5, 16, 32, BF16)  # mean >= the threshold
     assert host.kernel_variant(x, w) == "tma"
     assert_matches(host.grouped_gemm_kernel(x, w, seg), loop_ref(x, w, seg), seg, BF16)
@@ -168,13 +169,13 @@ def test_tma_rule_takes_only_shapes_whose_columns_fill_its_tiles(columns, swiglu
     e = 8 if n in (14336, 4096) and k in (4096, 14336) else 64
     x = SimpleNamespace(shape=(256 * e, k), device=torch.device("cuda"))  # 256 rows per expert
     w = SimpleNamespace(shape=(e, 2 * n if swiglu else n, k))
-    reason = perf.grouped_gemm_tma_rule(x, w, swiglu)
+    reason = triton_grouped_gemm.grouped_gemm_tma_rule(x, w, swiglu)
     assert (reason is None) == takes, reason
     if not takes:
         assert "column tiles" in reason
-        assert "does not take" in perf._grouped_prefers((x, w), "inductor", swiglu)
+        assert "does not take" in triton_moe._grouped_prefers((x, w), "inductor", swiglu)
     cpu = SimpleNamespace(shape=x.shape, device=torch.device("cpu"))  # the interpreter keeps its own tiles
-    assert perf.grouped_gemm_tma_rule(cpu, w, swiglu) is None
+    assert triton_grouped_gemm.grouped_gemm_tma_rule(cpu, w, swiglu) is None
 
 
 @pytest.mark.parametrize("i,h,e,walk", [(2048, 7168, 256, True), (768, 2048, 128, False), (14336, 4096, 8, False),
@@ -242,7 +243,7 @@ def test_dense_gemm_swiglu_matches_the_reference(desc, m, h, i):
     reference in bf16 (each GEMM output, the silu and the product rounded like the unfused model), with each
     GEMM accumulated in fp32 and rounded once. (The reference's own CPU bf16 ``mm`` rounds differently in
     single elements on some CPUs -- oneDNN's AMX path -- so the GEMMs are taken in fp32 here.)"""
-    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.ops.gemm_swiglu import gemm_swiglu_ref
 
     g = torch.Generator().manual_seed(m * h + i)
     x = torch.randn(m, h, generator=g).to(BF16)
@@ -257,13 +258,13 @@ def test_dense_gemm_swiglu_matches_the_reference(desc, m, h, i):
 def test_dense_provider_takes_the_tma_kernel_from_the_row_threshold(monkeypatch):
     """``gemm_swiglu`` runs the TMA kernel from ``GEMM_SWIGLU_TMA_MIN_ROWS`` rows (fp16 within rounding, row
     slices of a wider input included), the one-tile-per-program kernel below."""
-    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.ops.gemm_swiglu import gemm_swiglu_ref
     from ep_fuse.providers.triton import gemm_swiglu as dense
 
     calls = []
     real = tk.launch_gemm_swiglu_tma
     monkeypatch.setattr(tk, "launch_gemm_swiglu_tma", lambda *a, **kw: (calls.append(1), real(*a, **kw)))
-    monkeypatch.setattr(perf, "GEMM_SWIGLU_TMA_MIN_ROWS", 40)
+    monkeypatch.setattr(dense, "GEMM_SWIGLU_TMA_MIN_ROWS", 40)
     g = torch.Generator().manual_seed(3)
     wg, wu = ((torch.randn(24, 32, generator=g) * 0.2).to(F16) for _ in range(2))
     wide = torch.randn(45, 48, generator=g).to(F16)

@@ -7,8 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.moe_reference import moe_permute_ref, moe_unpermute_ref
+from ep_fuse.ops import choose
+from ep_fuse.ops import moe as moe_ops
+from ep_fuse.ops.moe import moe_permute_ref, moe_unpermute_ref
 from ep_fuse.providers.triton.moe_permute import (
     check_moe_permute_call,
     check_moe_unpermute_call,
@@ -224,16 +225,16 @@ def test_launch_through_wrap_triton():
 
 def test_choose_triton_and_declines():
     x, ids = _x(4, 16, BF16), _ids(4, 2, 4)
-    assert choose(canonical.moe_permute, (x, ids, 4), "cpu").provider == "triton"
+    assert choose(moe_ops.moe_permute, (x, ids, 4), "cpu").provider == "triton"
     for bad, why in (((x.double(), ids, 4), "dtype"), ((x, ids.to(torch.int16), 4), "int32/int64"),
                      ((x.view(4, 2, 8), ids, 4), "3-D"), ((x.t().contiguous().t(), ids, 4), "unit-stride"),
                      ((x[:3], ids, 4), "token count")):
-        c = choose(canonical.moe_permute, bad, "cpu")
+        c = choose(moe_ops.moe_permute, bad, "cpu")
         assert c.provider == "reference" and why in c.declined[0][1], c.declined
     rows, src2dst, _ = moe_permute_ref(x, ids, 4)
     args = (rows, src2dst, torch.rand(4, 2), 2, None)
-    assert choose(canonical.moe_unpermute, args, "cpu").provider == "triton"
-    c = choose(canonical.moe_unpermute, (rows, src2dst, torch.rand(8), 2, None), "cpu")
+    assert choose(moe_ops.moe_unpermute, args, "cpu").provider == "triton"
+    c = choose(moe_ops.moe_unpermute, (rows, src2dst, torch.rand(8), 2, None), "cpu")
     assert c.provider == "reference" and "[T, top_k]" in c.declined[0][1]
-    c = choose(canonical.moe_unpermute, (rows, src2dst, None, 3, None), "cpu")
+    c = choose(moe_ops.moe_unpermute, (rows, src2dst, None, 3, None), "cpu")
     assert c.provider == "reference" and "multiple of top_k" in c.declined[0][1]

@@ -30,12 +30,13 @@ from support.norm_cases import norm_args
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from ep_fuse import npu_runtime
-from ep_fuse.ops import canonical, registry
-from ep_fuse.ops import moe_reference as moe_ref
-from ep_fuse.ops import quant_ops as Q
-from ep_fuse.ops import quant_reference as QR
-from ep_fuse.ops.reference import CACHE_FORMS
+from ep_fuse import runtime as npu_runtime
+from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.ops import registry
+from ep_fuse.ops import moe as moe_ref
+from ep_fuse.ops import w8a8 as Q
+from ep_fuse.ops import w8a8 as QR
+from ep_fuse.ops.rope import CACHE_FORMS
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 CALLED = {
@@ -223,10 +224,12 @@ def _fake(mode: FakeTensorMode, tree: Any) -> Any:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_provider_calls_bind_and_agree_with_torch_npu_meta(contracts, torch_npu_double, case):
-    from ep_fuse.providers import npu
+    from ep_fuse.providers.npu import gemm_swiglu as npu_gemm_swiglu
+    from ep_fuse.providers.npu import rms_norm as npu_rms_norm
+    from ep_fuse.providers.npu import rope as npu_rope
 
     name = case.split("/")[0]
-    op = getattr(canonical, name, None) or getattr(Q, name)
+    op = canonical_ops()[name]
     prov = op.providers["npu"]
     args = CASES[case]
     assert prov.supports(args) is None, prov.supports(args)
@@ -244,20 +247,22 @@ def test_provider_calls_bind_and_agree_with_torch_npu_meta(contracts, torch_npu_
     kernel_fn = _kernel(prov)
     with FakeTensorMode() as mode:
         fake_out = kernel_fn(*_fake(mode, args))
-    npu._ones.cache_clear()  # may hold a tensor made under the fake mode
+    npu_rms_norm._ones.cache_clear()  # may hold a tensor made under the fake mode
     assert _layout(fake_out) == _layout(real)
     assert {c[0] for c in spy.calls} == set(prov.contracts)
 
 
 def _kernel(prov: registry.Provider) -> Callable[..., Any]:
     """The provider's kernel itself (the registered op would run the canonical fake impl under FakeTensorMode)."""
-    from ep_fuse.providers import npu
-    from ep_fuse.providers.npu import moe, router, w8a8
+    from ep_fuse.providers.npu import gemm_swiglu as npu_gemm_swiglu
+    from ep_fuse.providers.npu import rms_norm as npu_rms_norm
+    from ep_fuse.providers.npu import rope as npu_rope
+    from ep_fuse.providers.npu import moe, moe_gating as router, w8a8
 
     return {
-        "rms_norm": npu.rms_norm_kernel, "add_rms_norm": npu.add_rms_norm_kernel, "rope": npu.rope_kernel,
-        "rope_qk": npu.rope_qk_kernel, "rope_cache": npu.rope_cache_kernel, "rope_qk_cache": npu.rope_qk_cache_kernel,
-        "gemm_swiglu": npu.gemm_swiglu_kernel, "moe_permute": moe.moe_permute_kernel,
+        "rms_norm": npu_rms_norm.rms_norm_kernel, "add_rms_norm": npu_rms_norm.add_rms_norm_kernel, "rope": npu_rope.rope_kernel,
+        "rope_qk": npu_rope.rope_qk_kernel, "rope_cache": npu_rope.rope_cache_kernel, "rope_qk_cache": npu_rope.rope_qk_cache_kernel,
+        "gemm_swiglu": npu_gemm_swiglu.gemm_swiglu_kernel, "moe_permute": moe.moe_permute_kernel,
         "grouped_gemm_swiglu": moe.grouped_gemm_swiglu_kernel, "grouped_gemm": moe.grouped_gemm_kernel,
         "moe_unpermute": moe.moe_unpermute_kernel, "moe_gating": router.moe_gating_kernel,
         "quant_per_token": w8a8.quant_per_token_kernel,
@@ -298,7 +303,7 @@ def test_ep_dispatch_combine_through_torch_npu_meta(contracts, monkeypatch, worl
     meta functions' outputs give the receive buffers and result ``ep_dispatch`` / ``ep_combine`` promise."""
     from ep_fuse.ep import groups
     from ep_fuse.ep import npu as ep_npu
-    from ep_fuse.ep.ops import ep_combine_fake, ep_dispatch_fake
+    from ep_fuse.ops.ep import ep_combine_fake, ep_dispatch_fake
 
     monkeypatch.setitem(sys.modules, "torch_npu", npu_ep_double.make_module())
     monkeypatch.setattr(groups, "resolve_group", lambda _name: _Group(world, rank))

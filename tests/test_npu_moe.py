@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from ep_fuse.config import EpFuseConfig
-from ep_fuse.npu_runtime import TORCH_NPU_CONTRACT_VERSION
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops import moe_reference as ref
+from ep_fuse.runtime import TORCH_NPU_CONTRACT_VERSION
+from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.ops import choose
+from ep_fuse.ops import moe as moe_ops
+from ep_fuse.ops import moe as ref
 from ep_fuse.pipeline import run_passes
-from ep_fuse.providers import npu
+from ep_fuse.providers.npu import provider as npu_provider
 from ep_fuse.providers.npu import moe
 from ep_fuse.report import GraphReport
 from ep_fuse.testing import capture_aten
@@ -212,20 +214,20 @@ def _stage_args(c: dict[str, Any]) -> dict[str, tuple]:
 
 def test_choose_picks_npu_with_torch_npu(torch_npu_double):
     for name, args in _stage_args(make_case(**CASES["minus_one"])).items():
-        choice = choose(getattr(canonical, name), args, "npu")
+        choice = choose(canonical_ops()[name], args, "npu")
         assert choice.provider == "npu", (name, choice.declined)
 
 
 def test_choose_without_torch_npu_says_why(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    npu._available.cache_clear()
+    npu_provider.available.cache_clear()
     try:
         for name, args in _stage_args(make_case(**CASES["plain"])).items():
-            choice = choose(getattr(canonical, name), args, "npu")
+            choice = choose(canonical_ops()[name], args, "npu")
             assert choice.provider == "reference"
             assert "install torch_npu with CANN" in dict(choice.declined)["npu"]
     finally:
-        npu._available.cache_clear()
+        npu_provider.available.cache_clear()
 
 
 def _declined(op: Any, args: tuple) -> str:
@@ -238,21 +240,21 @@ def test_unsupported_calls_decline_with_a_reason(torch_npu_double):
     c = make_case(**CASES["plain"])
     a = _stage_args(c)
     x, ids, e = a["moe_permute"]
-    assert "2-D x" in _declined(canonical.moe_permute, (x.unsqueeze(0), ids, e))
-    assert "torch.int8" in _declined(canonical.moe_permute, (x.to(torch.int8), ids, e))
-    assert "experts" in _declined(canonical.moe_permute, (x, ids, 20000))
-    assert "empty" in _declined(canonical.moe_permute, (x[:0], ids[:0], e))
+    assert "2-D x" in _declined(moe_ops.moe_permute, (x.unsqueeze(0), ids, e))
+    assert "torch.int8" in _declined(moe_ops.moe_permute, (x.to(torch.int8), ids, e))
+    assert "experts" in _declined(moe_ops.moe_permute, (x, ids, 20000))
+    assert "empty" in _declined(moe_ops.moe_permute, (x[:0], ids[:0], e))
     rows, w13, seg = a["grouped_gemm_swiglu"]
     big = w13.new_zeros(1025, *w13.shape[1:])
-    assert "1024 groups" in _declined(canonical.grouped_gemm_swiglu,
+    assert "1024 groups" in _declined(moe_ops.grouped_gemm_swiglu,
                                       (rows, big, torch.zeros(1026, dtype=torch.int64)))
-    assert "dtypes" in _declined(canonical.grouped_gemm_swiglu, (rows.double(), w13.double(), seg))
-    assert "odd" in _declined(canonical.grouped_gemm_swiglu, (rows, w13[:, :31], seg))
+    assert "dtypes" in _declined(moe_ops.grouped_gemm_swiglu, (rows.double(), w13.double(), seg))
+    assert "odd" in _declined(moe_ops.grouped_gemm_swiglu, (rows, w13[:, :31], seg))
     act, w2, _ = a["grouped_gemm"]
-    assert "dtypes" in _declined(canonical.grouped_gemm, (act, w2.float(), seg))
+    assert "dtypes" in _declined(moe_ops.grouped_gemm, (act, w2.float(), seg))
     y, src2dst, w, k, out_dtype = a["moe_unpermute"]
-    assert "rows" in _declined(canonical.moe_unpermute, (y[:-1], src2dst, w, k, out_dtype))
-    assert "float64" in _declined(canonical.moe_unpermute, (y, src2dst, w.double(), k, None))
+    assert "rows" in _declined(moe_ops.moe_unpermute, (y[:-1], src2dst, w, k, out_dtype))
+    assert "float64" in _declined(moe_ops.moe_unpermute, (y, src2dst, w.double(), k, None))
 
 
 # --------------------------------------------------------------------------- weight layout

@@ -7,10 +7,13 @@ import torch
 from support.norm_cases import norm_args, ulp_close
 
 from ep_fuse.config import EpFuseConfig
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref
+from ep_fuse.ops import choose
+from ep_fuse.ops import rms_norm as rms_norm_ops
+from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref
 from ep_fuse.pipeline import run_passes
-from ep_fuse.providers import npu
+from ep_fuse.providers.npu import gemm_swiglu as npu_gemm_swiglu
+from ep_fuse.providers.npu import provider as npu_provider
+from ep_fuse.providers.npu import rms_norm as npu_rms_norm
 from ep_fuse.report import GraphReport
 from ep_fuse.testing import capture_aten
 
@@ -19,9 +22,9 @@ BF16 = torch.bfloat16
 
 def test_unavailable_without_torch_npu(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_npu", None)
-    npu._available.cache_clear()
-    reason = npu._available()
-    npu._available.cache_clear()
+    npu_provider.available.cache_clear()
+    reason = npu_provider.available()
+    npu_provider.available.cache_clear()
     assert reason is not None and "install torch_npu with CANN" in reason
 
 
@@ -30,12 +33,12 @@ def test_unavailable_without_torch_npu(monkeypatch):
 @pytest.mark.parametrize("dtype", [BF16, torch.float16, torch.float32])
 def test_npu_kernels_match_reference(torch_npu_double, mode, residual, dtype):
     args = norm_args(11, 64, dtype, mode, residual, out_dtype=dtype)
-    reason = npu.supports(args)
+    reason = npu_rms_norm.supports(args)
     if residual and mode == "gemma" and dtype != torch.float32:
         assert reason and "gamma" in reason  # npu_add_rms_norm takes gamma in x's dtype only
         return
     assert reason is None, reason
-    kernel = npu.add_rms_norm_kernel if residual else npu.rms_norm_kernel
+    kernel = npu_rms_norm.add_rms_norm_kernel if residual else npu_rms_norm.rms_norm_kernel
     ref_fn = add_rms_norm_ref if residual else rms_norm_ref
     out, ref = kernel(*args), ref_fn(*args)
     if residual:
@@ -46,11 +49,11 @@ def test_npu_kernels_match_reference(torch_npu_double, mode, residual, dtype):
 
 def test_npu_declines_what_the_ops_cannot_produce(torch_npu_double):
     args = norm_args(4, 32, BF16, "weight_fp32", False, out_dtype=None)  # fp32 output
-    assert "return the input dtype" in npu.supports(args)
+    assert "return the input dtype" in npu_rms_norm.supports(args)
     args = norm_args(0, 32, BF16, "llama", True)
-    assert "empty" in npu.supports(args)
+    assert "empty" in npu_rms_norm.supports(args)
     args = norm_args(4, 32, BF16, "llama", False, w_dtype=torch.float16, out_dtype=BF16)
-    assert npu.supports(args) is not None
+    assert npu_rms_norm.supports(args) is not None
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -97,8 +100,8 @@ def test_lowering_for_an_npu_graph_emits_npu_ops(torch_npu_double):
 
 def test_choose_prefers_npu_on_npu(torch_npu_double):
     args = norm_args(4, 32, BF16, "llama", True)
-    assert choose(canonical.add_rms_norm, args, "npu").provider == "npu"
-    assert choose(canonical.add_rms_norm, args, "cuda").provider == "triton"
+    assert choose(rms_norm_ops.add_rms_norm, args, "npu").provider == "npu"
+    assert choose(rms_norm_ops.add_rms_norm, args, "cuda").provider == "triton"
 
 
 def test_gemm_swiglu_concat_cache_takes_inference_weights(torch_npu_double):
@@ -106,9 +109,9 @@ def test_gemm_swiglu_concat_cache_takes_inference_weights(torch_npu_double):
     which used to send every call to the reference)."""
     with torch.inference_mode():
         wg, wu = torch.randn(40, 32).to(BF16), torch.randn(40, 32).to(BF16)
-        first = npu.concat_weights(wg, wu)
-        assert npu.concat_weights(wg, wu) is first
-        assert npu.concat_weights(wg, wu.clone()) is not first  # another weight
+        first = npu_gemm_swiglu.concat_weights(wg, wu)
+        assert npu_gemm_swiglu.concat_weights(wg, wu) is first
+        assert npu_gemm_swiglu.concat_weights(wg, wu.clone()) is not first  # another weight
         x = torch.randn(3, 32).to(BF16)
         out = torch.ops.ep_fuse_npu.gemm_swiglu(x, wg, wu)  # the provider op: a raise would fail (conftest)
     assert torch.equal(first, torch.cat((wg, wu)))

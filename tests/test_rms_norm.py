@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref
-from ep_fuse.providers.common import rms_norm_out_dtype
+from ep_fuse.ops import choose
+from ep_fuse.ops import rms_norm as rms_norm_ops
+from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref
+from ep_fuse.ops.rms_norm import rms_norm_out_dtype
 from ep_fuse.testing import compile_and_run
 
 OPS = {
@@ -135,15 +136,15 @@ def test_unsupported_call_runs_reference_at_run_time():
 
 def test_choose_by_device_priority_and_support():
     args = norm_args(4, 32, torch.bfloat16, "llama", False)
-    assert choose(canonical.rms_norm, args, "cpu").provider == "triton"  # interpreter on
-    assert choose(canonical.rms_norm, args, "cpu", ("reference",)).provider == "reference"
+    assert choose(rms_norm_ops.rms_norm, args, "cpu").provider == "triton"  # interpreter on
+    assert choose(rms_norm_ops.rms_norm, args, "cpu", ("reference",)).provider == "reference"
     bad = (args[0].t().contiguous().t(), *args[1:])
-    c = choose(canonical.rms_norm, bad, "cpu")
+    c = choose(rms_norm_ops.rms_norm, bad, "cpu")
     assert c.provider == "reference" and c.declined == (("triton", "input rows are not unit-stride rows with one row stride"),)
-    c = choose(canonical.rms_norm, args, "npu")
+    c = choose(rms_norm_ops.rms_norm, args, "npu")
     assert c.provider == "reference" and c.declined[0][0] == "npu" and "torch_npu" in c.declined[0][1]
     no_upcast = (args[0], args[1], args[2], None, "llama", False, torch.bfloat16)
-    assert "no upcast" in choose(canonical.rms_norm, no_upcast, "cpu").declined[0][1]
+    assert "no upcast" in choose(rms_norm_ops.rms_norm, no_upcast, "cpu").declined[0][1]
 
 
 @pytest.mark.parametrize("seq", [7, 1], ids=["prefill", "decode"])
@@ -163,25 +164,25 @@ def test_triton_on_row_slices_of_a_wider_projection(seq):
         for o, e in zip(out, ref):
             assert o.stride() == e.stride(), "provider output layout equals the reference layout"
             ulp_close(o, e, torch.bfloat16)
-    assert choose(canonical.rms_norm, (x, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu").provider == "triton"
+    assert choose(rms_norm_ops.rms_norm, (x, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu").provider == "triton"
     permuted = torch.randn(7, 2, 32).to(torch.bfloat16).transpose(0, 1)
-    c = choose(canonical.rms_norm, (permuted, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu")
+    c = choose(rms_norm_ops.rms_norm, (permuted, w, 1e-6, None, "llama", True, torch.bfloat16), "cpu")
     assert c.provider == "reference"
 
 
 def test_perf_rules_from_the_h200_measurements():
-    from ep_fuse.providers.triton import perf
+    from ep_fuse.providers.triton import rms_norm as triton_rms_norm
 
     def args(rows, h):
         return norm_args(1, 1, torch.bfloat16, "llama", True, shape=(rows, h))
 
-    assert perf.add_rms_norm_prefers(args(16384, 7168), "inductor") is None
-    assert perf.add_rms_norm_prefers(args(64, 7168), "inductor") is None
-    assert "measured as fast" in perf.add_rms_norm_prefers(args(512, 7168), "inductor")
-    assert "measured as fast" in perf.add_rms_norm_prefers(args(64, 4096), "inductor")
-    assert perf.add_rms_norm_prefers(args(512, 7168), "eager") is None, "always beats unfused eager ops"
-    assert perf.rms_norm_prefers(norm_args(4, 64, torch.bfloat16, "llama", False), "inductor") is not None
-    c = choose(canonical.add_rms_norm, args(512, 7168), "cpu", executor="inductor")
+    assert triton_rms_norm.add_rms_norm_prefers(args(16384, 7168), "inductor") is None
+    assert triton_rms_norm.add_rms_norm_prefers(args(64, 7168), "inductor") is None
+    assert "measured as fast" in triton_rms_norm.add_rms_norm_prefers(args(512, 7168), "inductor")
+    assert "measured as fast" in triton_rms_norm.add_rms_norm_prefers(args(64, 4096), "inductor")
+    assert triton_rms_norm.add_rms_norm_prefers(args(512, 7168), "eager") is None, "always beats unfused eager ops"
+    assert triton_rms_norm.rms_norm_prefers(norm_args(4, 64, torch.bfloat16, "llama", False), "inductor") is not None
+    c = choose(rms_norm_ops.add_rms_norm, args(512, 7168), "cpu", executor="inductor")
     assert c.provider == "reference" and c.declined[0][0] == "triton"
 
 

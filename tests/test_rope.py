@@ -10,9 +10,10 @@ from support.rope_cache_modules import CacheRope, cache_inputs
 from torch import nn
 
 import ep_fuse
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.reference import rope_qk_ref, rope_ref
-from ep_fuse.providers import npu
+from ep_fuse.ops import choose
+from ep_fuse.ops import rope as rope_ops
+from ep_fuse.ops.rope import rope_qk_ref, rope_ref
+from ep_fuse.providers.npu import rope as npu_rope
 from ep_fuse.testing import compile_and_run
 
 BF16 = torch.bfloat16
@@ -453,7 +454,7 @@ def test_triton_rope_cache_declines_a_cast_per_call():
 
 
 def test_perf_rule_uses_the_kernel_only_where_measured_faster():
-    from ep_fuse.providers.triton.perf import rope_cache_prefers, rope_prefers
+    from ep_fuse.providers.triton.rope import rope_cache_prefers, rope_prefers
 
     x, c = torch.randn(2, 3, 4, 16).to(BF16), torch.randn(1, 1, 4, 16).to(BF16)
     assert rope_prefers((x, x, c, c, "half", 16, None), "inductor") is None
@@ -479,14 +480,14 @@ def test_npu_rope_matches_reference(torch_npu_double, form):
     x, cos, sin = _args(form, 2, 3, 5, 16, 16, BF16, "bhsd_view", 1, 1)
     out_dtype = BF16 if form == "complex" else None
     args = (x, x[:, :1], cos, sin, form, 16, out_dtype)
-    assert npu.rope_supports(args) is None
-    assert choose(canonical.rope_qk, args, "npu").provider == "npu"
-    for o, e in zip(npu.rope_qk_kernel(*args), rope_qk_ref(*args)):
+    assert npu_rope.rope_supports(args) is None
+    assert choose(rope_ops.rope_qk, args, "npu").provider == "npu"
+    for o, e in zip(npu_rope.rope_qk_kernel(*args), rope_qk_ref(*args)):
         ulp_close(o, e, BF16)  # the NPU op rounds once; HF rounds each product
 
 
 def test_npu_rope_declines_undocumented_layouts(torch_npu_double):
     x, cos, sin = _args("deinterleave", 1, 2, 5, 16, 16, BF16, "bhsd", 1, 0)
-    assert "no documented torch_npu op" in npu.rope_supports((x, cos, sin, "deinterleave", 16, None))
+    assert "no documented torch_npu op" in npu_rope.rope_supports((x, cos, sin, "deinterleave", 16, None))
     x, cos, sin = _args("half", 1, 2, 5, 16, 8, BF16, "bhsd", 1, 0)
-    assert "partial rotary" in npu.rope_supports((x, cos, sin, "half", 8, None))
+    assert "partial rotary" in npu_rope.rope_supports((x, cos, sin, "half", 8, None))

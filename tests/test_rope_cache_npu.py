@@ -4,9 +4,10 @@ import pytest
 import torch
 from support.norm_cases import ulp_close
 
-from ep_fuse.ops import canonical, choose
-from ep_fuse.ops.reference import CACHE_FORMS, rope_cache_ref, rope_qk_cache_ref
-from ep_fuse.providers import npu
+from ep_fuse.ops import choose
+from ep_fuse.ops import rope as rope_ops
+from ep_fuse.ops.rope import CACHE_FORMS, rope_cache_ref, rope_qk_cache_ref
+from ep_fuse.providers.npu import rope as npu_rope
 
 BF16 = torch.bfloat16
 MAX_POS = 64
@@ -38,10 +39,10 @@ def _qk_args(form, dtype, d=64, rot=64, hq=4, hk=1, t=11, seed=0):
 @pytest.mark.parametrize("form", CACHE_FORMS)
 def test_npu_rope_qk_cache_matches_reference(torch_npu_double, form, dtype, rot):
     args = _qk_args(form, dtype, rot=rot)
-    choice = choose(canonical.rope_qk_cache, args, "npu")
+    choice = choose(rope_ops.rope_qk_cache, args, "npu")
     assert choice.provider == "npu", choice.declined
     ref = rope_qk_cache_ref(*args)
-    for out in (npu.rope_qk_cache_kernel(*args), choice.op(*args)):
+    for out in (npu_rope.rope_qk_cache_kernel(*args), choice.op(*args)):
         for o, e, x in zip(out, ref, args[:2]):
             assert o.shape == x.shape and o.dtype == x.dtype
             ulp_close(o, e, dtype)  # npu_mrope rounds once; the reference rounds each product and sum
@@ -54,10 +55,10 @@ def test_npu_rope_qk_cache_matches_reference(torch_npu_double, form, dtype, rot)
 def test_npu_rope_cache_matches_reference(torch_npu_double, form, dtype, rot):
     x, _k, cache, pos, _form, _rot = _qk_args(form, dtype, rot=rot, hq=3)
     args = (x, cache, pos, form, rot)
-    choice = choose(canonical.rope_cache, args, "npu")
+    choice = choose(rope_ops.rope_cache, args, "npu")
     assert choice.provider == "npu", choice.declined
     ref = rope_cache_ref(*args)
-    for out in (npu.rope_cache_kernel(*args), choice.op(*args)):
+    for out in (npu_rope.rope_cache_kernel(*args), choice.op(*args)):
         assert out.shape == x.shape
         ulp_close(out, ref, dtype)
 
@@ -69,8 +70,8 @@ def test_npu_rope_qk_cache_strided_qkv_split(torch_npu_double):
     q = qkv[:, : hq * d].view(t, hq, d)
     k = qkv[:, hq * d:(hq + hk) * d].view(t, hk, d)
     args = (q, k, _cache(d, BF16), _positions(t).to(torch.int32), "chunk", d)
-    assert npu.rope_cache_supports(args) is None
-    for o, e in zip(npu.rope_qk_cache_kernel(*args), rope_qk_cache_ref(*args)):
+    assert npu_rope.rope_cache_supports(args) is None
+    for o, e in zip(npu_rope.rope_qk_cache_kernel(*args), rope_qk_cache_ref(*args)):
         ulp_close(o, e, BF16)
 
 
@@ -79,27 +80,27 @@ def _declined(op, args) -> str:
     assert choice.provider == "reference"
     (name, reason), = choice.declined
     assert name == "npu"
-    assert reason == npu.rope_cache_supports(args)
+    assert reason == npu_rope.rope_cache_supports(args)
     return reason
 
 
 def test_npu_rope_cache_declines(torch_npu_double):
     q, k, cache, pos, form, rot = _qk_args("chunk", BF16)
     # sglang's native fallback: bf16 heads with an fp32 cache (npu_mrope needs one dtype)
-    assert "cos_sin_cache dtype" in _declined(canonical.rope_qk_cache, (q, k, cache.float(), pos, form, rot))
+    assert "cos_sin_cache dtype" in _declined(rope_ops.rope_qk_cache, (q, k, cache.float(), pos, form, rot))
     # [B, S, H, D] heads with [B, S] positions: npu_mrope takes 1-D positions
     x4, pos2 = q.view(1, 11, 4, 64), pos.view(1, 11)
-    assert "1-D positions" in _declined(canonical.rope_cache, (x4, cache, pos2, form, rot))
-    assert "[tokens, heads, head_dim]" in _declined(canonical.rope_cache, (x4, cache, pos, form, rot))
+    assert "1-D positions" in _declined(rope_ops.rope_cache, (x4, cache, pos2, form, rot))
+    assert "[tokens, heads, head_dim]" in _declined(rope_ops.rope_cache, (x4, cache, pos, form, rot))
     # more than 4096 channels per token, for q or for k
     wide = torch.zeros(11, 33, 128, dtype=BF16)
     big = (wide, k[..., :1].expand(11, 1, 128).contiguous(), _cache(128, BF16), pos, form, 128)
-    assert "> 4096" in _declined(canonical.rope_qk_cache, big)
-    assert "> 4096" in _declined(canonical.rope_qk_cache, (big[1], *big[:1], *big[2:]))
+    assert "> 4096" in _declined(rope_ops.rope_qk_cache, big)
+    assert "> 4096" in _declined(rope_ops.rope_qk_cache, (big[1], *big[:1], *big[2:]))
     # heads not viewable as [T, H*D]
     xt = q.transpose(0, 1).contiguous().transpose(0, 1)
-    assert "cannot be viewed" in _declined(canonical.rope_cache, (xt, cache, pos, form, rot))
-    assert "form" in _declined(canonical.rope_cache, (q, cache, pos, "half", rot))
+    assert "cannot be viewed" in _declined(rope_ops.rope_cache, (xt, cache, pos, form, rot))
+    assert "form" in _declined(rope_ops.rope_cache, (q, cache, pos, "half", rot))
 
 
 def test_double_enforces_documented_limits(torch_npu_double):

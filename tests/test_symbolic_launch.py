@@ -24,7 +24,8 @@ from torch.fx.experimental.symbolic_shapes import (
     statically_known_true,
 )
 
-import ep_fuse.providers.triton as P
+from ep_fuse import runtime
+from ep_fuse.providers.triton import provider
 
 BF16 = torch.bfloat16
 T, H, D, NH, KVH, E, K = 37, 256, 64, 4, 2, 16, 4
@@ -99,7 +100,7 @@ def _symbolic_like(t: torch.Tensor, tokens: Any) -> torch.Tensor:
 
 @pytest.mark.parametrize("op, i", [(op, i) for op, makers in CASES.items() for i in range(len(makers))])
 def test_symbolic_launch_adds_no_guard(op: str, i: int) -> None:
-    kernel = P.SYMBOLIC_INLINE[op]
+    kernel = provider.SYMBOLIC_INLINE[op]
     args = CASES[op][i]()
     env = ShapeEnv()
     mode = FakeTensorMode(shape_env=env)
@@ -109,7 +110,7 @@ def test_symbolic_launch_adds_no_guard(op: str, i: int) -> None:
     with mode:
         tokens = seed.shape[0]
         fake = [_symbolic_like(a, tokens) if isinstance(a, torch.Tensor) and a.dim() else a for a in args]
-        assert P.SYMBOLIC_INLINE[op] is kernel and all(
+        assert provider.SYMBOLIC_INLINE[op] is kernel and all(
             not isinstance(a, torch.Tensor) or a.stride() == _symbolic_like(b, tokens).stride()
             for a, b in zip(fake, args))
         before = len(env.guards)
@@ -122,7 +123,7 @@ def test_symbolic_launch_adds_no_guard(op: str, i: int) -> None:
 
 
 def test_every_symbolic_inline_op_is_checked() -> None:
-    assert set(P.SYMBOLIC_INLINE) == set(CASES)
+    assert set(provider.SYMBOLIC_INLINE) == set(CASES)
 
 
 def test_unbacked_sizes_are_recognised() -> None:
@@ -132,9 +133,9 @@ def test_unbacked_sizes_are_recognised() -> None:
         dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC]))
     with mode:
         unbacked = torch.empty(env.create_unbacked_symint(), 3)
-    assert not P._unbacked((backed, 1e-6, None))
-    assert P._unbacked((backed, unbacked))
-    assert not P._unbacked((torch.empty(2, 3),))
+    assert not provider._unbacked((backed, 1e-6, None))
+    assert provider._unbacked((backed, unbacked))
+    assert not provider._unbacked((torch.empty(2, 3),))
 
 
 @pytest.mark.parametrize("op, i", [(op, i) for op, makers in CASES.items() for i in range(len(makers))])
@@ -148,7 +149,7 @@ def test_host_code_traces_at_an_unbacked_token_count(op: str, i: int) -> None:
     with mode:
         tokens = env.create_unbacked_symint()
         fake = [_symbolic_like(a, tokens) if isinstance(a, torch.Tensor) and a.dim() else a for a in args]
-        P.SYMBOLIC_INLINE[op](*fake, wrap=rec)
+        provider.SYMBOLIC_INLINE[op](*fake, wrap=rec)
     assert [str(g.expr) for g in env.guards] == []
     symbols = {str(s) for _, grid in rec.launches for g in grid if isinstance(g, torch.SymInt)
                for s in g.node.expr.free_symbols}
@@ -180,7 +181,7 @@ def test_unbacked_launch_that_cannot_be_traced_keeps_the_opaque_op(monkeypatch, 
 
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    monkeypatch.setattr(P, "triton_interpret", lambda: False)
+    monkeypatch.setattr(runtime, "triton_interpret", lambda: False)
     env = ShapeEnv()
     with FakeTensorMode(shape_env=env):
         unbacked = torch.empty(env.create_unbacked_symint(), 3)
@@ -192,7 +193,7 @@ def test_unbacked_launch_that_cannot_be_traced_keeps_the_opaque_op(monkeypatch, 
             raise RuntimeError("some tracing failure")
         return "inlined"
 
-    rule = P._inline_rule(kernel, lambda a: None, lambda a: None, symbolic=True)
+    rule = provider._inline_rule(kernel, lambda a: None, lambda a: None, symbolic=True)
     cuda = types.SimpleNamespace(device=torch.device("cuda"))  # the rule reads args[0].device only
     mode = _Mode()
     out = rule(mode, "op", (), (cuda, unbacked), {})
@@ -225,6 +226,8 @@ def test_size_branches_trace_every_branch_without_a_guard(case: str) -> None:
     """``<op>_by_size`` at a symbolic row count becomes a nest of conds on ``rows < bound``: every branch is
     traced (here: run on fake tensors by a recording ``cond``) and none adds a guard."""
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
     op, args = BY_SIZE_CASES[case]()
     env = ShapeEnv()
@@ -260,22 +263,24 @@ def test_size_branches_follow_the_run_time_rules() -> None:
     64-row config up to 64, then the TMA kernel from 128 rows per expert (where it takes the shape) or
     ``torch._grouped_mm`` above 128 (bf16), the kernel at every size where ``_grouped_mm`` does not run."""
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
     from ep_fuse.providers.triton.grouped_gemm_kernel import is_decode
 
     x, w, _ = _grouped_args(BF16, True)
     e = w.shape[0]
-    names = {rows: sb.branch_for(sb.grouped_branches(x, w, True), rows).name
+    names = {rows: sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name
              for rows in (1, 16 * e, 16 * e + 1, 64 * e, 64 * e + 1, 128 * e - 1, 128 * e, 2**31)}
     assert names == {1: "kernel (decode tiles)", 16 * e: "kernel (decode tiles)", 16 * e + 1: "kernel (64-row tiles)",
                      64 * e: "kernel (64-row tiles)", 64 * e + 1: "kernel (128-row tiles)",
                      128 * e - 1: "kernel (128-row tiles)", 128 * e: "tma",
                      2**31: "torch._grouped_mm"}  # TMA takes any width under the interpreter
     for rows in (1, 16 * e, 16 * e + 1, 300):
-        assert (sb.branch_for(sb.grouped_branches(x, w, True), rows).name == "kernel (decode tiles)") == \
+        assert (sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name == "kernel (decode tiles)") == \
             is_decode(rows, e)
     xh, wh, _ = _grouped_args(torch.float16, False)
-    assert sb.branch_for(sb.grouped_branches(xh, wh, False), 2**31).name == "kernel (128-row tiles)"
-    dense = sb.gemm_swiglu_branches(*BY_SIZE_CASES["gemm_swiglu"]()[1])  # CPU: no TMA branch
+    assert sb.branch_for(triton_moe.grouped_branches(xh, wh, False), 2**31).name == "kernel (128-row tiles)"
+    dense = triton_gemm_swiglu.gemm_swiglu_branches(*BY_SIZE_CASES["gemm_swiglu"]()[1])  # CPU: no TMA branch
     assert [(b.name, b.below) for b in dense] == [("kernel (16-row tiles)", 17), ("kernel (32-row tiles)", 33),
                                                    ("reference", None)]
 
@@ -285,8 +290,10 @@ def test_size_branches_follow_the_run_time_rules() -> None:
 def test_every_size_branch_computes_the_op(swiglu: bool, dtype: torch.dtype) -> None:
     """Each branch (its own tile config, the TMA kernel, ``torch._grouped_mm``) gives the reference's result,
     ragged experts with an empty one and a zero tail included (Triton interpreter)."""
-    from ep_fuse.ops.moe_reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
+    from ep_fuse.ops.moe import grouped_gemm_ref, grouped_gemm_swiglu_ref
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
     torch.manual_seed(0)
     e, n, k = 4, 32, 32
@@ -296,7 +303,7 @@ def test_every_size_branch_computes_the_op(swiglu: bool, dtype: torch.dtype) -> 
     w = torch.randn(e, 2 * n if swiglu else n, k, dtype=dtype) / k**0.5
     seg = torch.tensor([0, *counts]).cumsum(0)
     ref = (grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref)(x, w, seg)
-    branches = sb.grouped_branches(x, w, swiglu)
+    branches = triton_moe.grouped_branches(x, w, swiglu)
     assert len({b.name for b in branches}) >= 3
     for b in branches:
         torch.testing.assert_close(b.run((x, w, seg), None).float(), ref.float(), rtol=2e-2, atol=2e-2,
@@ -304,20 +311,24 @@ def test_every_size_branch_computes_the_op(swiglu: bool, dtype: torch.dtype) -> 
 
 
 def test_dense_size_branches_compute_the_op() -> None:
-    from ep_fuse.ops.reference import gemm_swiglu_ref
+    from ep_fuse.ops.gemm_swiglu import gemm_swiglu_ref
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
     torch.manual_seed(0)
     x = torch.randn(3, 7, 32, dtype=BF16)
     wg, wu = torch.randn(48, 32, dtype=BF16) / 6, torch.randn(48, 32, dtype=BF16) / 6
     ref = gemm_swiglu_ref(x, wg, wu)
-    for b in sb.gemm_swiglu_branches(x, wg, wu):
+    for b in triton_gemm_swiglu.gemm_swiglu_branches(x, wg, wu):
         torch.testing.assert_close(b.run((x, wg, wu), None).float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 @torch.library.custom_op("ep_fuse_test::by_rows", mutates_args=())
 def _by_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
     return sb.select(_ROW_BRANCHES, lambda t: t.shape[0], (x, w), None)
 
@@ -339,6 +350,8 @@ _ROW_BRANCHES = _row_branches()
 
 def _by_rows_rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
     with mode:
         return sb.select(_ROW_BRANCHES, lambda t: t.shape[0], args, None)
@@ -362,6 +375,8 @@ def test_size_branches_compile_in_inductor_at_a_product_of_symbols(sizes: str) -
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
     def f(x: torch.Tensor, pos: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = x.sin() + pos.unsqueeze(-1)
@@ -390,16 +405,18 @@ def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
     """The FunctionalTensorMode rule registered for ``grouped_gemm_swiglu_by_size`` traces the branches on CUDA
     (at unbacked sizes too), and keeps the opaque op under CUDA graphs (Inductor would drop them for a graph
     holding ``torch.cond``) and with the switch off. Fake CUDA tensors; the tracing itself is recorded."""
-    from ep_fuse.ops import canonical
+    from ep_fuse.ops import moe as moe_ops
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
+    from ep_fuse.providers.triton import moe as triton_moe
 
-    prov = canonical.grouped_gemm_swiglu.providers["triton"]
+    prov = moe_ops.grouped_gemm_swiglu.providers["triton"]
     from torch._library.simple_registry import find_torch_dispatch_rule
 
     rule = find_torch_dispatch_rule(prov.by_size, FunctionalTensorMode)  # the rule the provider registered
     assert rule is not None
     traced: list[str] = []
-    monkeypatch.setattr(P, "triton_interpret", lambda: False)
+    monkeypatch.setattr(runtime, "triton_interpret", lambda: False)
     monkeypatch.setattr(sb, "run_by_size", lambda name, args, wrap: traced.append(name) or "branches")
 
     class Mode:
@@ -431,6 +448,6 @@ def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
         assert run(unbacked) == "branches"
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             assert run(symbolic) == "opaque"
-        monkeypatch.setattr(P, "INLINE_SIZE_BRANCHES", False)
+        monkeypatch.setattr(provider, "INLINE_SIZE_BRANCHES", False)
         assert run(symbolic) == "opaque"
     assert traced == ["grouped_gemm_swiglu"] * 3

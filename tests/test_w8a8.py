@@ -20,8 +20,8 @@ from support.moe_modules import routed_case
 import ep_fuse
 from ep_fuse import tiny_models
 from ep_fuse.config import ConfigError, EpFuseConfig
-from ep_fuse.ops import quant_reference as R
-from ep_fuse.ops.moe_reference import moe_permute_ref
+from ep_fuse.ops import w8a8 as R
+from ep_fuse.ops.moe import moe_permute_ref
 from ep_fuse.passes.quant import WEIGHT_CACHE
 from ep_fuse.providers.triton import w8a8 as T
 from ep_fuse.testing import compile_and_run
@@ -288,7 +288,7 @@ def test_npu_chain_matches_reference(npu_w8a8, t, k, e, h, i):
 
 def test_npu_chain_is_chosen_and_emits_the_seed_ops(npu_w8a8, monkeypatch):
     from ep_fuse.ops import choose
-    from ep_fuse.ops import quant_ops as Q
+    from ep_fuse.ops import w8a8 as Q
 
     _x, _ids, rows, _src, seg = routed(8, 2, 4, 32)
     (w13q, w13s), _ = weights(4, 32, 16)

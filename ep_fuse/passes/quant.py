@@ -56,6 +56,9 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ep_fuse.ops import fp8 as fp8_ops
+from ep_fuse.ops import moe as moe_ops
+from ep_fuse.ops import w8a8 as w8a8_ops
 from ep_fuse.ops.fp8 import BLOCK, FP8, cdiv, quantize_weight_fp8
 from ep_fuse.ops.w8a8 import quantize_weight
 from ep_fuse.passes.base import GraphPass, PassContext
@@ -118,11 +121,10 @@ class QuantizeExperts(GraphPass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         if ctx.config.quant is None:
             return 0
-        from ep_fuse.ops import moe as moe_ops
 
         block = moe_ops.moe_experts.op
         fp8 = ctx.config.quant == "fp8_block"
-        target = canonical._fp8_ops.moe_experts_fp8.op if fp8 else canonical._quant_ops.moe_experts_w8a8.op
+        target = fp8_ops.moe_experts_fp8.op if fp8 else w8a8_ops.moe_experts_w8a8.op
         changes = 0
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not block:
@@ -138,11 +140,11 @@ class QuantizeExperts(GraphPass):
                     sent = _fp8_dispatch(gm, ctx, node, bk)
                     if sent is not None:  # the block on the received codes and scales
                         xq, xs, act_dtype = sent
-                        new = gm.graph.call_function(canonical._fp8_ops.moe_experts_fp8_q.op,
+                        new = gm.graph.call_function(fp8_ops.moe_experts_fp8_q.op,
                                                      (xq, xs, ids, w, q13, s13, q2, s2, bn, bk, act_dtype,
                                                       out_dtype))
                     else:
-                        from ep_fuse.providers.deepgemm import BLOCK as DG
+                        from ep_fuse.providers.deepgemm.fp8 import BLOCK as DG
 
                         extra = (align,) if align > 1 and (bn, bk) == (DG, DG) else ()
                         new = gm.graph.call_function(target, (x, ids, w, q13, s13, q2, s2, bn, bk, out_dtype, *extra))
@@ -220,7 +222,7 @@ def _fp8_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Node, bk: int
         return None
     graph = gm.graph
     with graph.inserting_before(d):
-        qn = _call(ctx, gm, canonical._fp8_ops.quant_fp8_group.op, (x, bk))
+        qn = _call(ctx, gm, fp8_ops.quant_fp8_group.op, (x, bk))
         as_bytes = [_call(ctx, gm, aten.view.dtype, (_call(ctx, gm, operator.getitem, (qn, i)), torch.uint8))
                     for i in range(2)]
         packed = _call(ctx, gm, aten.cat.default, (as_bytes, 1))
@@ -286,7 +288,7 @@ def _fp8_align(ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node) -> i
     DeepGEMM takes its GEMMs, else 1). Behind an EP dispatch the block keeps 1."""
     if ctx.device != "cuda" or _dispatch_of(block.args[0]) is not None:
         return 1
-    from ep_fuse.providers.deepgemm import align_for
+    from ep_fuse.providers.deepgemm.fp8 import align_for
 
     x, ids, a13, a2 = (_val(a) for a in (block.args[0], block.args[1], w13, w2))
     if not isinstance(ids, torch.Tensor):
@@ -350,7 +352,6 @@ def _fp8_not_faster(block: fx.Node, w13: fx.Node, deepgemm: bool = False) -> str
 
 def _dispatch_of(recv: Any) -> fx.Node | None:
     """The ``ep_dispatch`` node whose received tokens (output 0) ``recv`` is, else ``None``."""
-    from ep_fuse.ops.ep import ep_dispatch
 
     if not (isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
         return None
@@ -362,7 +363,6 @@ def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node
                       ) -> tuple[fx.Node, fx.Node, tuple[int, int]] | None:
     """``(codes, fp32 scales, (bn, bk))`` when ``weight`` is ``[cast](fp8_block_dequant(q fp8 [E,N,K], s, bn, bk))``
     with ``s`` [E, ceil(N/bn), ceil(K/bk)] (fp32, or another float dtype cast to fp32 in the graph)."""
-    from ep_fuse.ops.fp8 import fp8_block_dequant
 
     w = _strip_casts(weight)
     if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target is fp8_block_dequant.op):

@@ -63,7 +63,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _checks(rank: int, device: torch.device) -> None:
-    import ep_fuse.ops.canonical  # noqa: F401  (defines the EP ops)
+    import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
     from ep_fuse.ep import all_to_all as a2a
     from ep_fuse.providers.triton.jit_helpers import INTERPRET
 

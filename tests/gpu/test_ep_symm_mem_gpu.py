@@ -129,8 +129,8 @@ def _worker(rank: int, port: int, names: list[str], out_dir: str) -> None:
     os.environ.pop("TRITON_INTERPRET", None)
     import torch.distributed as dist
 
-    import ep_fuse.ep.ops  # noqa: F401  (registers ep_dispatch / ep_combine)
-    import ep_fuse.ops.canonical  # noqa: F401
+    import ep_fuse.ops.ep
+    import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
     from ep_fuse.ep import symm_mem
 
     torch.cuda.set_device(rank)

@@ -6,9 +6,9 @@ ragged routing with empty experts, one expert taking every row), the whole FP8 b
 import pytest
 import torch
 
-from ep_fuse.ops import fp8_reference as R
-from ep_fuse.ops.moe_reference import moe_unpermute_ref
-from ep_fuse.providers import deepgemm as D
+from ep_fuse.ops import fp8 as R
+from ep_fuse.ops.moe import moe_unpermute_ref
+from ep_fuse.providers.deepgemm import fp8 as D
 
 pytestmark = pytest.mark.skipif(D.available() is not None, reason=f"DeepGEMM provider: {D.available()}")
 BF16 = torch.bfloat16

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ep_fuse.ops.canonical  # noqa: F401  (defines the ops)
-from ep_fuse.ops.reference import rope_qk_ref
-from ep_fuse.ops.router_reference import moe_gating_stable_ref
-from ep_fuse.providers.triton.router import check_gating_call, moe_gating_kernel
+import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
+from ep_fuse.ops.rope import rope_qk_ref
+from ep_fuse.ops.moe_gating import moe_gating_stable_ref
+from ep_fuse.providers.triton.moe_gating import check_gating_call, moe_gating_kernel
 
 BF16 = torch.bfloat16
 

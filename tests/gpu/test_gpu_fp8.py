@@ -5,8 +5,8 @@ and ``fp8:tma`` (the persistent TMA variant, taken from 64 rows per expert) pass
 import pytest
 import torch
 
-from ep_fuse.ops import fp8_ops  # noqa: F401  (defines the FP8 ops)
-from ep_fuse.ops import fp8_reference as R
+from ep_fuse.ops import fp8 as fp8_ops  # noqa: F401  (defines the FP8 ops)
+from ep_fuse.ops import fp8 as R
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn

@@ -45,7 +45,7 @@ def sc_fp8_dispatch_decode(world, backend="all_to_all"):
     import ep_fuse
     from ep_fuse.passes import quant
     from ep_fuse.passes.ep import ep_sites
-    from ep_fuse.providers.triton import perf
+    from ep_fuse.providers.triton import fp8 as triton_fp8
 
     os.environ["EP_FUSE_UNVERIFIED_KERNELS"] = "1"
     t, e, h, i, k = 128, 256, 7168, 2048, 8
@@ -60,8 +60,8 @@ def sc_fp8_dispatch_decode(world, backend="all_to_all"):
     opts = {**ep_fuse.ep_options(model, backend=backend, capacity=t), "executor": "inductor",
             "quant": "fp8_block"}
     outs, payloads = {}, {}
-    rule = perf.FP8_BLOCK_MAX_ROWS_PER_EXPERT
-    perf.FP8_BLOCK_MAX_ROWS_PER_EXPERT = 1 << 30  # this checks the wire format, not the speed rule
+    rule = triton_fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT
+    triton_fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT = 1 << 30  # this checks the wire format, not the speed rule
     try:
         for on in (True, False):
             quant.FP8_DISPATCH = on
@@ -73,7 +73,7 @@ def sc_fp8_dispatch_decode(world, backend="all_to_all"):
             payloads[on] = site.payload
     finally:
         quant.FP8_DISPATCH = True
-        perf.FP8_BLOCK_MAX_ROWS_PER_EXPERT = rule
+        triton_fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT = rule
     assert payloads == {True: "fp8 e4m3 + 1x128 fp32 scales", False: ""}, payloads
     same = torch.tensor([float(torch.equal(outs[True], outs[False]))], device="cuda")
     rel = ((outs[True].float() - ref.float()).norm() / ref.float().norm()).reshape(1)

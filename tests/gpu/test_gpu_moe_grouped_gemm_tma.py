@@ -61,7 +61,7 @@ def weights(h: int, i: int, e: int, dtype=BF16) -> tuple[torch.Tensor, torch.Ten
 
 def routed(t: int, h: int, e: int, k: int, dtype=BF16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of ``t`` tokens routed by top-k of random logits, expert-major; ``seg_indptr``."""
-    from ep_fuse.ops.moe_reference import moe_permute_ref
+    from ep_fuse.ops.moe import moe_permute_ref
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(t, h, device="cuda", dtype=dtype, generator=g)
@@ -272,7 +272,7 @@ def test_dense_gemm_swiglu(h, i, m, desc):
     """The one-expert launch, gate and up weights read in place, against an fp32 reference; through the
     provider op at the row threshold, and inlined by Inductor."""
     from ep_fuse.providers.triton import gemm_swiglu as dense
-    from ep_fuse.providers.triton import perf
+    from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
 
     g = torch.Generator(device="cuda").manual_seed(m + i)
     x = torch.randn(m, h, device="cuda", dtype=BF16, generator=g)
@@ -282,7 +282,7 @@ def test_dense_gemm_swiglu(h, i, m, desc):
     cfg = dataclasses.replace(tk().dense_config_for(m, i, h), desc=desc)
     tk().launch_gemm_swiglu_tma(x, wg, wu, y, config=cfg)
     assert not y.isnan().any() and rel_l2(y, ref) < 1e-2
-    if desc == "device" and m >= perf.GEMM_SWIGLU_TMA_MIN_ROWS:
+    if desc == "device" and m >= triton_gemm_swiglu.GEMM_SWIGLU_TMA_MIN_ROWS:
         assert dense.dense_variant(x, wg, wu) == "tma"
         assert rel_l2(torch.ops.ep_fuse_triton.gemm_swiglu(x, wg, wu), ref) < 1e-2
         torch._dynamo.reset()

@@ -24,8 +24,9 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("swiglu", [False, True])
 @pytest.mark.parametrize("e, n, k", [(8, 256, 256), (60, 1408, 2880 // 2)])
 def test_every_grouped_branch_on_cuda(swiglu: bool, e: int, n: int, k: int) -> None:
-    from ep_fuse.ops.moe_reference import grouped_gemm_ref, grouped_gemm_swiglu_ref
+    from ep_fuse.ops.moe import grouped_gemm_ref, grouped_gemm_swiglu_ref
     from ep_fuse.providers.triton import size_branches as sb
+    from ep_fuse.providers.triton import moe as triton_moe
 
     torch.manual_seed(0)
     counts = torch.randint(0, 40, (e,))
@@ -35,7 +36,7 @@ def test_every_grouped_branch_on_cuda(swiglu: bool, e: int, n: int, k: int) -> N
     w = (torch.randn(e, 2 * n if swiglu else n, k, dtype=BF16, device="cuda") / k**0.5)
     seg = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).cuda()
     ref = (grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref)(x, w, seg)
-    for b in sb.grouped_branches(x, w, swiglu):
+    for b in triton_moe.grouped_branches(x, w, swiglu):
         out = b.run((x, w, seg), None)
         assert rel_l2(out, ref) < 1e-2, b.name
         assert out[int(seg[-1]):].abs().max() == 0, b.name

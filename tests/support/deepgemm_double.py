@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops.fp8_reference import dequantize_blocks
+from ep_fuse.ops.fp8 import dequantize_blocks
 
 ALIGNMENT = 128
 calls: list[dict[str, Any]] = []

@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, backend: str, module: str, names: 
     import torch.distributed as dist
 
     import ep_fuse
-    import ep_fuse.ops.canonical  # noqa: F401
+    import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
 
     extra = {}
     if backend == "nccl":

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ep_fuse.npu_runtime import TORCH_NPU_CONTRACT_VERSION
+from ep_fuse.runtime import TORCH_NPU_CONTRACT_VERSION
 
 VERSION = TORCH_NPU_CONTRACT_VERSION
 WHEEL_ENV = "EP_FUSE_TORCH_NPU_WHEEL"

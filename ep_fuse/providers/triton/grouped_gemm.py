@@ -119,11 +119,15 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
     if (variant or kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu)) == "tma":
-        from ep_fuse.providers.triton.grouped_gemm_tma_kernel import launch_grouped_gemm_tma
+        # kernel modules import triton: on first launch
+        from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
+            launch_grouped_gemm_swiglu_tma,
+            launch_grouped_gemm_tma,
+        )
 
         launch = launch_grouped_gemm_swiglu_tma if swiglu else launch_grouped_gemm_tma
     else:
-        from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm_swiglu
+        from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm, launch_grouped_gemm_swiglu
 
         launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
     launch(x, w, seg, y, config=config, wrap=wrap)

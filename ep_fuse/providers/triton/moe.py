@@ -23,6 +23,7 @@ from ep_fuse.ops.moe import grouped_gemm_ref, grouped_gemm_swiglu_ref, grouped_m
 from ep_fuse.ops.registry import AtRunTime
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.triton.grouped_gemm import (
+    GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT,
     TMA_VARIANT,
     check_grouped_gemm_call,
     check_grouped_gemm_swiglu_call,

@@ -56,6 +56,7 @@ import torch
 from torch import fx
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops import fp8 as fp8_ops
 from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops import w8a8 as w8a8_ops
@@ -356,7 +357,7 @@ def _dispatch_of(recv: Any) -> fx.Node | None:
     if not (isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
         return None
     d = recv.args[0]
-    return d if isinstance(d, fx.Node) and d.target is ep_dispatch.op else None
+    return d if isinstance(d, fx.Node) and d.target is ep_ops.ep_dispatch.op else None
 
 
 def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node
@@ -365,7 +366,7 @@ def _fp8_prequantized(gm: fx.GraphModule, ctx: PassContext, weight: fx.Node
     with ``s`` [E, ceil(N/bn), ceil(K/bk)] (fp32, or another float dtype cast to fp32 in the graph)."""
 
     w = _strip_casts(weight)
-    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target is fp8_block_dequant.op):
+    if not (isinstance(w, fx.Node) and w.op == "call_function" and w.target is fp8_ops.fp8_block_dequant.op):
         return None
     q, s, bn, bk = w.args[:4]
     qv, sv = _val(q), _val(s)

@@ -8,7 +8,6 @@ inputs, Triton provider vs the reference, compiled models vs eager); a failed ch
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import traceback
@@ -26,6 +25,8 @@ from common import (  # noqa: E402
     env_info,
     markdown_table,
     out_dir,
+    bench_parser,
+    start,
     write_json,
 )
 
@@ -247,11 +248,12 @@ def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="baseline grid only, no sweep")
     ap.add_argument("--sweep", action="store_true", help="time launch configs of the raw kernel")
     ap.add_argument("--skip-checks", action="store_true")
     args = ap.parse_args()
+    start(args)
     t0 = time.time()
     res: dict[str, Any] = {"env": env_info()}
     log(res["env"])

@@ -86,7 +86,7 @@ def tma_variant(spec: str) -> Iterator[list[Any]]:
 
 
 class HFGroupedExperts(torch.nn.Module):
-    """The op sequence of transformers' ``grouped_mm_experts_forward`` (``traced-graphs.md`` §4.4)."""
+    """The op sequence of transformers' ``grouped_mm_experts_forward`` (as transformers 5.x traces it)."""
 
     def __init__(self, e: int, h: int, i: int, seed: int = 0) -> None:
         super().__init__()

@@ -36,7 +36,7 @@ from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 EPS = 1e-6
-GRID = [  # (op, rows, hidden): baseline-h200.md grid first, then the row sweep for the decline rule
+GRID = [  # (op, rows, hidden): the H200 baseline grid first, then the row sweep for the decline rule
     ("add_rms_norm", 64, 7168), ("add_rms_norm", 16384, 7168), ("add_rms_norm", 16384, 4096),
     ("add_rms_norm", 1, 7168), ("add_rms_norm", 512, 7168), ("add_rms_norm", 4096, 7168),
     ("add_rms_norm", 64, 4096), ("add_rms_norm", 4096, 2048),

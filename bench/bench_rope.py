@@ -37,7 +37,7 @@ import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton
 from ep_fuse.ops.reference import rope_qk_ref  # noqa: E402
 
 BF16 = torch.bfloat16
-GRID = [  # (tokens, q heads, k heads, head dim): baseline-h200.md rows, then a DeepSeek-V3-like MLA rope part
+GRID = [  # (tokens, q heads, k heads, head dim): the H200 baseline grid rows, then a DeepSeek-V3-like MLA rope part
     (64, 32, 8, 128), (16384, 32, 8, 128), (16384, 128, 128, 64), (4096, 128, 1, 64),
 ]
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=.deepgemm_build:$PYTHONPATH python bench/bench_deepgemm.py [--only NAME,...] [--align 128,64]
 
-DeepGEMM (deepseek-ai/DeepGEMM, built by ``bench/build_deepgemm.sh``) is an optional dependency; this script
+DeepGEMM (deepseek-ai/DeepGEMM, built by ``tools/build_deepgemm.sh``) is an optional dependency; this script
 only times it. Per shape, tokens routed by top-k of random logits, rows expert-major; then per GEMM (gate|up,
 down), on the same rows and weights:
 
@@ -21,7 +21,6 @@ Writes ``$OUT/deepgemm.json`` / ``deepgemm.md``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_experts import routed_rows  # noqa: E402
-from common import bench_graph_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
 import ep_fuse.providers  # noqa: E402,F401
 from ep_fuse.ops import fp8_reference as R  # noqa: E402
@@ -165,10 +164,11 @@ def run_shape(name: str, shape: tuple[int, ...], aligns: list[int], dg: Any) -> 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--only", default=",".join(SHAPES))
     ap.add_argument("--align", default="128,64")
     args = ap.parse_args()
+    start(args)
     import deep_gemm as dg
 
     log(env_info(), "deep_gemm", getattr(dg, "__version__", "?"))

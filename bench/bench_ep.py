@@ -36,10 +36,8 @@ import os
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v  # NVLink multicast off in every process (device README)
 
-import argparse  # noqa: E402
 import copy  # noqa: E402
 import datetime  # noqa: E402
-import json  # noqa: E402
 import socket  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -50,6 +48,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import bench_parser, start, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
 import ep_fuse.ops.canonical  # noqa: E402,F401
@@ -319,7 +319,7 @@ def run_e2e(iters: int, device: torch.device, cases: list[str]) -> list[dict[str
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backends", default=None, help="restrict to these providers (default: all)")
@@ -330,6 +330,7 @@ def main() -> None:
     ap.add_argument("--deepep-config", default=None,
                     help="dispatch SMs,NVL chunk,combine SMs,NVL chunk for DeepEP normal (from its own tuning)")
     args = ap.parse_args()
+    start(args, needs_cuda=False)
     device = init()
     world = dist.get_world_size()
     if args.deepep_config:
@@ -356,7 +357,7 @@ def main() -> None:
         meta = dict(note=note, torch=torch.__version__, device=str(device), date=str(datetime.date.today()),
                     gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
                     deepep_configs=deepep.TUNED.get(world))
-        (out / "ep.json").write_text(json.dumps(dict(meta=meta, rows=rows, e2e=e2e), indent=2))
+        write_json("ep.json", dict(meta=meta, rows=rows, e2e=e2e))  # $OUT/ep.json, and --json
         head = ["shape", "mode", "ran", "layer_us", "one_gpu_us", "layer_vs_one_gpu", "one_gpu_total_us",
                 "dispatch_us", "combine_us", "dispatch_combine_us", "dispatch_gbs_recv", "combine_gbs_recv",
                 "gbs_remote", "dispatch_fp8_us", "fp8_vs_bf16_dispatch", "dispatch_fp8_gbs_recv", "rel_l2_vs_one_gpu",

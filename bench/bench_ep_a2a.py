@@ -20,8 +20,6 @@ reference. NCCL on CUDA (NVLS / multicast off), gloo on CPU. Writes ``$OUT/ep_a2
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -40,6 +38,7 @@ from ep_fuse.ep.layout import HEADER, packed_row  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ep import init, loop_seconds, routing  # noqa: E402
+from common import bench_parser, start, write_json  # noqa: E402
 
 
 def per_call(fn, iters: int, device: torch.device) -> float:
@@ -156,13 +155,14 @@ def run_case(shape, t: int, cap: int, path: str, iters: int, device: torch.devic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tokens", default="128,4096")
     ap.add_argument("--paths", default="kernels,reference")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--no-stages", action="store_true")
     args = ap.parse_args()
+    start(args, needs_cuda=False)
     device = init()
     world = dist.get_world_size()
     log(f"bench_ep_a2a: {world} ranks, {dist.get_backend()}, device {device}, torch {torch.__version__}")
@@ -184,7 +184,7 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         meta = dict(world=world, torch=torch.__version__, device=str(device),
                     gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
-        (out / "ep_a2a.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+        write_json("ep_a2a.json", dict(meta=meta, rows=rows))  # $OUT/ep_a2a.json, and --json
         head = list(rows[0]) if rows else []
         for r in rows:
             head += [c for c in r if c not in head]

@@ -13,7 +13,6 @@ keeps what it measured.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import bench_parser, bench_us, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 from hf_models import build  # noqa: E402
 
 import ep_fuse  # noqa: E402
@@ -57,10 +56,11 @@ def save(res: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--models", default="mixtral_8x7b,deepseek_v3")
     ap.add_argument("--shapes", default="1x2048")
     opts = ap.parse_args()
+    start(opts)
     res: dict[str, Any] = {"env": env_info(), "rows": []}
     log(res["env"])
     t0 = time.time()

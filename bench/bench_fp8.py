@@ -34,7 +34,6 @@ timed the same way, and its output (summed back per token) against the reference
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import balanced_topk_ids, bench_graph_us, env_info, markdown_table, out_dir, write_json
+from common import balanced_topk_ids, bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.ops import fp8_reference as R
@@ -268,7 +267,7 @@ def run_sweep(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], dea
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--only", default=",".join(SHAPES))
     ap.add_argument("--no-reference", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time tile configs per GEMM (see the module docstring)")
@@ -277,6 +276,7 @@ def main() -> None:
     ap.add_argument("--balanced", action="store_true", help="every expert gets T*K/E rows (no ragged groups)")
     ap.add_argument("--deepgemm", action="store_true", help="also the FP8 chain on DeepGEMM (needs deep_gemm)")
     args = ap.parse_args()
+    start(args)
     global BALANCED, DEEPGEMM
     BALANCED, DEEPGEMM = args.balanced, args.deepgemm
     if not torch.cuda.is_available():

@@ -26,7 +26,6 @@ then, so with this flag the table's first call is a warm-cache one.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import time
@@ -37,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models  # noqa: E402
-from common import env_info, markdown_table, out_dir, write_json  # noqa: E402
+from common import bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
 from ep_fuse.report import compile_totals  # noqa: E402
@@ -227,7 +226,7 @@ def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--models", default=",".join(hf_models.MODELS))
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--prompt", type=int, default=64)
@@ -237,6 +236,7 @@ def main() -> None:
     ap.add_argument("--profile-first", action="store_true",
                     help="also profile each mode's first call (an extra compile per mode; files in $OUT)")
     args = ap.parse_args()
+    start(args, needs_cuda=not args.tiny)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     info = env_info()
     log(info)

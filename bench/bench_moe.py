@@ -40,6 +40,8 @@ from common import (  # noqa: E402
     markdown_table,
     out_dir,
     tma_config_fields,
+    bench_parser,
+    start,
     write_json,
 )
 
@@ -84,7 +86,7 @@ def tma_variant(spec: str) -> Iterator[list[Any]]:
 
 
 class HFGroupedExperts(torch.nn.Module):
-    """The op sequence of transformers' ``grouped_mm_experts_forward`` (``traced-graphs.md`` §4.4)."""
+    """The op sequence of transformers' ``grouped_mm_experts_forward`` (as transformers 5.x traces it)."""
 
     def __init__(self, e: int, h: int, i: int, seed: int = 0) -> None:
         super().__init__()
@@ -313,9 +315,7 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
 
 
 if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--only", default="")
@@ -324,5 +324,6 @@ if __name__ == "__main__":
     ap.add_argument("--tma-variant", default="", help="FIELD=VALUE,...: TmaGemmConfig fields set on every config")
     ap.add_argument("--repeat", type=int, default=1, help="time the variant and the shipped layer this many times")
     a = ap.parse_args()
+    start(a)
     main(quick=a.quick, fp8=a.fp8, only=[o for o in a.only.split(",") if o], checks=not a.no_checks,
          variant=a.tma_variant or (TMA_BEFORE if a.tma_before else ""), repeat=a.repeat)

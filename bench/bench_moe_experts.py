@@ -15,7 +15,6 @@ Writes ``$OUT/moe_experts.json`` / ``moe_experts.md``.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import time
@@ -32,6 +31,8 @@ from common import (
     env_info,
     markdown_table,
     out_dir,
+    bench_parser,
+    start,
     write_json,
 )
 
@@ -222,11 +223,12 @@ def run_shape(name: str, shape: tuple[int, ...], weights: tuple[torch.Tensor, to
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default=None, help="names from SHAPES (default: all, unless --shape is given)")
     ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra shape (repeatable)")
     opts = ap.parse_args()
+    start(opts)
     for spec in opts.shape:
         name, dims = spec.split("=")
         SHAPES[name] = tuple(int(v) for v in dims.split(","))

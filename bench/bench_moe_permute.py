@@ -12,7 +12,6 @@ kernels' ``CopyConfig`` (BLOCK_H, num_warps, H blocks per program) and of the in
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 import time
@@ -30,6 +29,8 @@ from common import (  # noqa: E402
     env_info,
     markdown_table,
     out_dir,
+    bench_parser,
+    start,
     write_json,
 )
 
@@ -242,10 +243,11 @@ def best(sweep_rows: list[dict[str, Any]]) -> list[list[Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="checks and the T4096 row only, no sweep")
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
+    start(args)
     t0 = time.time()
     res: dict[str, Any] = {"env": env_info(), "defaults": {"index": str(mk.index_config(0, 0)),
                                                             "copy_h7168": str(mk.copy_config(7168))}}

@@ -8,7 +8,6 @@ inputs, Triton provider vs the reference, compiled models vs eager); a failed ch
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 import traceback
@@ -26,6 +25,8 @@ from common import (  # noqa: E402
     env_info,
     markdown_table,
     out_dir,
+    bench_parser,
+    start,
     write_json,
 )
 
@@ -35,7 +36,7 @@ from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 EPS = 1e-6
-GRID = [  # (op, rows, hidden): baseline-h200.md grid first, then the row sweep for the decline rule
+GRID = [  # (op, rows, hidden): the H200 baseline grid first, then the row sweep for the decline rule
     ("add_rms_norm", 64, 7168), ("add_rms_norm", 16384, 7168), ("add_rms_norm", 16384, 4096),
     ("add_rms_norm", 1, 7168), ("add_rms_norm", 512, 7168), ("add_rms_norm", 4096, 7168),
     ("add_rms_norm", 64, 4096), ("add_rms_norm", 4096, 2048),
@@ -243,11 +244,12 @@ def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[st
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="baseline grid only, no sweep")
     ap.add_argument("--sweep", action="store_true", help="time launch configs of the raw kernel")
     ap.add_argument("--skip-checks", action="store_true")
     args = ap.parse_args()
+    start(args)
     t0 = time.time()
     res: dict[str, Any] = {"env": env_info()}
     log(res["env"])

@@ -1,7 +1,8 @@
 """GPU check + benchmark of RoPE: eager vs Inductor vs ep_fuse vs Liger in one run.
 
-    python bench/bench_rope.py
+    python bench/bench_rope.py [--quick] [--sweep] [--json PATH]
 
+``--quick``: no tiny-HF-model checks; ``--sweep``: also the rounding-mode x rows x warps sweep of the kernel.
 Writes ``$OUT/rope.json`` and ``$OUT/rope.md``. Checks first: the Triton kernel against the
 reference for every form, dtype and layout; every tiny HF model compiled with ``backend="ep_fuse"``
 on CUDA against eager (site counts included).
@@ -20,12 +21,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     bench_graph_us,
+    bench_parser,
     bench_us,
     check_hf_models,
     copy_bandwidth_gbs,
     env_info,
     markdown_table,
     out_dir,
+    start,
     write_json,
 )
 
@@ -34,7 +37,7 @@ import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton
 from ep_fuse.ops.reference import rope_qk_ref  # noqa: E402
 
 BF16 = torch.bfloat16
-GRID = [  # (tokens, q heads, k heads, head dim): baseline-h200.md rows, then a DeepSeek-V3-like MLA rope part
+GRID = [  # (tokens, q heads, k heads, head dim): the H200 baseline grid rows, then a DeepSeek-V3-like MLA rope part
     (64, 32, 8, 128), (16384, 32, 8, 128), (16384, 128, 128, 64), (4096, 128, 1, 64),
 ]
 
@@ -318,6 +321,11 @@ def time_grid(copy_gbs: float) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--quick", action="store_true", help="skip the tiny HF model checks")
+    ap.add_argument("--sweep", action="store_true", help="also sweep rounding mode x rows x warps")
+    args = ap.parse_args()
+    start(args)
     t0 = time.time()
     res: dict[str, Any] = {"env": env_info()}
     res["copy_gbs"] = copy_bandwidth_gbs()
@@ -327,7 +335,7 @@ def main() -> None:
     res["checks"] = {"kernels": check_kernels(), "kernels_cvt_rn": check_kernels(2), "cache": check_cache_kernels()}
     log(f"rope kernel checks ok: {res['checks']['kernels']} ({time.time() - t0:.0f}s)")
     try:
-        if "--quick" in sys.argv:
+        if args.quick:
             raise RuntimeError("skipped (--quick)")
         from ep_fuse import tiny_models
 
@@ -337,7 +345,7 @@ def main() -> None:
         res["checks"]["hf_error"] = traceback.format_exc()
         log(res["checks"]["hf_error"])
     write_json("rope.json", res)
-    if "--sweep" in sys.argv:
+    if args.sweep:
         res["sweep"] = sweep(res["copy_gbs"])
         write_json("rope.json", res)
     res["grid"] = time_grid(res["copy_gbs"])

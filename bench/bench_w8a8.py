@@ -17,7 +17,6 @@ tile-config sweep per int8 kernel. Writes ``$OUT/w8a8.json`` / ``w8a8.md``. Runs
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_graph_us, env_info, markdown_table, out_dir, write_json
+from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.ops import quant_reference as R
@@ -202,12 +201,13 @@ def run_shape(name: str, shape: tuple[int, ...], w: dict[str, torch.Tensor], do_
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", default=",".join(SHAPES))
     args = ap.parse_args()
+    start(args)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_w8a8.py needs a CUDA GPU (run bench/accuracy_w8a8.py for the CPU accuracy numbers)")
+        raise SystemExit("bench_w8a8.py needs a CUDA GPU (run tools/accuracy_w8a8.py for the CPU accuracy numbers)")
     t0 = time.time()
     info = env_info()
     log(info)

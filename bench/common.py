@@ -1,12 +1,20 @@
-"""Shared helpers for the GPU benchmarks: timing, ceilings, environment, tables."""
+"""Shared helpers for the GPU benchmarks: arguments, JSON results, timing, ceilings, environment, tables.
+
+Every ``bench_<family>.py`` builds its parser with :func:`bench_parser` (its docstring as ``--help``, plus
+``--json PATH``), calls :func:`start` after parsing (records the JSON path, and exits with
+:data:`NO_CUDA_EXIT` and a one-line message where the bench needs CUDA and there is none), and writes its
+results with :func:`write_json` (``$OUT/<name>``; with ``--json`` also every payload of the run in one file).
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
 import os
 import platform
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,9 +86,58 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+NO_CUDA_EXIT = 77
+"""Exit status of a bench that needs CUDA on a machine without it (``bench/run.py`` reports it as skipped)."""
+
+_json_path: Path | None = None
+_json_payloads: dict[str, Any] = {}
+
+
+def add_json_arg(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--json", metavar="PATH", default=None,
+                    help="also write every result of this run as one JSON file "
+                         "({'script', 'argv', 'results': {name: payload}}; bench/run.py reads it)")
+
+
+def bench_parser(doc: str | None = None, **kw: Any) -> argparse.ArgumentParser:
+    """An argument parser whose ``--help`` prints ``doc`` (the bench's module docstring), with ``--json PATH``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+    add_json_arg(ap)
+    return ap
+
+
+def set_json_path(path: str | os.PathLike[str] | None) -> None:
+    """Every later :func:`write_json` also (re)writes ``path`` with all payloads of this run so far."""
+    global _json_path
+    _json_path = Path(path) if path else None
+    if _json_path is not None:
+        _json_path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def require_cuda(what: str | None = None) -> None:
+    """Exit with :data:`NO_CUDA_EXIT` and a clear message when CUDA is not available."""
+    if not torch.cuda.is_available():
+        name = what or Path(sys.argv[0]).name
+        print(f"{name}: needs a CUDA GPU, and torch {torch.__version__} sees none "
+              f"(torch.cuda.is_available() is False); on this machine only --help runs", file=sys.stderr)
+        raise SystemExit(NO_CUDA_EXIT)
+
+
+def start(args: argparse.Namespace, needs_cuda: bool = True) -> None:
+    """After parsing: record ``--json`` and check for CUDA (see the module docstring)."""
+    set_json_path(getattr(args, "json", None))
+    if needs_cuda:
+        require_cuda()
+
+
 def write_json(name: str, payload: Any) -> Path:
+    """``$OUT/<name>``; with ``--json PATH`` also PATH, holding every payload written so far in this run."""
     path = out_dir() / name
     path.write_text(json.dumps(payload, indent=2, default=str))
+    if _json_path is not None:
+        _json_payloads[name.removesuffix(".json")] = payload
+        _json_path.write_text(json.dumps({"script": Path(sys.argv[0]).name, "argv": sys.argv[1:],
+                                          "results": _json_payloads}, indent=2, default=str))
     return path
 
 

@@ -1,11 +1,11 @@
 """Launch the TMA grouped GEMMs of one shape once per config, for Nsight Compute (``ncu``) to read counters.
 
     ncu --clock-control none -k regex:_grouped_gemm_tma_kernel --section SpeedOfLight ... \\
-        python bench/profile_grouped_gemm_tma.py [--shape deepseek_v3_T4096] [--config GEMM:BM,BN,...]
+        python tools/profile_grouped_gemm_tma.py [--shape deepseek_v3_T4096] [--config GEMM:BM,BN,...]
 
 Each config runs twice (a warm-up for Triton's compile, then the launch to profile: give ncu
 ``--launch-skip`` accordingly or read the second of each pair). Without ``--config``: the default configs of
-both GEMMs. Rows are routed as in ``bench_grouped_gemm_tma.py`` (top-k of random logits, or ``--balanced``).
+both GEMMs. Rows are routed as in ``bench/bench_moe_grouped_gemm_tma.py`` (top-k of random logits, or ``--balanced``).
 Prints one line per launch: GEMM, config, µs from CUDA events (under ncu these include its replays).
 """
 
@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grouped_gemm_tma import SHAPES, parse_config, tk  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
+from bench_moe_grouped_gemm_tma import SHAPES, parse_config, tk  # noqa: E402
 from bench_moe_experts import make_weights, routed_rows  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="deepseek_v3_T4096", choices=sorted(SHAPES))
-    ap.add_argument("--config", action="append", default=[], help="as bench_grouped_gemm_tma.py --config")
+    ap.add_argument("--config", action="append", default=[], help="as bench/bench_moe_grouped_gemm_tma.py --config")
     ap.add_argument("--balanced", action="store_true")
     opts = ap.parse_args()
     t, h, i, e, k = SHAPES[opts.shape]

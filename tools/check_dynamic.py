@@ -1,8 +1,8 @@
 """GPU check of dynamic shapes on an odd-sized Qwen2-MoE-style model: graphs, fused sites, accuracy, speed.
 
-    python bench/check_dynamic.py [--dtype bf16 fp16] [--dynamic true auto] [--no-mark]
+    python tools/check_dynamic.py [--dtype bf16 fp16] [--dynamic true auto] [--no-mark]
                                   [--mode default|reduce-overhead] [--layers 4] [--quick]
-    bash bench/run_on_device.sh bench/check_dynamic.py [args]      (installs ep_fuse first)
+    bash tools/run_on_device.sh tools/check_dynamic.py [args]      (installs ep_fuse first)
 
 The model (random weights, nothing downloaded) has the issue's sizes by default: hidden 2880, head_dim 80
 (36 heads, 4 KV heads), 60 experts, top-6, a shared expert (``--moe-inter``/``--shared-inter`` set the
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 from common import bench_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
@@ -53,7 +53,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-mark", action="store_true", help="do not mark the batch dim (Dynamo's 0/1 specialisation)")
     p.add_argument("--no-cudnn-sdpa", action="store_true",
                    help="torch.backends.cuda.enable_cudnn_sdp(False): cuDNN's SDPA check guards on an unbacked "
-                        "batch when there is a mask (bench/probe_sdpa_unbacked.py)")
+                        "batch when there is a mask (docs/benchmarks.md#dynamic-shapes)")
     p.add_argument("--mode", default=None, help="torch.compile mode for both backends (e.g. reduce-overhead)")
     p.add_argument("--shapes", default="1x1,3x7,17x1,64x1,2x333,1x1024", help="batch x length, comma-separated")
     p.add_argument("--hidden", type=int, default=2880)

@@ -1,6 +1,6 @@
 """Hopper TMA grouped GEMM vs the existing kernel, ``torch._grouped_mm`` and a dense cuBLAS ceiling (one run).
 
-    python bench/bench_grouped_gemm_tma.py [--only deepseek_v3_T4096,...] [--shape NAME=T,H,I,E,K ...] [--budget 300]
+    python bench/bench_moe_grouped_gemm_tma.py [--only deepseek_v3_T4096,...] [--shape NAME=T,H,I,E,K ...] [--budget 300]
         [--balanced]
 
 For each shape: tokens routed by top-k of random logits, rows permuted expert-major, then per GEMM
@@ -19,7 +19,6 @@ Writes ``$OUT/grouped_gemm_tma.json`` / ``grouped_gemm_tma.md``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import os
@@ -33,7 +32,8 @@ import torch
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_experts import make_weights, routed_rows  # noqa: E402
-from common import bench_graph_us, env_info, markdown_table, out_dir, tma_config_fields, write_json  # noqa: E402
+from common import (  # noqa: E402
+    bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, tma_config_fields, write_json)
 
 import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel  # noqa: E402
@@ -251,7 +251,7 @@ def tables(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = bench_parser(__doc__)
     ap.add_argument("--only", default=None, help="names from SHAPES (default: all, unless --shape is given)")
     ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra shape (repeatable)")
     ap.add_argument("--budget", type=float, default=200.0, help="stop starting sweep configs after this many seconds")
@@ -261,6 +261,7 @@ def main() -> None:
                     help="GEMM:BM,BN,BK,warps,stages[,GROUP_M][,small_bm=N]: a TMA config timed next to the default (repeatable)")
     ap.add_argument("--no-decode", action="store_true", help="skip the decode re-time")
     opts = ap.parse_args()
+    start(opts)
     for spec in opts.config:
         kernel, cfg = parse_config(spec)
         EXTRA_CONFIGS[kernel].append(cfg)

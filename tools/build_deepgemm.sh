@@ -2,7 +2,7 @@
 # Build DeepGEMM (deepseek-ai/DeepGEMM, SM90 FP8/bf16 grouped GEMMs) from a source tree you provide, for the
 # optional "fp8:deepgemm" provider. The tree needs CUTLASS's include/{cute,cutlass} under third-party/cutlass
 # and {fmt}'s include/ under third-party/fmt (DeepGEMM's own git submodules).
-#   bash bench/build_deepgemm.sh SRC_DIR [DEST_DIR]     then: export PYTHONPATH=DEST_DIR:$PYTHONPATH
+#   bash tools/build_deepgemm.sh SRC_DIR [DEST_DIR]     then: export PYTHONPATH=DEST_DIR:$PYTHONPATH
 # Needs nvcc and the CUDA build of torch; kernels are compiled by DeepGEMM's JIT at first use (nvcc, cached in
 # $DG_JIT_CACHE_DIR or ~/.deep_gemm). ep_fuse does not ship DeepGEMM's code; this only drives its setup.py.
 set -euo pipefail

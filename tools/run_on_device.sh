@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install ep_fuse (and carried wheels, e.g. liger-kernel) on an offline GPU machine, then run benches.
-#   bash bench/run_on_device.sh bench/bench_rms_norm.py [--sweep]
-#   bash bench/run_on_device.sh bench/bench_rope.py bench/bench_swiglu.py     (several scripts, no args)
+#   bash tools/run_on_device.sh bench/bench_rms_norm.py [--sweep]
+#   bash tools/run_on_device.sh bench/bench_rope.py bench/bench_gemm_swiglu.py     (several scripts, no args)
+#   bash tools/run_on_device.sh bench/run.py --out bench_out/all                   (every family, bench/run.py)
 set -uo pipefail
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

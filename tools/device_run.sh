@@ -1,24 +1,25 @@
 #!/usr/bin/env bash
 # One call on an offline GPU machine (the device tool): install ep_fuse, build DeepEP if a source tree
 # is carried, then run the named steps. Output for each step lands in $OUT/<step>.log.
-#   bash bench/device_run.sh STEP [STEP ...]
+#   bash tools/device_run.sh STEP [STEP ...]
 # Steps: deepep (build from .deepep/, or reuse a carried .deepep_build/), deepep_test (DeepEP's own
 # intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
-# (bench_generate.py), accuracy (accuracy_decode.py), dynamic[:TAG] (check_dynamic.py with $DYN_ARGS or
-# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench_grouped_gemm_tma.py with $GG_ARGS; gg_bench: the bench alone),
-# profile_dynamic (bench/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
+# (bench_generate.py), accuracy (tools/accuracy_decode.py), dynamic[:TAG] (tools/check_dynamic.py with $DYN_ARGS or
+# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench/bench_moe_grouped_gemm_tma.py with $GG_ARGS; gg_bench: the bench alone),
+# profile_dynamic (tools/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
-# (bench_gemm_swiglu_prefill.py with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
+# (bench_gemm_swiglu.py --part prefill with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
-# host_overhead (bench/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
+# host_overhead (tools/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
 # result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS, extra pytest
-# arguments in $GPU_TESTS_ARGS), probe_sdpa (bench/probe_sdpa_unbacked.py), deepgemm (build DeepGEMM from a
+# arguments in $GPU_TESTS_ARGS), deepgemm (build DeepGEMM from a
 # carried .deepgemm/ source tree, or reuse a carried .deepgemm_build/; JIT cache in .deepgemm_cache/),
 # deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
-# (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: profile_grouped_gemm_tma.py
-# with $NCU_GG_ARGS), gluon_gg (bench_gluon_grouped_gemm.py with $GLUON_ARGS).
+# (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: tools/profile_grouped_gemm_tma.py
+# with $NCU_GG_ARGS), all (bench/run.py: every bench family at its default size, $RUN_ARGS, results in
+# $OUT/run). Bench scripts are under bench/, diagnostics and build scripts under tools/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # a fresh Inductor cache per call: a warm machine keeps the last call's, and Inductor's FX cache keys on the
@@ -58,7 +59,7 @@ for s in "$@"; do
   case $s in
     deepep)
       if [ ! -d "$deepep_dest/deep_ep" ]; then
-        step deepep_build bash "$repo/bench/build_deepep.sh" "$repo/.deepep" "$deepep_dest"
+        step deepep_build bash "$repo/tools/build_deepep.sh" "$repo/.deepep" "$deepep_dest"
         so=$(ls "$deepep_dest"/deep_ep_cpp*.so 2>/dev/null | head -1)
         [ -n "$so" ] && strip -o "$OUT/$(basename "$so")" "$so" 2>/dev/null
       fi
@@ -67,7 +68,7 @@ for s in "$@"; do
     deepgemm)  # build DeepGEMM from .deepgemm/ (or reuse a carried .deepgemm_build/); the build and the JIT
       # cache come back in $OUT/deepgemm_build.tgz, to be unpacked at the repo root and carried next time
       if [ ! -d "$deepgemm_dest/deep_gemm" ]; then
-        step deepgemm_build bash "$repo/bench/build_deepgemm.sh" "$repo/.deepgemm" "$deepgemm_dest"
+        step deepgemm_build bash "$repo/tools/build_deepgemm.sh" "$repo/.deepgemm" "$deepgemm_dest"
         export PYTHONPATH=$deepgemm_dest${PYTHONPATH:+:$PYTHONPATH}
       fi
       python3 -c 'import deep_gemm; print("deep_gemm imports:", deep_gemm.__file__)' ;;
@@ -89,20 +90,18 @@ for s in "$@"; do
     gpu_multi)
       step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
         --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;
-    ncu_gg)  # Nsight Compute counters of the TMA grouped GEMMs (bench/profile_grouped_gemm_tma.py with $NCU_GG_ARGS)
+    ncu_gg)  # Nsight Compute counters of the TMA grouped GEMMs (tools/profile_grouped_gemm_tma.py with $NCU_GG_ARGS)
       step ncu_gg timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k regex:_grouped_gemm_tma_kernel \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 "$repo/bench/profile_grouped_gemm_tma.py" ${NCU_GG_ARGS:-}
+        python3 "$repo/tools/profile_grouped_gemm_tma.py" ${NCU_GG_ARGS:-}
       grep -E "us$|_grouped_gemm_tma_kernel|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Memory Throughput|L2 Hit Rate|Mem Busy|Max Bandwidth|Executed Ipc A|SM Busy" \
         "$OUT/ncu_gg.log" | tail -${NCU_LINES:-120} ;;
-    gg_bench)  # bench_grouped_gemm_tma.py alone ($GG_ARGS)
-      step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
-    gluon_gg)  # issue 16 experiment: the warp-specialised Gluon grouped GEMM + SwiGLU vs the shipped TMA kernel
-      step gluon_gg timeout ${GLUON_TIMEOUT:-400} python3 "$repo/bench/bench_gluon_grouped_gemm.py" ${GLUON_ARGS:-} ;;
+    gg_bench)  # bench_moe_grouped_gemm_tma.py alone ($GG_ARGS)
+      step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_moe_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
     gg_tma)  # the Hopper TMA grouped GEMM: GPU correctness first, then the one-run comparison
       step gg_tma_test timeout ${GG_TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider \
         "$repo/tests/gpu/test_gpu_grouped_gemm_tma.py"
-      step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
+      step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_moe_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
     fp8)  # the Triton FP8 kernels: GPU correctness, then bench_fp8.py ($FP8_ARGS)
       step fp8_test timeout 150 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_fp8.py"
       step fp8_bench env EP_FUSE_UNVERIFIED_KERNELS=1 timeout ${FP8_TIMEOUT:-240} python3 "$repo/bench/bench_fp8.py" \
@@ -110,7 +109,7 @@ for s in "$@"; do
     fp8_dispatch)
       step fp8_dispatch timeout 200 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_fp8_dispatch.py" ;;
     dense)
-      step dense timeout ${DENSE_TIMEOUT:-300} python3 "$repo/bench/bench_gemm_swiglu_prefill.py" ${DENSE_ARGS:-} ;;
+      step dense timeout ${DENSE_TIMEOUT:-300} python3 "$repo/bench/bench_gemm_swiglu.py" --part prefill ${DENSE_ARGS:-} ;;
     forward)
       step forward timeout ${FWD_TIMEOUT:-400} python3 "$repo/bench/bench_forward.py" ${FWD_ARGS:-} ;;
     moe)
@@ -118,13 +117,15 @@ for s in "$@"; do
     moe_experts)
       step moe_experts timeout ${MOE_EXP_TIMEOUT:-330} python3 "$repo/bench/bench_moe_experts.py" ${MOE_EXP_ARGS:-} ;;
     host_overhead)
-      step host_overhead timeout 120 python3 "$repo/bench/host_overhead.py" ${HOST_ARGS:-} ;;
+      step host_overhead timeout 120 python3 "$repo/tools/host_overhead.py" ${HOST_ARGS:-} ;;
     ep_fp8)
       step ep_fp8 timeout 330 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" \
         --shapes "DeepSeek-V3 decode,DeepSeek-V3 prefill" --backends deepep,all_to_all --fp8-wire ;;
     profile_dynamic)  # host time per call, ep_fuse vs Inductor, static and dynamic (issue 14)
-      step profile_static timeout 200 python3 "$repo/bench/profile_dynamic.py" ${PROF_ARGS:-}
-      step profile_dynamic timeout 200 python3 "$repo/bench/profile_dynamic.py" --dynamic ${PROF_ARGS:-} ;;
+      step profile_static timeout 200 python3 "$repo/tools/profile_dynamic.py" ${PROF_ARGS:-}
+      step profile_dynamic timeout 200 python3 "$repo/tools/profile_dynamic.py" --dynamic ${PROF_ARGS:-} ;;
+    all)  # every bench family at its default size: bench/run.py ($RUN_ARGS, e.g. --only rms_norm,moe)
+      step all timeout ${RUN_TIMEOUT:-580} python3 "$repo/bench/run.py" --out "$OUT/run" ${RUN_ARGS:-} ;;
     pack)  # one archive back through the device tool (it returns at most 8 files)
       mkdir -p "$final_out" && tar czf "$final_out/results-$(date +%H%M%S).tgz" -C "$OUT" . && ls -la "$final_out" ;;
     ep)
@@ -134,14 +135,12 @@ for s in "$@"; do
       step "generate_${models:-all}" timeout 580 python3 "$repo/bench/bench_generate.py" \
         ${models:+--models $models} ${batches:+--batches $batches} ${GEN_ARGS:-} ;;
     accuracy)
-      step accuracy timeout 400 python3 "$repo/bench/accuracy_decode.py" ${ACC_ARGS:-} ;;
+      step accuracy timeout 400 python3 "$repo/tools/accuracy_decode.py" ${ACC_ARGS:-} ;;
     dynamic*)  # dynamic[:TAG]: check_dynamic.py with $DYN_ARGS (or $DYN_ARGS_<TAG>), log dynamic[_TAG].log
       IFS=: read -r _ tag <<<"$s"
       var=DYN_ARGS${tag:+_$tag}
-      [ -f "$repo/bench/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
-        python3 "$repo/bench/check_dynamic.py" ${!var:-} ;;
-    probe_sdpa)  # which CUDA SDPA calls guard on an unbacked batch (dynamic_batch on CUDA)
-      step probe_sdpa timeout 200 python3 "$repo/bench/probe_sdpa_unbacked.py" ;;
+      [ -f "$repo/tools/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
+        python3 "$repo/tools/check_dynamic.py" ${!var:-} ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -1,6 +1,6 @@
 """Accuracy of the W8A8 int8 experts (``quant="w8a8_int8"``) vs bf16, on CPU or GPU.
 
-    python bench/accuracy_w8a8.py [--device cpu|cuda]
+    python tools/accuracy_w8a8.py [--device cpu|cuda]
 
 1. MoE layer (``moe_experts`` reference block vs ``moe_experts_w8a8`` reference block, same routing):
    relative L2 of the output vs the bf16 layer and vs an fp64 unquantized layer, per expert size,
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 
 import ep_fuse
 import ep_fuse.ops.canonical

@@ -34,7 +34,7 @@ from bench_moe_experts import routed_rows  # noqa: E402
 from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
 import ep_fuse.providers  # noqa: E402,F401
-from ep_fuse.ops import fp8_reference as R  # noqa: E402
+from ep_fuse.ops import fp8 as R  # noqa: E402
 from ep_fuse.providers.triton import fp8 as T  # noqa: E402
 from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel  # noqa: E402
 

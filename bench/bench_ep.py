@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_parser, start, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
-import ep_fuse.ops.canonical  # noqa: E402,F401
+import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
 from ep_fuse.ep import deepep, handles, release_buffers  # noqa: E402
 from ep_fuse.passes.ep import ep_sites  # noqa: E402
 

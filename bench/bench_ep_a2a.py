@@ -31,10 +31,10 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import ep_fuse.ops.canonical  # noqa: E402,F401  (defines the EP ops)
+import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
 from ep_fuse.ep import all_to_all as a2a  # noqa: E402
 from ep_fuse.ep import groups  # noqa: E402
-from ep_fuse.ep.layout import HEADER, packed_row  # noqa: E402
+from ep_fuse.ops.ep_layout import HEADER, packed_row  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ep import init, loop_seconds, routing  # noqa: E402

@@ -16,7 +16,7 @@ Timed from CUDA-graph replays, permute to unpermute excluded for bf16 (both path
 
 Reports µs, TFLOP/s (``2 * rows * (2I*H + H*I)`` flops) and the output rel-L2 vs the bf16 path on
 random activations and on activations with outlier channels (a few channels x50). Targets (issue 17):
-decode >= 1.8x, prefill >= 1.6x; the other shapes feed ``perf.FP8_BLOCK_MAX_ROWS_PER_EXPERT`` (>= 1.0x).
+decode >= 1.8x, prefill >= 1.6x; the other shapes feed ``providers.triton.fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT`` (>= 1.0x).
 Writes ``$OUT/fp8.json`` / ``fp8.md``.
 
 ``--sweep``: per shape, each FP8 GEMM (gate|up + SwiGLU + requant, and down) alone under a list of tile
@@ -45,12 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import balanced_topk_ids, bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops import fp8_reference as R
+from ep_fuse.ops import fp8 as R
 from ep_fuse.providers.triton import fp8 as T
-from ep_fuse.providers.triton.grouped_gemm import (
-    grouped_gemm_kernel,
-    grouped_gemm_swiglu_kernel,
-)
+from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel
 from ep_fuse.providers.triton.moe_permute import moe_permute_kernel
 from ep_fuse.providers.triton.unverified import ENV, cleared
 
@@ -112,7 +109,7 @@ def fp8_triton(x, ids, w, e):
 
 
 def fp8_deepgemm(x, ids, w, e):
-    from ep_fuse.providers import deepgemm as D
+    from ep_fuse.providers.deepgemm import fp8 as D
 
     xq, xs, src, seg = T.moe_permute_fp8_kernel(x, ids, e, BK, D.ALIGN)
     aq, a_s = D.grouped_gemm_fp8_swiglu_quant_kernel(xq, xs, w["q13"], w["s13"], seg, BN, BK, D.ALIGN)
@@ -121,7 +118,7 @@ def fp8_deepgemm(x, ids, w, e):
 
 def per_token(y: torch.Tensor, src2dst: torch.Tensor, k: int) -> torch.Tensor:
     """The permuted rows summed back per token (unweighted): compares layouts that place rows differently."""
-    from ep_fuse.ops.moe_reference import moe_unpermute_ref
+    from ep_fuse.ops.moe import moe_unpermute_ref
 
     return moe_unpermute_ref(y, src2dst, None, k, torch.float32)
 

@@ -9,7 +9,7 @@
 ``LigerSiLUMulFunction``, when liger-kernel is installed), ``silu(x @ Wg.T) * (x @ Wu.T)`` in bf16. Shapes: the
 dense MLP of 7B-class models (H=4096/I=11008, H=7168/I=18432) and two MoE shared experts (DeepSeek-V3 H7168/I2048,
 Qwen2-MoE-A2.7B H2048/I5632); ``--tokens`` row counts. Also sweeps the kernel's tile configs per shape
-(``--no-sweep``: not). Writes ``$OUT/swiglu.json`` / ``swiglu.md``; ``perf.GEMM_SWIGLU_MAX_ROWS`` comes from it.
+(``--no-sweep``: not). Writes ``$OUT/swiglu.json`` / ``swiglu.md``; ``providers.triton.gemm_swiglu.GEMM_SWIGLU_MAX_ROWS`` comes from it.
 
 **prefill** (``--part prefill``): the Hopper TMA kernel run as one expert (``launch_gemm_swiglu_tma``) vs what
 Inductor runs without ep_fuse. For each (H, I) of an MLP (Llama-7B H4096/I11008, DeepSeek-V3 dense H7168/I18432,
@@ -18,7 +18,7 @@ one fused SwiGLU kernel), (b) one dense cuBLAS GEMM with both weights concatenat
 SwiGLU), (c) the one-tile-per-program ``gemm_swiglu`` kernel, (d) the TMA kernel at its default config and,
 within ``--budget`` seconds, a few other configs. Outputs are checked against an fp32 reference (relative L2 <
 1e-2). Writes ``$OUT/gemm_swiglu_prefill.json`` / ``.md``; the ``vs Inductor`` column is what
-``perf.GEMM_SWIGLU_TMA_MIN_ROWS`` / ``GEMM_SWIGLU_TMA_MIN_I`` are set from.
+``providers.triton.gemm_swiglu.GEMM_SWIGLU_TMA_MIN_ROWS`` / ``GEMM_SWIGLU_TMA_MIN_I`` are set from.
 
 GPU time from CUDA-graph replays throughout. Needs a CUDA GPU (the prefill part sm_90+).
 """
@@ -93,11 +93,7 @@ def check(ref: torch.Tensor, out: torch.Tensor) -> float:
 
 
 def sweep(x, wg, wu, ref) -> list[dict[str, Any]]:
-    from ep_fuse.providers.triton.gemm_swiglu_kernel import (
-        GemmConfig,
-        gemm_config,
-        launch,
-    )
+    from ep_fuse.providers.triton.gemm_swiglu_kernel import GemmConfig, gemm_config, launch
 
     t, h = x.shape
     y = torch.empty(t, wg.shape[0], device="cuda", dtype=BF16)

@@ -37,11 +37,8 @@ from common import (
 )
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.moe_reference import moe_permute_ref
-from ep_fuse.providers.triton.grouped_gemm import (
-    grouped_gemm_kernel,
-    grouped_gemm_swiglu_kernel,
-)
+from ep_fuse.ops.moe import moe_permute_ref
+from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel
 
 gg = importlib.import_module("ep_fuse.providers.triton.grouped_gemm")  # module paths: the package attributes
 gk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")  # of these names are functions

@@ -35,7 +35,7 @@ from common import (  # noqa: E402
 )
 
 import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.moe_reference import moe_permute_ref, moe_unpermute_ref  # noqa: E402
+from ep_fuse.ops.moe import moe_permute_ref, moe_unpermute_ref  # noqa: E402
 
 mk = importlib.import_module("ep_fuse.providers.triton.moe_permute_kernel")
 BF16 = torch.bfloat16

@@ -32,7 +32,7 @@ from common import (  # noqa: E402
 
 import ep_fuse  # noqa: E402
 import ep_fuse.providers.triton as tri  # noqa: E402
-from ep_fuse.ops.reference import add_rms_norm_ref, rms_norm_ref  # noqa: E402
+from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 EPS = 1e-6

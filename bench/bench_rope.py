@@ -34,7 +34,7 @@ from common import (  # noqa: E402
 
 import ep_fuse  # noqa: E402
 import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.reference import rope_qk_ref  # noqa: E402
+from ep_fuse.ops.rope import rope_qk_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 GRID = [  # (tokens, q heads, k heads, head dim): the H200 baseline grid rows, then a DeepSeek-V3-like MLA rope part
@@ -91,7 +91,7 @@ def rounding_diagnostics() -> dict[str, int]:
 
 def norm_bitwise() -> dict[str, int]:
     """Mismatching elements of the Triton add+RMSNorm against the reference (informational)."""
-    from ep_fuse.ops.reference import add_rms_norm_ref
+    from ep_fuse.ops.rms_norm import add_rms_norm_ref
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(512, 4096, device="cuda", generator=g).to(BF16) for _ in range(2))
@@ -140,7 +140,7 @@ def check_kernels(rounding: int | None = None) -> int:
 
 def check_cache_kernels() -> int:
     """``rope_qk_cache`` (positions gathered in the kernel) vs the reference: bf16/fp16 bitwise, fp32 to 2e-6."""
-    from ep_fuse.ops.reference import rope_qk_cache_ref
+    from ep_fuse.ops.rope import rope_qk_cache_ref
 
     n = 0
     for form in ("chunk", "interleave"):

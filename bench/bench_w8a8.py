@@ -28,13 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops import quant_reference as R
-from ep_fuse.ops.moe_reference import moe_permute_ref
+from ep_fuse.ops import w8a8 as R
+from ep_fuse.ops.moe import moe_permute_ref
 from ep_fuse.providers.triton import w8a8_kernel as K
-from ep_fuse.providers.triton.grouped_gemm import (
-    grouped_gemm_kernel,
-    grouped_gemm_swiglu_kernel,
-)
+from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel
 from ep_fuse.providers.triton.grouped_gemm_kernel import GemmConfig as C
 from ep_fuse.providers.triton.w8a8 import (
     grouped_gemm_w8a8_kernel,

@@ -82,7 +82,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     with a WARNING. Measured on H200 with torch 2.11, the cuDNN backend guards on the unbacked batch
     (``Eq(u0, 1)``) whenever the attention has a mask, which breaks the graph at every attention layer for
     ``backend="ep_fuse"`` and ``backend="inductor"`` alike (20 graphs for a 2-layer model over the sequence of
-    ``bench/check_dynamic.py`` instead of 4 with plain ``dynamic=True``; ``bench/probe_sdpa_unbacked.py``).
+    ``tools/check_dynamic.py`` instead of 4 with plain ``dynamic=True``; ``docs/benchmarks.md#dynamic-shapes``).
     With cuDNN's SDPA off both backends compiled 2 graphs there (``docs/benchmarks.md``).
 
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).

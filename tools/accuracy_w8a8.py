@@ -22,8 +22,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 
 import ep_fuse
-import ep_fuse.ops.canonical
-from ep_fuse.ops import quant_reference as R
+import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
+from ep_fuse.ops import w8a8 as R
 
 BF16 = torch.bfloat16
 SIZES = [  # (name, T, H, I, E, K)

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # ben
 from common import bench_graph_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.moe_reference import moe_permute_ref  # noqa: E402
-from ep_fuse.providers.triton import perf  # noqa: E402
+from ep_fuse.ops.moe import moe_permute_ref  # noqa: E402
+from ep_fuse.providers.triton import moe as triton_moe  # noqa: E402
 
 DEVICE = "cuda"
 BF16 = torch.bfloat16
@@ -93,7 +93,7 @@ def main() -> None:
         "provider function": lambda: gg.grouped_gemm_swiglu_kernel(rows, w13, seg),
         "launch, config and output given": lambda: gk.launch_grouped_gemm_swiglu(rows, w13, seg, y, config=cfg),
         "check + run-time rule": lambda: (gg.check_grouped_gemm_swiglu_call((rows, w13, seg)),
-                                          perf.grouped_gemm_swiglu_at_run_time((rows, w13, seg))),
+                                          triton_moe.grouped_gemm_swiglu_at_run_time((rows, w13, seg))),
         "kernel_variant": lambda: gg.kernel_variant(rows, w13, swiglu=True),
         "torch._grouped_mm + silu * up": grouped_mm_swiglu,
         "torch.empty": lambda: torch.empty(m, i, device=DEVICE, dtype=BF16),

@@ -1,7 +1,7 @@
 """GPU checks (README, "Run on a GPU"): skipped without CUDA; multi-GPU ones need the GPU count they name.
 
 Run on a GPU machine: ``python -m pytest -q tests/gpu`` (with ``deep_ep`` on ``PYTHONPATH`` for the
-DeepEP checks; ``bench/build_deepep.sh`` builds it)."""
+DeepEP checks; ``tools/build_deepep.sh`` builds it)."""
 
 import os
 import sys

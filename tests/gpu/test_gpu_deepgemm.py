@@ -1,4 +1,4 @@
-"""One Hopper GPU with DeepGEMM built (``bench/build_deepgemm.sh``; skipped without it): the DeepGEMM provider's
+"""One Hopper GPU with DeepGEMM built (``tools/build_deepgemm.sh``; skipped without it): the DeepGEMM provider's
 FP8 GEMM stages on the 128-row aligned layout against the pure-torch reference (DeepSeek-V3 expert shapes,
 ragged routing with empty experts, one expert taking every row), the whole FP8 block, CUDA-graph replay, and
 ``torch.compile(..., quant="fp8_block")`` choosing it. Sets ``EP_FUSE_UNVERIFIED_KERNELS=1``."""

@@ -1,6 +1,6 @@
 """Two GPUs, real DeepEP (V1, commit 29d31c0): normal and low-latency dispatch/combine through the compiler.
 
-Skipped below 2 GPUs or when ``deep_ep`` does not import (``bench/build_deepep.sh`` builds it). Every
+Skipped below 2 GPUs or when ``deep_ep`` does not import (``tools/build_deepep.sh`` builds it). Every
 rank runs its own tokens through its shard of the experts; its output must equal the unsharded model's
 output on the same tokens: relative L2 of the logits below 2e-2 (bf16; EP adds one bf16 rounding of
 each rank's partial sum, which DeepEP's BF16 combine takes), 1e-2 for a single layer."""

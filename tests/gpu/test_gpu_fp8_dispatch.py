@@ -7,7 +7,7 @@ It clears ``ep:fp8_dispatch`` in ``ep_fuse/providers/triton/unverified.py`` (thi
 (T128, capacity, Inductor executor): the output with fp8 codes + scales on the wire equals, bit for bit, the
 output with bf16 on the wire and the quantization after the dispatch (both run the same Triton FP8 stage
 kernels), the EP record says what was sent, and both stay close to the unsharded bf16 layer. The DeepEP
-scenario needs ``deep_ep`` importable (``bash bench/device_run.sh deepep`` builds it) and is skipped without it.
+scenario needs ``deep_ep`` importable (``bash tools/device_run.sh deepep`` builds it) and is skipped without it.
 """
 
 from __future__ import annotations
@@ -112,5 +112,5 @@ def test_fp8_dispatch_two_gpus(results, name):
     from support.dist_harness import check
 
     if name.endswith("_deepep") and importlib.util.find_spec("deep_ep") is None:
-        pytest.skip("deep_ep is not importable (bash bench/device_run.sh deepep builds it)")
+        pytest.skip("deep_ep is not importable (bash tools/device_run.sh deepep builds it)")
     check(results, name)

@@ -1,6 +1,6 @@
 """GPU check of the Hopper TMA grouped GEMM (``grouped_gemm:tma``, ``providers/triton/grouped_gemm_tma_kernel.py``).
 
-It passed on H200 (2026-11-30), which (with ``bench/bench_grouped_gemm_tma.py``) cleared the variant from
+It passed on H200 (2026-11-30), which (with ``bench/bench_moe_grouped_gemm_tma.py``) cleared the variant from
 ``UNVERIFIED_ON_GPU``; the tests still set ``EP_FUSE_UNVERIFIED_KERNELS=1``. bf16 (and fp16 on the edge
 cases) against an fp32 per-expert loop, relative L2 error, outputs poisoned with NaN before each launch:
 model shapes (DeepSeek-V3, Qwen3-30B-A3B, Mixtral-8x7B experts; gate|up + SwiGLU and down), ragged

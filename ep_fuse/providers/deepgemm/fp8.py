@@ -1,7 +1,7 @@
 """DeepGEMM provider (optional): the FP8 grouped GEMM stages of ``quant="fp8_block"`` on Hopper, through
 `DeepGEMM <https://github.com/deepseek-ai/DeepGEMM>`_'s ``m_grouped_fp8_gemm_nt_contiguous``.
 
-DeepGEMM is not on PyPI and is not a dependency: ``bench/build_deepgemm.sh`` builds it from its source on a
+DeepGEMM is not on PyPI and is not a dependency: ``tools/build_deepgemm.sh`` builds it from its source on a
 CUDA machine (README, "DeepGEMM"). It is imported lazily; without it, or off sm_90, this provider is not
 available and the Triton provider runs the stages.
 
@@ -52,7 +52,7 @@ def _module() -> Any:
 def available() -> str | None:
     """``None`` when DeepGEMM can run here, else why not."""
     if importlib.util.find_spec("deep_gemm") is None:
-        return "DeepGEMM is not installed (optional: bench/build_deepgemm.sh builds it, see the README)"
+        return "DeepGEMM is not installed (optional: tools/build_deepgemm.sh builds it, see the README)"
     if not torch.cuda.is_available():
         return "no CUDA device"
     major, minor = torch.cuda.get_device_capability()

@@ -75,20 +75,20 @@ def gemm_swiglu_kernel(x, w_gate, w_up, wrap=None):  # noqa: ANN001, ANN201 - sc
 
 # --------------------------------------------------------------------------- perf rules
 GEMM_SWIGLU_MAX_ROWS = Threshold(
-    32, command="python bench/bench_gemm_swiglu.py",
+    32, command="python bench/bench_gemm_swiglu.py --part decode",
     evidence="the fused GEMM + SwiGLU (swapped decode tiles) vs cuBLAS + Inductor's SwiGLU: 1.02-1.26x at 1, 16 and 32 "
              "rows on H4096/I11008, H7168/I18432, H7168/I2048, H2048/I5632; 0.85-0.95x at 64 rows on three of them, "
              "0.77-0.87x at 1024 and 8192")
 """Up to this many rows the one-tile-per-program kernel runs (eager cuBLAS was 1-8% slower than Inductor here)."""
 
 GEMM_SWIGLU_TMA_MIN_ROWS = Threshold(
-    2048, command="python bench/bench_gemm_swiglu.py --prefill",
+    2048, command="python bench/bench_gemm_swiglu.py --part prefill",
     evidence="the TMA kernel vs cuBLAS + Inductor's SwiGLU: 0.94x at 1024 rows on H4096/I11008, 1.01-1.06x from 2048")
 """From this many rows ``gemm_swiglu`` runs the Hopper TMA kernel (the grouped GEMM as one expert, gate and up
 weights read in place) instead of the one-tile-per-program kernel, where TMA can address the operands."""
 
 GEMM_SWIGLU_TMA_MIN_I = Threshold(
-    11008, command="python bench/bench_gemm_swiglu.py --prefill",
+    11008, command="python bench/bench_gemm_swiglu.py --part prefill",
     evidence="vs cuBLAS + Inductor's SwiGLU: H4096/I11008 1.04x, 1.06x, 1.01x at 2048, 4096, 8192 rows; H7168/I18432 "
              "1.04x, 1.00x, 1.01x, 1.03x at 1024 to 8192; the narrow DeepSeek-V3 shared expert H7168/I2048 0.95-0.97x "
              "at 1024-4096 (1.00x at 8192); the one-tile-per-program kernel 0.72-0.89x at every one of these sizes")

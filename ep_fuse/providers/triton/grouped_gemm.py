@@ -145,7 +145,7 @@ def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, wrap=None):
 
 
 GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = Threshold(
-    128, command="python bench/bench_moe.py --stage grouped_gemm --tma",
+    128, command="python bench/bench_moe_grouped_gemm_tma.py",
     evidence="CUDA-graph replays at 128 to 2048 rows per expert on five prefill shapes with the configs of config_for: "
              "gate|up + SwiGLU 1.10-1.36x torch._grouped_mm followed by the SwiGLU (0.97-1.30x the GEMM alone), down "
              "1.00-1.29x torch._grouped_mm, faster than the one-tile-per-program kernel everywhere (1.12x / 1.27x at "

@@ -3,7 +3,7 @@
 rows per expert.
 
 Measured on H200 and checked there by ``tests/gpu/test_gpu_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
-``bench/bench_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`
+``bench/bench_moe_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`
 says where it runs.
 
 Two launches, both CUDA-graph capturable (no tensor value is read on the host; grids and buffers are functions
@@ -359,7 +359,7 @@ layer 1.02-1.04x; Qwen3-30B-A3B's 6.3 MB: the GEMM even, the layer 0.96x, so it 
 
 
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config, from ``bench/bench_grouped_gemm_tma.py``'s runs on H200 (2026-11-30, 2026-12-01).
+    """Tile config, from ``bench/bench_moe_grouped_gemm_tma.py``'s runs on H200 (2026-11-30, 2026-12-01).
 
     Many small experts (DeepSeek-V3 E256, Qwen3-30B-A3B E128): gate|up + SwiGLU on 64 x 256 tiles (1.07-1.32x
     ``torch._grouped_mm``, vs 1.03-1.27x on 128 x 128), with groups cut at expert boundaries and swapped

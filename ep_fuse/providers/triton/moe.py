@@ -47,7 +47,7 @@ from ep_fuse.symbolic import concrete_int
 # --------------------------------------------------------------------------- perf rules
 # --------------------------------------------------------------------------- MoE (H200, 2026-11-29/30)
 GROUPED_GEMM_MAX_ROWS_PER_EXPERT = Threshold(
-    128, command="python bench/bench_moe.py --stage experts",
+    128, command="python bench/bench_moe_experts.py",
     evidence="the one-tile-per-program grouped GEMMs vs torch._grouped_mm (eager or under Inductor): 1.40x at 4 rows per "
              "expert (DeepSeek-V3 decode, T128 k8 E256), 1.04-1.52x at 6 to 102 (E60 H2880 I1408), 1.09x at 128 "
              "(DeepSeek-V3 prefill T4096); 0.82x at 205 (E60 at T2048, best swept config), 0.90x at 1536 "

@@ -75,7 +75,7 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
 
 
 GATING_MIN_TOKENS = Threshold(
-    2048, command="python bench/bench_moe.py (router stage)",
+    2048, command="python bench/bench_moe.py",
     evidence="the fused gating kernel vs Inductor's router code: 4.2x (Mixtral softmax, T4096 E8 k2), 5.0x (Qwen3-MoE, "
              "T4096 E128 k8), 1.85x (DeepSeek-V3 grouped sigmoid, T4096 E256 k8), but 0.75x at T128 (too few tokens "
              "to fill the GPU); unmeasured between 128 and 4096 tokens")

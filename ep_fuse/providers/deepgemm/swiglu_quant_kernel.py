@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.fp8_kernel import FP8_MAX, _quantize
+from ep_fuse.providers.triton.fp8_kernel import FP8_MAX, quantize_fp8
 from ep_fuse.providers.triton.jit_helpers import INTERPRET
 
 
@@ -30,7 +30,7 @@ def _swiglu_quant_kernel(H, SEG, Q, S, I, NG, E, shm, sqm, ssm, G: tl.constexpr,
         up = tl.load(base + I + cols, mask=cm, other=0.0).to(tl.float32)
         v = gate / (1.0 + tl.exp(-gate)) * up
         scale = tl.max(tl.abs(v), 0) / FP8_MAX
-        tl.store(Q + row.to(tl.int64) * sqm + cols, _quantize(v, scale, INTERP), mask=cm)
+        tl.store(Q + row.to(tl.int64) * sqm + cols, quantize_fp8(v, scale, INTERP), mask=cm)
         tl.store(S + row.to(tl.int64) * ssm + g, scale)
 
 

@@ -75,7 +75,7 @@ WEIGHT_LAYOUT_ENV = "EP_FUSE_NPU_GMM_WEIGHT"
 
 
 # --------------------------------------------------------------------------- helpers
-def _rows_mask(rows: int, seg_indptr: torch.Tensor) -> torch.Tensor:
+def rows_mask(rows: int, seg_indptr: torch.Tensor) -> torch.Tensor:
     """[rows, 1] bool: row r holds an expert's row (r < seg_indptr[-1])."""
     r = torch.arange(rows, device=seg_indptr.device)
     return (r < seg_indptr[-1]).unsqueeze(-1)
@@ -83,11 +83,11 @@ def _rows_mask(rows: int, seg_indptr: torch.Tensor) -> torch.Tensor:
 
 def _zero_tail(out: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
     """``out`` with rows past ``seg_indptr[-1]`` set to 0 (``where`` also clears NaN garbage)."""
-    return torch.where(_rows_mask(out.shape[0], seg_indptr), out, torch.zeros((), dtype=out.dtype,
+    return torch.where(rows_mask(out.shape[0], seg_indptr), out, torch.zeros((), dtype=out.dtype,
                                                                              device=out.device))
 
 
-def _group_list(seg_indptr: torch.Tensor, rows: int) -> torch.Tensor:
+def cumsum_group_list(seg_indptr: torch.Tensor, rows: int) -> torch.Tensor:
     """Cumsum ``group_list`` (type 0) covering all ``rows``: ``seg_indptr[1:]`` with the last entry ``rows``."""
     head = seg_indptr[1:-1].to(torch.int64)
     return torch.cat((head, head.new_full((1,), rows)))
@@ -220,7 +220,7 @@ def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
 
 def _grouped_matmul(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
     (y,) = torch_npu().npu_grouped_matmul(
-        [x.contiguous()], [gmm_weight(w)], group_list=_group_list(seg_indptr, x.shape[0]), group_list_type=0,
+        [x.contiguous()], [gmm_weight(w)], group_list=cumsum_group_list(seg_indptr, x.shape[0]), group_list_type=0,
         group_type=0, split_item=2, output_dtype=x.dtype)
     return y
 

@@ -30,14 +30,14 @@ import torch
 from ep_fuse.ops import w8a8 as Q
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
-from ep_fuse.providers.npu.moe import INNER_LIMIT, MAX_GROUPS, _group_list, _rows_mask, gmm_weight
+from ep_fuse.providers.npu.moe import INNER_LIMIT, MAX_GROUPS, cumsum_group_list, rows_mask, gmm_weight
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 GMM_OUT = (torch.float16, torch.bfloat16)
 
 
 def _tail_zero(t: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
-    mask = _rows_mask(t.shape[0], seg_indptr)
+    mask = rows_mask(t.shape[0], seg_indptr)
     return torch.where(mask if t.dim() == 2 else mask.squeeze(-1), t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
@@ -87,14 +87,14 @@ def quant_per_token_kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _gmm(xq: torch.Tensor, wq: torch.Tensor, seg: torch.Tensor, **kw: Any) -> torch.Tensor:
-    (y,) = torch_npu().npu_grouped_matmul([xq.contiguous()], [gmm_weight(wq)], group_list=_group_list(seg, xq.shape[0]),
+    (y,) = torch_npu().npu_grouped_matmul([xq.contiguous()], [gmm_weight(wq)], group_list=cumsum_group_list(seg, xq.shape[0]),
                                      group_list_type=0, group_type=0, split_item=2, **kw)
     return y
 
 
 def grouped_gemm_w8a8_swiglu_quant_kernel(xq, x_scale, w13_q, w13_scale, seg_indptr):
     h = _gmm(xq, w13_q, seg_indptr, output_dtype=torch.int32)
-    counts = torch.diff(_group_list(seg_indptr, xq.shape[0]), prepend=seg_indptr.new_zeros(1)).to(torch.int64)
+    counts = torch.diff(cumsum_group_list(seg_indptr, xq.shape[0]), prepend=seg_indptr.new_zeros(1)).to(torch.int64)
     q, s = torch_npu().npu_dequant_swiglu_quant(h, weight_scale=w13_scale.contiguous(), activation_scale=x_scale,
                                            group_index=counts, activate_left=True, quant_mode=1)
     return _tail_zero(q, seg_indptr), _tail_zero(s.reshape(-1).to(torch.float32), seg_indptr)

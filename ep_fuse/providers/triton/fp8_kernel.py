@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from ep_fuse.ops.fp8 import aligned_seg_indptr
-from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _operand_ptrs
-from ep_fuse.providers.triton.grouped_gemm_kernel import _tile_rows, _work_item, block_e, is_decode, num_programs
-from ep_fuse.providers.triton.moe_permute_kernel import _token_destinations, index_config, launch_permute_index
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, operand_ptrs
+from ep_fuse.providers.triton.grouped_gemm_kernel import tile_rows, work_item, block_e, is_decode, num_programs
+from ep_fuse.providers.triton.moe_permute_kernel import token_destinations, index_config, launch_permute_index
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 FP8_MAX = tl.constexpr(448.0)
@@ -49,7 +49,7 @@ def _rtne_e4m3(v):
 
 
 @triton.jit
-def _quantize(v, scale, INTERP: tl.constexpr):
+def quantize_fp8(v, scale, INTERP: tl.constexpr):
     """fp8 codes of fp32 ``v`` with dequant ``scale`` (broadcast); 0 where the scale is 0."""
     safe = tl.where(scale > 0, scale, 1.0)
     if INTERP:
@@ -72,7 +72,7 @@ def _quant_group_kernel(X, Q, S, M, K, NG, sxm, sqm, ssm, G: tl.constexpr, GP: t
     x = tl.load(X + row * sxm + cols, mask=cm, other=0.0).to(tl.float32)
     scale = tl.max(tl.abs(x), 0) / FP8_MAX
     tl.store(S + row * ssm + g, scale)
-    tl.store(Q + row * sqm + cols, _quantize(x, scale, INTERP), mask=cm)
+    tl.store(Q + row * sqm + cols, quantize_fp8(x, scale, INTERP), mask=cm)
 
 
 @triton.jit
@@ -85,12 +85,12 @@ def _permute_quant_kernel(
     pid = tl.program_id(0)
     t = pid // NG
     g = pid % NG
-    i, km, valid, dst = _token_destinations(IDS, RANK, BASE, SRC2DST, t, g == 0, E, st0, st1, K, KP, CHUNK)
+    i, km, valid, dst = token_destinations(IDS, RANK, BASE, SRC2DST, t, g == 0, E, st0, st1, K, KP, CHUNK)
     cols = g * G + tl.arange(0, GP)
     cm = (tl.arange(0, GP) < G) & (cols < H)
     x = tl.load(X + t.to(tl.int64) * sx + cols, mask=cm, other=0.0).to(tl.float32)
     scale = tl.max(tl.abs(x), 0) / FP8_MAX
-    q = _quantize(x, scale, INTERP)
+    q = quantize_fp8(x, scale, INTERP)
     tl.store(Q + dst[:, None] * sqm + cols[None, :], tl.broadcast_to(q[None, :], (KP, GP)),
              mask=valid[:, None] & cm[None, :])
     tl.store(S + dst * ssm + g, scale + tl.zeros((KP,), dtype=tl.float32), mask=valid)
@@ -113,8 +113,8 @@ def _fp8_gemm_kernel(
 ):
     """``Y [M, N]``: block-dequantized ``X @ W[e].T``; ``SWIGLU``: N = I, gate rows ``n``, up rows ``I + n``,
     output fp8 codes ``Y`` and their 1 x ``BN`` scales ``YS``."""
-    tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
-    e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
+    tile, pid_n = work_item(M, N, E, BM, BN, GROUP_M)
+    e, m_start, m_end, is_real = tile_rows(tile, SEG, M, E, BM, BLOCK_E)
     rm = m_start + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -122,7 +122,7 @@ def _fp8_gemm_kernel(
     rn_c = tl.minimum(rn, N - 1)
     w_e = W + e.to(tl.int64) * swe
     ws_e = WS + e.to(tl.int64) * swse
-    xp, wp = _operand_ptrs(X, w_e, rm_c, rn_c, rk, sxm, swn, SWAP_AB)
+    xp, wp = operand_ptrs(X, w_e, rm_c, rn_c, rk, sxm, swn, SWAP_AB)
     if SWAP_AB:
         acc = tl.zeros([BN, BM], dtype=tl.float32)
         acc_u = tl.zeros([BN, BM], dtype=tl.float32)
@@ -169,11 +169,11 @@ def _fp8_gemm_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
-    _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU, CODE, INTERP, EMULATE_RTNE)
+    fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU, CODE, INTERP, EMULATE_RTNE)
 
 
 @triton.jit
-def _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU: tl.constexpr, CODE: tl.constexpr,
+def fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU: tl.constexpr, CODE: tl.constexpr,
                   INTERP: tl.constexpr, EMULATE_RTNE: tl.constexpr):
     """Store a [BM, BN] tile: ``SWIGLU``: fp8 codes of ``silu(acc) * acc_u`` and one scale per row (``BN`` is
     the requant group, column group ``pid_n``); else ``acc`` rounded to ``CODE``. Rows from ``m_end`` on and
@@ -185,7 +185,7 @@ def _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU:
         v = acc / (1.0 + tl.exp(-acc)) * acc_u
         v = tl.where(col_ok[None, :], v, 0.0)
         scale = tl.max(tl.abs(v), 1) / FP8_MAX  # BN is the group: one scale per row of the tile
-        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], _quantize(v, scale[:, None], INTERP), mask=mask)
+        tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], quantize_fp8(v, scale[:, None], INTERP), mask=mask)
         tl.store(YS + rm.to(tl.int64) * sysm + pid_n, scale, mask=row_ok)
     else:
         y = round_as(acc, CODE, EMULATE_RTNE)

@@ -5,7 +5,7 @@ walking (row tile, column tile) items ``GROUP_M`` tiles at a time, activation an
 Same contract and numerics as ``_fp8_gemm_kernel`` in :mod:`~ep_fuse.providers.triton.fp8_kernel`: ``BK``
 divides ``block_k``, so each K slice has one activation scale per row and one weight scale per output
 column; ``acc += dot(xq, wq.T) * (x_scale * w_scale)`` with an fp8 x fp8 -> fp32 dot, and the same epilogue
-(:func:`~ep_fuse.providers.triton.fp8_kernel._fp8_epilogue`: SwiGLU + 1 x ``BN`` requant, or the rounded
+(:func:`~ep_fuse.providers.triton.fp8_kernel.fp8_epilogue`: SwiGLU + 1 x ``BN`` requant, or the rounded
 output). Scales are loaded by pointer (row clamped), codes by descriptor (``DESC=1`` device-side,
 ``DESC=2`` host-side) or by pointer on the same walk (``DESC=0``). Rows TMA fetches past a tile's segment
 belong to the next expert: computed and not stored, as in the bf16 kernel.
@@ -27,13 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.fp8_kernel import _fp8_epilogue
+from ep_fuse.providers.triton.fp8_kernel import fp8_epilogue
 from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
     TmaGemmConfig,
-    _expert_item,
-    _item,
-    _load_k,
-    _tile_entry,
+    expert_item,
+    walk_item,
+    load_k,
+    tile_entry,
     num_programs,
     tma_unsupported,
     walk_operands,
@@ -52,7 +52,7 @@ def _fp8_gemm_tma_kernel(
 ):
     """``Y [M, N]``: block-dequantized ``X @ W[e].T`` per tile of the table; ``W`` read as [W_ROWS = E * NW, K]
     (``SWIGLU``: N = I, gate rows ``n``, up rows ``I + n``; fp8 codes ``Y`` and 1 x ``BN`` scales ``YS``).
-    ``EXPERT_GROUPS``: the walk's groups cut at expert boundaries (``_expert_item``, read from ``SEG``)."""
+    ``EXPERT_GROUPS``: the walk's groups cut at expert boundaries (``expert_item``, read from ``SEG``)."""
     if DESC == 1:
         xd = tl.make_tensor_descriptor(X, shape=[M, K], strides=[sxm, 1], block_shape=[BM, BK])
         wd = tl.make_tensor_descriptor(W, shape=[W_ROWS, K], strides=[swn, 1], block_shape=[BN, BK])
@@ -67,10 +67,10 @@ def _fp8_gemm_tma_kernel(
     k_tiles = tl.cdiv(K, BK)
     for item in tl.range(tl.program_id(0), num_tiles * num_n, NUM_PROGRAMS):
         if EXPERT_GROUPS:
-            tile, pid_n = _expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
+            tile, pid_n = expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
         else:
-            tile, pid_n = _item(item, num_tiles, num_n, GROUP_M)
-        e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
+            tile, pid_n = walk_item(item, num_tiles, num_n, GROUP_M)
+        e, m_start, m_end, w_row = tile_entry(TABLE, tile, NW, pid_n, BN)
         e_c = tl.maximum(e, 0)
         rm = m_start + rows_m
         rn = pid_n * BN + rows_n
@@ -85,16 +85,16 @@ def _fp8_gemm_tma_kernel(
         for kk in tl.range(0, num_k):
             k0 = kk * BK
             kb = k0 // BLOCK_K
-            a = _load_k(xd, m_start, k0, rows_m, rk, K, M, sxm, DESC, INTERP)
-            b = _load_k(wd, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, INTERP)
+            a = load_k(xd, m_start, k0, rows_m, rk, K, M, sxm, DESC, INTERP)
+            b = load_k(wd, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, INTERP)
             sx = tl.load(XS + rm_c.to(tl.int64) * sxsm + kb)
             sw = tl.load(ws_e + ws_row + kb)
             acc += tl.dot(a, b.T) * (sx[:, None] * sw[None, :])
             if SWIGLU:
-                bu = _load_k(wd, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, INTERP)
+                bu = load_k(wd, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, INTERP)
                 swu = tl.load(ws_e + wsu_row + kb)
                 acc_u += tl.dot(a, bu.T) * (sx[:, None] * swu[None, :])
-        _fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU, CODE, INTERP, EMULATE_RTNE)
+        fp8_epilogue(acc, acc_u, rm, rn, m_end, N, Y, YS, sym, sysm, pid_n, SWIGLU, CODE, INTERP, EMULATE_RTNE)
 
 
 def fp8_tma_unsupported(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False) -> str | None:

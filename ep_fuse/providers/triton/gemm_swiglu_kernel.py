@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs, swiglu_rounded
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, accumulate, operand_ptrs, swiglu_rounded
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store
 
 
@@ -39,9 +39,9 @@ def _gemm_swiglu_kernel(
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     # rows/columns past the edges are clamped into the operands; the store mask drops their results
-    xp, gp = _operand_ptrs(X, WG, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk, sxm, sgn, SWAP_AB)
-    _, up = _operand_ptrs(X, WU, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk, sxm, sun, SWAP_AB)
-    acc_g, acc_u = _accumulate(xp, gp, up, rk, K, tl.cdiv(K, BK), BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE,
+    xp, gp = operand_ptrs(X, WG, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk, sxm, sgn, SWAP_AB)
+    _, up = operand_ptrs(X, WU, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk, sxm, sun, SWAP_AB)
+    acc_g, acc_u = accumulate(xp, gp, up, rk, K, tl.cdiv(K, BK), BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE,
                                True, False)
     y = swiglu_rounded(acc_g, acc_u, CODE, EMULATE_RTNE)
     mask = (rm < M)[:, None] & (rn < N)[None, :]

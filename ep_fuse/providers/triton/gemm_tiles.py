@@ -1,7 +1,7 @@
 """Tile building blocks shared by the Triton GEMM kernels (dense GEMM + SwiGLU, bf16 and int8 grouped GEMMs).
 
 A tile config (:class:`GemmConfig`), operand pointers, K-slice loads and the K loop
-(:func:`_accumulate`) for ``dot(x, w.T)`` with unit-stride K (optionally swapped, ``dot(w, x.T)``, so
+(:func:`accumulate`) for ``dot(x, w.T)`` with unit-stride K (optionally swapped, ``dot(w, x.T)``, so
 weight rows fill the MMA's M dimension when there are few rows of x), bf16/fp16/fp32 or int8, and the
 SwiGLU epilogue rounded as the unfused model rounds.
 """
@@ -44,7 +44,7 @@ def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr)
 
 
 @triton.jit
-def _operand_ptrs(X, W, rm, rn, rk, sxm, swn, SWAP_AB: tl.constexpr):
+def operand_ptrs(X, W, rm, rn, rk, sxm, swn, SWAP_AB: tl.constexpr):
     """x and w tile pointers, oriented for ``dot(x, w.T)`` (or ``dot(w, x.T)`` when ``SWAP_AB``)."""
     if SWAP_AB:
         xp = X + rm[None, :].to(tl.int64) * sxm + rk[:, None]
@@ -88,11 +88,11 @@ def _imma(a, b, acc, SWAP_AB: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(xp, wp, up, rk, K, num_k, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def accumulate(xp, wp, up, rk, K, num_k, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                 SWIGLU: tl.constexpr, INT8: tl.constexpr):
     """``x @ w.T`` (and ``x @ u.T`` when ``SWIGLU``) over ``num_k`` K-slices from the operand pointers of
-    :func:`_operand_ptrs`, returned as [BM, BN] accumulators: fp32, or int32 for int8 operands (``UPCAST``
+    :func:`operand_ptrs`, returned as [BM, BN] accumulators: fp32, or int32 for int8 operands (``UPCAST``
     then means exact fp32 slices, as the interpreter needs)."""
     if SWAP_AB:
         if INT8:

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs, swiglu_rounded
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, accumulate, operand_ptrs, swiglu_rounded
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 MIN_BLOCK_E = 16
@@ -43,7 +43,7 @@ MID_ROWS_PER_EXPERT = 64
 
 
 @triton.jit
-def _tile_rows(tile, SEG, M, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
+def tile_rows(tile, SEG, M, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
     """``(expert, first row, row end, is_real)`` of work tile ``tile`` (see the module docstring)."""
     offs = tl.arange(0, BLOCK_E)
     inside = offs < E
@@ -66,7 +66,7 @@ def _tile_rows(tile, SEG, M, E, BM: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
-def _work_item(M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+def work_item(M, N, E, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     """``(tile, n-tile)`` of this program: ``GROUP_M`` tiles at a time, tiles fastest within a group."""
     pid = tl.program_id(0)
     num_tiles = tl.cdiv(M, BM) + tl.minimum(E, M)
@@ -87,16 +87,16 @@ def _grouped_gemm_kernel(
 ):
     """``Y [M, N] = X @ W[e].T`` per segment; ``SWIGLU``: N is I, gate rows ``[n, n+BN)`` and up rows
     ``[I+n, I+n+BN)`` of ``w13[e]`` share each ``X`` load and meet in the epilogue."""
-    tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
-    e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
+    tile, pid_n = work_item(M, N, E, BM, BN, GROUP_M)
+    e, m_start, m_end, is_real = tile_rows(tile, SEG, M, E, BM, BLOCK_E)
     rm = m_start + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    xp, wp = _operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
+    xp, wp = operand_ptrs(X, W + e.to(tl.int64) * swe, tl.minimum(rm, M - 1), tl.minimum(rn, N - 1), rk,
                            sxm, swn, SWAP_AB)
     up = wp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
-    acc, acc_u = _accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE, SWIGLU, False)
+    acc, acc_u = accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE, SWIGLU, False)
     if SWIGLU:
         y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
     else:

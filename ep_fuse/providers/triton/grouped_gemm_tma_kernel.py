@@ -88,7 +88,7 @@ class TmaGemmConfig:
     whose bound is the same for every item: with ``small_bm`` the walk stays nested. The fused loop holds more
     shared memory (64 x 256 SwiGLU tiles at 3 stages no longer fit)."""
     expert_groups: bool = False
-    """Cut the ``GROUP_M`` groups of the walk at expert boundaries (:func:`_expert_item`)."""
+    """Cut the ``GROUP_M`` groups of the walk at expert boundaries (:func:`expert_item`)."""
     small_bm: int = 0
     """Rows of an expert's *small* last tile (0: none): a last tile of at most ``small_bm`` rows runs with
     the operands swapped (weight rows as the MMA's M, the rows as its N), so a ragged remainder computes
@@ -155,7 +155,7 @@ def _expert_rows(SEG, e, M):
 
 
 @triton.jit
-def _expert_item(item, TABLE, SEG, M, num_n, BM: tl.constexpr, GROUP_M: tl.constexpr):
+def expert_item(item, TABLE, SEG, M, num_n, BM: tl.constexpr, GROUP_M: tl.constexpr):
     """``(tile, n-tile)`` of work item ``item`` with groups cut at expert boundaries: the items of an expert
     whose tiles are ``[f, f + c)`` are ``[f * num_n, (f + c) * num_n)``, walked ``GROUP_M`` of its tiles at a
     time (tiles fastest), so no group spans two experts and an expert's weight tiles are read while all of
@@ -167,12 +167,12 @@ def _expert_item(item, TABLE, SEG, M, num_n, BM: tl.constexpr, GROUP_M: tl.const
     j = tl.where(e >= 0, (tl.load(entry + 1) - lo) // BM, 0)
     c = tl.where(e >= 0, (hi - lo + BM - 1) // BM, 1)
     first = t0 - j
-    tile, pid_n = _item(item - first * num_n, c, num_n, GROUP_M)
+    tile, pid_n = walk_item(item - first * num_n, c, num_n, GROUP_M)
     return first + tile, pid_n
 
 
 @triton.jit
-def _item(item, num_tiles, num_n, GROUP_M: tl.constexpr):
+def walk_item(item, num_tiles, num_n, GROUP_M: tl.constexpr):
     """``(tile, n-tile)`` of work item ``item``: ``GROUP_M`` tiles at a time, tiles fastest within a group."""
     per_group = GROUP_M * num_n
     first = (item // per_group) * GROUP_M
@@ -181,7 +181,7 @@ def _item(item, num_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_entry(TABLE, tile, NW, pid_n, BN: tl.constexpr):
+def tile_entry(TABLE, tile, NW, pid_n, BN: tl.constexpr):
     """``(expert or -1, first row, row end, first weight row)`` of table entry ``tile`` at column tile ``pid_n``
     (weights read as one [E * NW, K] tensor)."""
     entry = TABLE + 4 + 4 * tile
@@ -190,7 +190,7 @@ def _tile_entry(TABLE, tile, NW, pid_n, BN: tl.constexpr):
 
 
 @triton.jit
-def _load_k(src, row, k0, rows, rk, K, W_ROWS_OR_M, sr, DESC: tl.constexpr, UPCAST: tl.constexpr):
+def load_k(src, row, k0, rows, rk, K, W_ROWS_OR_M, sr, DESC: tl.constexpr, UPCAST: tl.constexpr):
     """A [len(rows), BK] K-slice at (``row``, ``k0``): by descriptor, or clamped rows and masked K by pointer."""
     if DESC == 0:
         r = tl.minimum(row + rows, W_ROWS_OR_M - 1)
@@ -246,10 +246,10 @@ def _grouped_gemm_tma_kernel(
     # a symbolic size, as int64
     for item in tl.range(tl.program_id(0), walk_tiles * num_n, step, flatten=FLATTEN):
         if EXPERT_GROUPS:
-            tile, pid_n = _expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
+            tile, pid_n = expert_item(item, TABLE, SEG, tl.cast(M, tl.int32), num_n, BM, GROUP_M)
         else:
-            tile, pid_n = _item(item, walk_tiles, num_n, GROUP_M)
-        e, m_start, m_end, w_row = _tile_entry(TABLE, tile, NW, pid_n, BN)
+            tile, pid_n = walk_item(item, walk_tiles, num_n, GROUP_M)
+        e, m_start, m_end, w_row = tile_entry(TABLE, tile, NW, pid_n, BN)
         if FLATTEN:
             num_k = k_tiles
         else:
@@ -268,7 +268,7 @@ def _grouped_gemm_tma_kernel(
         for item in tl.range(tl.program_id(0), (num_tiles - walk_tiles) * num_n, step):
             tile = walk_tiles + item // num_n
             pid_n = item % num_n
-            _e, m_start, m_end, _w = _tile_entry(TABLE, tile, NW, pid_n, BN)
+            _e, m_start, m_end, _w = tile_entry(TABLE, tile, NW, pid_n, BN)
             zero = tl.zeros([BM, BN], dtype=tl.float32)
             _store_tile(zero, zero, Y, m_start, m_end, pid_n, N, sym, BM, BN, SWIGLU, False, CODE, EMULATE_RTNE)
 
@@ -291,17 +291,17 @@ def _k_loop(xd, ws, us, m_start, w_row, N, K, M, W_ROWS, sxm, swn, sun, num_k, R
         acc_u = tl.zeros([ROWS, BN], dtype=tl.float32)
     for kk in tl.range(0, num_k, warp_specialize=WARP_SPECIALIZE):
         k0 = kk * BK
-        a = _load_k(xd, m_start, k0, rows, rk, K, M, sxm, DESC, UPCAST_DOT)
-        b = _load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+        a = load_k(xd, m_start, k0, rows, rk, K, M, sxm, DESC, UPCAST_DOT)
+        b = load_k(ws, w_row, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
         if SWAP:
             acc = tl.dot(b, a.T, acc)
         else:
             acc = tl.dot(a, b.T, acc)
         if SWIGLU:
             if SPLIT_UP:
-                bu = _load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
+                bu = load_k(us, w_row, k0, rows_n, rk, K, W_ROWS, sun, DESC, UPCAST_DOT)
             else:
-                bu = _load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
+                bu = load_k(ws, w_row + N, k0, rows_n, rk, K, W_ROWS, swn, DESC, UPCAST_DOT)
             if SWAP:
                 acc_u = tl.dot(bu, a.T, acc_u)
             else:

@@ -122,7 +122,7 @@ def _scan_kernel(COUNTS, SEG, NC, E, CB: tl.constexpr, EP: tl.constexpr):
 
 
 @triton.jit
-def _token_destinations(IDS, RANK, BASE, SRC2DST, t, first, E, st0, st1, K: tl.constexpr, KP: tl.constexpr,
+def token_destinations(IDS, RANK, BASE, SRC2DST, t, first, E, st0, st1, K: tl.constexpr, KP: tl.constexpr,
                         CHUNK: tl.constexpr):
     """Token ``t``'s slots ``i = t*K + k``: the valid mask and the permuted row ``dst = base[chunk, key] + rank``
     of each; the program with ``first`` set also writes ``src2dst`` (-1 for invalid slots). Shared by the
@@ -149,7 +149,7 @@ def _scatter_rows_kernel(
     pid = tl.program_id(0)
     t = pid // NHB
     hb = pid - t * NHB
-    i, km, valid, dst = _token_destinations(IDS, RANK, BASE, SRC2DST, t, hb == 0, E, st0, st1, K, KP, CHUNK)
+    i, km, valid, dst = token_destinations(IDS, RANK, BASE, SRC2DST, t, hb == 0, E, st0, st1, K, KP, CHUNK)
     x_row = X + t.to(tl.int64) * sx
     out = ROWS + dst[:, None] * H
     for j in tl.static_range(H_ITERS):

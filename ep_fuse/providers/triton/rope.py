@@ -174,7 +174,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
 
     # kernel modules import triton: on first launch
     from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET
-    from ep_fuse.providers.triton.rope_kernel import FORMS, _rope_kernel, rows_per_program, warps_for
+    from ep_fuse.providers.triton.rope_kernel import FORMS, rope_jit, rows_per_program, warps_for
 
     d = q.shape[-1]
     native = rounding_mode(q, TUNING.get("rounding")) == 3
@@ -198,7 +198,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
     if isinstance(q_progs + k_progs, int) and q_progs + k_progs == 0:
         return
     half = rot // 2
-    kernel = wrap(_rope_kernel) if wrap is not None else _rope_kernel
+    kernel = wrap(rope_jit) if wrap is not None else rope_jit
     kernel[(q_progs + k_progs,)](
         q, qy, k if k is not None else q, ky if ky is not None else qy, qc, qs,
         positions if positions is not None else qc,

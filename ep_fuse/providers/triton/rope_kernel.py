@@ -142,7 +142,7 @@ def _rope_rows(
 
 
 @triton.jit
-def _rope_kernel(
+def rope_jit(
     Q, QY, K, KY, C, S, P,
     q_progs, q_rows, q_n1, q_n2, k_rows, k_n1, k_n2,
     qx0, qx1, qx2, qy0, qy1, qy2, qc0, qc1, qc2, qs0, qs1, qs2,

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import GemmConfig, _accumulate, _operand_ptrs
-from ep_fuse.providers.triton.grouped_gemm_kernel import _tile_rows, _work_item, num_programs, block_e, is_decode
+from ep_fuse.providers.triton.gemm_tiles import GemmConfig, accumulate, operand_ptrs
+from ep_fuse.providers.triton.grouped_gemm_kernel import tile_rows, work_item, num_programs, block_e, is_decode
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 QUANT_BLOCK = 4096
@@ -74,17 +74,17 @@ def _w8a8_gemm_kernel(
     EMULATE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
     """``Y [M, N]``: dequantized ``X @ W[e].T`` (``SWIGLU``: N = I, gate rows ``n``, up rows ``I + n``)."""
-    tile, pid_n = _work_item(M, N, E, BM, BN, GROUP_M)
-    e, m_start, m_end, is_real = _tile_rows(tile, SEG, M, E, BM, BLOCK_E)
+    tile, pid_n = work_item(M, N, E, BM, BN, GROUP_M)
+    e, m_start, m_end, is_real = tile_rows(tile, SEG, M, E, BM, BLOCK_E)
     rm = m_start + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     rm_c = tl.minimum(rm, M - 1)
     rn_c = tl.minimum(rn, N - 1)
-    xp, wp = _operand_ptrs(X, W + e.to(tl.int64) * swe, rm_c, rn_c, rk, sxm, swn, SWAP_AB)
+    xp, wp = operand_ptrs(X, W + e.to(tl.int64) * swe, rm_c, rn_c, rk, sxm, swn, SWAP_AB)
     up = wp + N * swn  # within one expert's weight: < 2**31 (checked on the host)
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
-    acc, acc_u = _accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, EMULATE, False, SWIGLU, True)
+    acc, acc_u = accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, EMULATE, False, SWIGLU, True)
     xs = tl.load(XS + rm_c)
     ws_row = WS + e.to(tl.int64) * swse
     ws = tl.load(ws_row + rn_c)

@@ -1,4 +1,4 @@
-"""GEMM + SwiGLU of dense MLPs and shared experts (``traced-graphs.md`` §4.4, §6.4).
+"""GEMM + SwiGLU of dense MLPs and shared experts (graph forms: ``docs/patterns.md``).
 
 * two GEMMs on one input (Llama-style ``gate_proj``/``up_proj``; Qwen2-MoE, DeepSeek-V3 dense layers
   and shared experts)::

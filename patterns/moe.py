@@ -2,7 +2,7 @@
 
 The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w2, out_dtype)``
 (expanded into the stage ops ``moe_permute`` / ``grouped_gemm_swiglu`` / ``grouped_gemm`` /
-``moe_unpermute`` before lowering). Forms (``traced-graphs.md`` §4.4, §6.6):
+``moe_unpermute`` before lowering). Forms (``docs/patterns.md``):
 
 * ``grouped_mm`` (HF transformers 5.x default)::
 

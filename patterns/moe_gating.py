@@ -1,4 +1,4 @@
-"""Router top-k gating: router logits -> (routing weights, expert ids) (``traced-graphs.md`` §4.3, §6.5).
+"""Router top-k gating: router logits -> (routing weights, expert ids) (graph forms: ``docs/patterns.md``).
 
 Matched from the fp32 router logits (the input of ``_softmax``/``sigmoid``; the router GEMM and its
 upcast stay outside) to the ``(weights, ids)`` pair the experts consume; both become the two outputs

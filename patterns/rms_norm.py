@@ -1,4 +1,4 @@
-"""RMSNorm and residual add + RMSNorm (``traced-graphs.md`` §4.1, §6.1-6.2).
+"""RMSNorm and residual add + RMSNorm (graph forms: ``docs/patterns.md``).
 
 Core, in every variant::
 

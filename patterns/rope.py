@@ -1,4 +1,4 @@
-"""Rotary position embedding, every form HF transformers 5.x traces to (``traced-graphs.md`` §4.2, §6.3).
+"""Rotary position embedding, every form HF transformers 5.x traces to (graph forms: ``docs/patterns.md``).
 
 * ``half`` (rotate-half / NeoX; Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 with ``rope_interleave=False``)::
 

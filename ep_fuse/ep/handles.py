@@ -1,7 +1,7 @@
 """Process-local registry for opaque provider handles (DeepEP, Ascend), keyed by the handle tensor.
 
 The graph carries the handle as an explicit int64 tensor from ``ep_dispatch`` to ``ep_combine``
-(``op-contracts.md`` §8.9: a graph value, not module state). Providers whose native handle is a
+(a graph value, not module state: ``docs/ep.md``, "The ops"). Providers whose native handle is a
 Python object (DeepEP's tuple of tensors) keep it here under a fresh integer key written into the
 tensor (``handle[1]``) and, to avoid reading that key back from the device (a sync), under the
 tensor's storage address; combine pops the entry, so nothing outlives one dispatch/combine pair.

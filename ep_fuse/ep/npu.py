@@ -1,5 +1,5 @@
 """Ascend provider: ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``
-(``op-contracts.md`` §8.11, §9), ``expert`` layout. **Not run on Ascend hardware**: tested on CPU
+(``docs/npu.md``), ``expert`` layout. **Not run on Ascend hardware**: tested on CPU
 against ``tests/npu_ep_double.py``, a double of the documented contract, bound to torch_npu 2.14.0's schemas
 and run through its meta functions (``docs/npu.md``).
 

@@ -1,4 +1,4 @@
-"""Shapes and pure-torch layout computations shared by the EP providers (``op-contracts.md`` §8).
+"""Shapes and pure-torch layout computations shared by the EP providers (the EP ops' contract, ``docs/ep.md``).
 
 Two layouts of the tokens a rank receives (``W`` ranks, ``E`` global experts, ``E_r = E / W`` local
 experts, ``T`` local tokens, ``K`` top-k, ``C`` capacity in tokens per rank):

@@ -73,7 +73,7 @@ def moe_unpermute_ref(
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """``torch._grouped_mm`` runs ``x @ w[e].T`` here (otherwise the reference loops over experts on the host)."""
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-        return False  # torch._grouped_mm's fake kernel accepts bf16 only (traced-graphs.md §8)
+        return False  # torch._grouped_mm's fake kernel accepts bf16 only
     if (x.shape[-1] * 2) % 16 or (w.shape[1] * 2) % 16:
         return False  # its operands' row strides must be multiples of 16 bytes
     if x.device.type == "cuda":

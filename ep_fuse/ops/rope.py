@@ -10,7 +10,7 @@ import torch
 from ep_fuse.ops.registry import define_canonical
 
 ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex", "rotate_pairs")
-"""How the first ``rot_dim`` channels of a head rotate (``op-contracts.md`` §3):
+"""How the first ``rot_dim`` channels of a head rotate (``docs/patterns.md``, RoPE):
 
 * ``half`` (rotate-half / NeoX): ``x·cos + cat(-x2, x1)·sin``; cos/sin span ``rot_dim``;
 * ``chunk`` (GPT-OSS): ``cat(x1·c − x2·s, x2·c + x1·s)``; c/s span ``rot_dim / 2``;

@@ -1,6 +1,6 @@
 """A test double of ``deep_ep`` (V1 ``Buffer`` API) over ``torch.distributed`` -- NOT DeepEP.
 
-Implements the documented contract summarised in ``op-contracts.md`` §8.3-§8.7 (layout, normal
+Implements the documented contract summarised in ``docs/ep.md`` (layout, normal
 dispatch/combine, low-latency dispatch/combine, size hints, ``clean_low_latency_buffer``) on CPU with
 gloo, so ep_fuse's DeepEP adapter can be checked for its calls, layouts and weight handling. It
 checks the documented preconditions (BF16 tokens, int64 ids, fp32 weights, layout tensors equal to

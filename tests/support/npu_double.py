@@ -1,6 +1,6 @@
 """A test double of ``torch_npu``: the documented semantics of the ops ep_fuse calls, on the CPU.
 
-Written from the op-plugin documentation summarised in ``op-contracts.md`` §1-§3, §9 -- not from
+Written from the op-plugin documentation summarised in ``docs/npu.md`` -- not from
 running Ascend hardware. It checks the documented input constraints so a provider that passes an
 argument the real op rejects fails here too. :func:`make_module` registers each function as the CPU
 kernel of ``npu::<op>`` defined from torch_npu's real schema (``npu_conformance.py``), so every call
@@ -181,7 +181,7 @@ def npu_swiglu(self: torch.Tensor, dim: int = -1):
 
 # --------------------------------------------------------------------------- MoE routing / grouped GEMM
 # Written from the op-plugin pages (docs/context/torch_npu-npu_moe_init_routing_v2.md,
-# -npu_grouped_matmul.md, -npu_moe_finalize_routing.md; op-contracts.md §6.5, §7, §9). Only the
+# -npu_grouped_matmul.md, -npu_moe_finalize_routing.md). Only the
 # non-quantised dropless paths are modelled; other modes raise NotImplementedError.
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -368,7 +368,7 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     return out.to(rows.dtype)
 
 
-# --------------------------------------------------------------------------- W8A8 int8 (op-contracts.md §7, §9)
+# --------------------------------------------------------------------------- W8A8 int8
 # Modelled from the documented semantics: rowmax/127 per-token scales, int32 GEMM, (x@W)*scale*per_token_scale.
 # Code rounding: half to even (assumed; the docs do not say).
 def _quant_rows(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """A test double of ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine`` over
 ``torch.distributed`` -- NOT torch_npu.
 
-Written from the op-plugin documentation summarised in ``op-contracts.md`` §8.11 and §9: every
+Written from the op-plugin documentation summarised in ``docs/npu.md``: every
 (token, expert) copy goes to the rank owning the expert; ``expand_x`` comes grouped by local expert
 (then source rank, then token) with ``expert_token_nums`` counts (type 1) or prefix sums (type 0);
 ``expand_idx`` / ``ep_recv_counts`` are opaque state for combine; combine returns

@@ -1,4 +1,4 @@
-"""Ascend providers of the MoE stage ops (op-contracts.md §6.5, §7, §9).
+"""Ascend providers of the MoE stage ops (conventions: ``docs/npu.md``).
 
 The routed-expert block runs as::
 

@@ -1,4 +1,4 @@
-"""Ascend ``moe_gating`` through ``torch_npu.npu_moe_gating_top_k`` (op-contracts.md §5, §9).
+"""Ascend ``moe_gating`` through ``torch_npu.npu_moe_gating_top_k`` (conventions: ``docs/npu.md``).
 
 Conventions used (from the op-plugin docs; **not run on Ascend hardware by this project**; every call is checked
 against torch_npu 2.14.0's schema and meta function: ``docs/npu.md``):

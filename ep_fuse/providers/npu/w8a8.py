@@ -1,5 +1,5 @@
 """Ascend providers of the W8A8 int8 expert stages, following the sglang Ascend DeepEP chain (seed PR;
-op-contracts.md §7, §9)::
+``docs/npu.md``)::
 
     npu_dynamic_quant -> npu_grouped_matmul (int8, int32 out) -> npu_dequant_swiglu_quant
         -> npu_grouped_matmul (int8, scale + per_token_scale, bf16/fp16 out)

@@ -4,7 +4,7 @@ Inductor learns which arguments an inlined (``wrap_triton``) launch writes by ge
 and walking it (``torch._higher_order_ops.triton_kernel_wrap``: ``identify_mutated_tensors`` in torch 2.11,
 ``identify_accessed_tensors`` later). It does so for every launch site, and more than once per site
 (AOT's metadata pass and its trace, Inductor's lowering): 56–112 analyses per graph of the generate
-benchmark's models on H200, at 50–75 ms each, mostly of the same few kernel signatures -- a large part of
+benchmark's models on the GPU, at 50–75 ms each, mostly of the same few kernel signatures -- a large part of
 the first-call time ep_fuse added on top of Inductor's (``docs/benchmarks.md``, "First call").
 
 The analysis is a pure function of the kernel and of what TTIR generation reads from the arguments:

@@ -39,7 +39,7 @@ def world_and_rank(group: Any) -> tuple[int, int]:
 DEVICE_ORDERED = ("nccl", "hccl")
 """Backends whose ``work.wait()`` only orders the GPU stream after the collective. A CPU-side wait with a
 timeout on them blocks the host in ~1 ms polling steps (measured: 3.9 ms of dispatch + combine for 128
-tokens on 2 H200s); their watchdog enforces the process group's timeout instead."""
+tokens on 2 GPUs); their watchdog enforces the process group's timeout instead."""
 
 
 def wait(work: Any, timeout_s: float, what: str, backend: str | None = None) -> None:

@@ -15,7 +15,7 @@ pass asks :func:`align_for` whether to build that layout.
 
 Numerics: DeepGEMM promotes each 128-deep K block's FP8 MMA result to fp32 with both scales, like the Triton
 kernel; its gate|up output is bf16, so SwiGLU sees gate and up rounded to bf16 (the reference keeps fp32).
-Checked on H200 against the reference (``tests/gpu/test_gpu_deepgemm.py``).
+Checked on a GPU against the reference (``tests/gpu/test_gpu_deepgemm.py``).
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ def _bk(block_k: int, interpret: bool) -> int:
 
 def config_for(m: int, n: int, k: int, e: int, block_k: int, *, swiglu: bool = False,
                interpret: bool = INTERPRET) -> GemmConfig:
-    """Tile config of an FP8 grouped GEMM, from ``bench/bench_fp8.py --sweep`` on H200 (2026-11-30, DeepSeek-V3
+    """Tile config of an FP8 grouped GEMM, from ``bench/bench_fp8.py --sweep`` (DeepSeek-V3
     routed layer): decode (T128) ``BM16`` swapped, 3 stages; prefill (T4096) ``BM64 BN128 BK128`` with 8 warps
     for gate|up + SwiGLU (its two fp32 accumulators spill with 4 warps: 14.0 ms vs 4.7 ms) and 4 warps for the
     down GEMM (2.29 ms vs 2.98 ms). 128-row tiles spill in both (21.5 / 2.85 ms).

@@ -10,12 +10,12 @@ output). Scales are loaded by pointer (row clamped), codes by descriptor (``DESC
 ``DESC=2`` host-side) or by pointer on the same walk (``DESC=0``). Rows TMA fetches past a tile's segment
 belong to the next expert: computed and not stored, as in the bf16 kernel.
 
-Checked on H200 by ``tests/gpu/test_gpu_fp8.py`` and measured by ``bench/bench_fp8.py --tma`` (2026-11-30):
+Checked on a GPU by ``tests/gpu/test_gpu_fp8.py`` and measured by ``bench/bench_fp8.py --tma`` (``docs/benchmarks.md``):
 1.06-1.10x the one-tile-per-program kernel from 64 rows per expert
 (:data:`~ep_fuse.providers.triton.perf.FP8_TMA_MIN_ROWS_PER_EXPERT`). ``TmaGemmConfig.expert_groups`` (groups
 cut at expert boundaries, as in the bf16 kernel) is supported but not taken by :func:`config_for`: at
 DeepSeek-V3 sizes (29 MB of fp8 gate|up weights per expert) it measured mixed, -4 % to +8 % per GEMM and size
-(2026-12-01), next to a spread of up to 5 % between two timings of one config.
+, next to a spread of up to 5 % between two timings of one config.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def fp8_tma_unsupported(xq: torch.Tensor, wq: torch.Tensor, traced: bool = False
 
 def config_for(m: int, n: int, k: int, e: int, block_k: int, *, swiglu: bool = False,
                interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config from ``bench/bench_fp8.py --tma`` (H200, 2026-11-30, DeepSeek-V3 routed layer at 64, 128 and
+    """Tile config from ``bench/bench_fp8.py --tma`` (DeepSeek-V3 routed layer at 64, 128 and
     512 rows per expert): gate|up + SwiGLU on BM64 BN128 tiles with 4 warps (8 warps ran 6-9 % slower), 3
     stages up to 64 rows per expert and 4 above (4.5 % either way); down on BM64 BN256 with 8 warps and 4
     stages (the best at 64 and 128 rows per expert, 6.5 % off it at 512). ``SWIGLU`` tiles are ``BN = block_k``

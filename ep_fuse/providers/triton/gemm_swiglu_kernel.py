@@ -53,11 +53,11 @@ DECODE_ROWS = 64
 
 
 def gemm_config(m: int, n: int, k: int) -> GemmConfig:
-    """Tile shape by row count (H200 sweeps, docs/benchmarks.md); the interpreter gets small tiles of
+    """Tile shape by row count (GPU sweeps, docs/benchmarks.md); the interpreter gets small tiles of
     the same two regimes."""
     if INTERPRET:
         return GemmConfig(16, 16, 32, 4, 1, 1, swap_ab=True) if m <= DECODE_ROWS else GemmConfig(32, 32, 32, 4, 1)
-    if m <= DECODE_ROWS:  # <= 32 rows: 1.02-1.26x cuBLAS + Inductor's SwiGLU on four shapes (H200)
+    if m <= DECODE_ROWS:  # <= 32 rows: 1.02-1.26x cuBLAS + Inductor's SwiGLU on four shapes
         return GemmConfig(max(16, triton.next_power_of_2(m)), 64, 128, 4, 5 if m <= 16 else 4, 1, swap_ab=True)
     if m <= 1024:
         return GemmConfig(128, 64, 64, 4, 4)

@@ -2,7 +2,7 @@
 ``grouped_gemm_swiglu`` contract of :mod:`~ep_fuse.providers.triton.grouped_gemm_kernel`, for prefill-size
 rows per expert.
 
-Measured on H200 and checked there by ``tests/gpu/test_gpu_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
+Measured on a GPU and checked there by ``tests/gpu/test_gpu_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
 ``bench/bench_moe_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`
 says where it runs.
 
@@ -354,18 +354,18 @@ EXPERT_GROUPS_MIN_WEIGHT_BYTES = 16 << 20
 """Gate|up weights of one expert from which :func:`config_for` cuts the walk's groups at expert boundaries and
 runs swapped 32-row last tiles. About three experts are in flight at once on 132 SMs; once their weights
 outgrow the 50 MB L2, an expert whose row tiles fall into two groups has its weights read from HBM twice.
-Measured (H200, 2026-12-01): DeepSeek-V3's 58.7 MB per expert, T4096 gate|up + SwiGLU 1.10-1.15x and the
+Measured (``docs/benchmarks.md``): DeepSeek-V3's 58.7 MB per expert, T4096 gate|up + SwiGLU 1.10-1.15x and the
 layer 1.02-1.04x; Qwen3-30B-A3B's 6.3 MB: the GEMM even, the layer 0.96x, so it keeps the plain walk."""
 
 
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config, from ``bench/bench_moe_grouped_gemm_tma.py``'s runs on H200 (2026-11-30, 2026-12-01).
+    """Tile config, from ``bench/bench_moe_grouped_gemm_tma.py``'s runs (``docs/benchmarks.md``).
 
     Many small experts (DeepSeek-V3 E256, Qwen3-30B-A3B E128): gate|up + SwiGLU on 64 x 256 tiles (1.07-1.32x
     ``torch._grouped_mm``, vs 1.03-1.27x on 128 x 128), with groups cut at expert boundaries and swapped
     32-row last tiles where one expert's weights reach :data:`EXPERT_GROUPS_MIN_WEIGHT_BYTES`; down on
     128 x 256 with 4 stages (expert groups there: -7 % to +5 %, not taken) and the K loop flattened into the
-    walk (:attr:`TmaGemmConfig.flatten`; 2026-12-01, against the nested walk: Qwen3-30B-A3B T4096 1.02-1.15x,
+    walk (:attr:`TmaGemmConfig.flatten`; against the nested walk: Qwen3-30B-A3B T4096 1.02-1.15x,
     DeepSeek-V3 T4096 0.95-1.05x and T16384 1.01-1.05x, the layers within noise; gate|up + SwiGLU, two
     accumulators, ran 0.78-0.92x flattened). Few large experts (Mixtral E8,
     ``e <= 16``): gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x), down on

@@ -45,7 +45,6 @@ from ep_fuse.providers.triton.unverified import gpu_unverified
 from ep_fuse.symbolic import concrete_int
 
 # --------------------------------------------------------------------------- perf rules
-# --------------------------------------------------------------------------- MoE (H200, 2026-11-29/30)
 GROUPED_GEMM_MAX_ROWS_PER_EXPERT = Threshold(
     128, command="python bench/bench_moe_experts.py",
     evidence="the one-tile-per-program grouped GEMMs vs torch._grouped_mm (eager or under Inductor): 1.40x at 4 rows per "

@@ -114,7 +114,7 @@ class LaunchConfig:
 def launch_config(n: int, elem_bytes: int) -> LaunchConfig:
     """Block shape per row width (never per row count, so one config serves dynamic batch sizes).
 
-    Tuned on an H200 (docs/benchmarks.md): one row per program with many warps for wide rows,
+    Tuned on the GPU (docs/benchmarks.md): one row per program with many warps for wide rows,
     several rows per program for narrow ones. No L2 eviction hints: evict-first loads cost 2-4% there.
     """
     block = triton.next_power_of_2(n)

@@ -163,7 +163,7 @@ def rope_jit(
 
 
 def rows_per_program(d: int, native: bool = True) -> int:
-    """Head vectors per program. Packed bf16/fp16 path (H200 sweep of 8-64 rows x 1-4 warps): 16 rows with
+    """Head vectors per program. Packed bf16/fp16 path (a GPU sweep of 8-64 rows x 1-4 warps): 16 rows with
     2 warps for D >= 64 (q32+k8 D128 at T16384: 89.4 us; q128+k128 D64: 257.7 us). fp32 math: 16 rows for
     D >= 128 (111 us vs 138 us with 64 rows), else ~16 KB per program (D64: 64 rows)."""
     if d >= 128 or (native and d >= 64):

@@ -73,7 +73,7 @@ def _size_carrier(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     ``SymInt`` operand is traced as whichever graph input carries that symbol, and when two inputs share it
     (``input_ids`` and ``position_ids`` share the length, one of them Dynamo's replaced alias ``s62 -> s27``)
     Inductor's subgraph bound the alias and failed ("For s27*u0, expected [s27] to have been codegen-ed",
-    H200 and CPU)."""
+    GPU and CPU)."""
     symbols: dict[str, Any] = {}
     env = None
     for t in tensors:

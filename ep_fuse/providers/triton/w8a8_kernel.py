@@ -103,7 +103,7 @@ def _w8a8_gemm_kernel(
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> GemmConfig:
     """Tile config of an int8 grouped GEMM from static shapes (``n``: output columns).
 
-    int8 tiles take ``BK = 128``-byte (or wider) K slices. Untuned guesses on an H200 until
+    int8 tiles take ``BK = 128``-byte (or wider) K slices. Untuned guesses until
     ``bench/bench_w8a8.py``'s sweep says otherwise. The interpreter gets small tiles of the same regimes.
     """
     decode = is_decode(m, e)

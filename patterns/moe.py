@@ -15,7 +15,7 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   with an optional final cast; HF 5.17 on CUDA also zeroes slots with ids >= E ("sentinels") with
   ``masked_fill(·, unsqueeze(ge(sorted_ids, E), -1), 0.0)`` on the rows and both GEMM outputs; fp32/fp16 models call the opaque ``transformers::grouped_mm_fallback``
   instead of ``_grouped_mm``; the histc input is ``float`` on CPU and ``int`` on CUDA;
-* hand-written sort-based forms (Megatron/DeepSpeed/sglang styles, ``tests/moe_modules.py``): a stable
+* hand-written sort-based forms (Megatron/DeepSpeed/sglang styles, ``tests/support/moe_modules.py``): a stable
   ``argsort`` instead of ``sort``; counts from ``histc``, ``one_hot(ids, E).sum(0)`` or ``scatter_add`` of
   ones; rows gathered with ``index``/``index_select`` or scattered by the inverse permutation
   (``rows[src2dst] = x.repeat_interleave(K)``); outputs returned by the inverse-permutation gather +

@@ -6,7 +6,7 @@
 # intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
 # (bench_generate.py), accuracy (tools/accuracy_decode.py), dynamic[:TAG] (tools/check_dynamic.py with $DYN_ARGS or
-# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_grouped_gemm_tma.py, then bench/bench_moe_grouped_gemm_tma.py with $GG_ARGS; gg_bench: the bench alone),
+# $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_moe_grouped_gemm_tma.py, then bench/bench_moe_grouped_gemm_tma.py with $GG_ARGS; gg_bench: the bench alone),
 # profile_dynamic (tools/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
 # (bench_gemm_swiglu.py --part prefill with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
@@ -100,7 +100,7 @@ for s in "$@"; do
       step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_moe_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
     gg_tma)  # the Hopper TMA grouped GEMM: GPU correctness first, then the one-run comparison
       step gg_tma_test timeout ${GG_TEST_TIMEOUT:-220} python3 -m pytest -q -p no:cacheprovider \
-        "$repo/tests/gpu/test_gpu_grouped_gemm_tma.py"
+        "$repo/tests/gpu/test_gpu_moe_grouped_gemm_tma.py"
       step gg_tma_bench timeout ${GG_BENCH_TIMEOUT:-340} python3 "$repo/bench/bench_moe_grouped_gemm_tma.py" ${GG_ARGS:-} ;;
     fp8)  # the Triton FP8 kernels: GPU correctness, then bench_fp8.py ($FP8_ARGS)
       step fp8_test timeout 150 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu/test_gpu_fp8.py"

@@ -1,7 +1,7 @@
 """DeepEP provider (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; ``op-contracts.md`` §8.2-§8.10).
 
 Run for real on 2 x H200 (``tests/gpu/``, ``bench/bench_ep.py``; build: ``tools/build_deepep.sh``) and
-on CPU against ``tests/deepep_double.py``, a double of the same contract.
+on CPU against ``tests/support/deepep_double.py``, a double of the same contract.
 
 * ``deepep`` (normal, ``rank`` layout): ``get_dispatch_layout`` -> ``dispatch`` (ids rebased to local
   experts, -1 elsewhere; weights fp32, 0.0 elsewhere) -> local experts, weights applied in the

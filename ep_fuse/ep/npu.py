@@ -1,6 +1,6 @@
 """Ascend provider: ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``
 (``docs/npu.md``), ``expert`` layout. **Not run on Ascend hardware**: tested on CPU
-against ``tests/npu_ep_double.py``, a double of the documented contract, bound to torch_npu 2.14.0's schemas
+against ``tests/support/npu_ep_double.py``, a double of the documented contract, bound to torch_npu 2.14.0's schemas
 and run through its meta functions (``docs/npu.md``).
 
 * dispatch sends every (token, expert) copy; ``expand_x`` ``[A, H]`` comes grouped by local expert with

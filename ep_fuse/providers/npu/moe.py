@@ -9,7 +9,7 @@ one provider per canonical stage op (``moe_permute``, ``grouped_gemm_swiglu``, `
 ``moe_unpermute``), converting between ep_fuse's conventions (:mod:`ep_fuse.ops.moe`) and
 the documented torch_npu ones (op-plugin ``docs/context/torch_npu-*.md``; **not run on Ascend
 hardware by this project** -- calls checked against torch_npu 2.14.0's schemas and meta functions, numerics
-against ``tests/npu_double.py``: ``docs/npu.md``):
+against ``tests/support/npu_double.py``: ``docs/npu.md``):
 
 * **permute** -- ``npu_moe_init_routing_v2`` dropless (``drop_pad_mode=0``), unquantised
   (``quant_mode=-1``, passed explicitly: the schema default, though older docs gave 0), ``active_num = T*K`` (the only value

@@ -5,7 +5,7 @@
         -> npu_grouped_matmul (int8, scale + per_token_scale, bf16/fp16 out)
 
 Conventions used (documented semantics; **not run on Ascend hardware by this project**, tested against
-``tests/npu_double.py`` under torch_npu 2.14.0's schemas and meta functions: ``docs/npu.md``):
+``tests/support/npu_double.py`` under torch_npu 2.14.0's schemas and meta functions: ``docs/npu.md``):
 
 * ``npu_dynamic_quant(x) -> (int8 y, fp32 scale [M])``: per-token, ``scale = rowmax|x| / 127``.
 * ``npu_grouped_matmul`` with int8 x / int8 weight [E, K, N] (the cached transposed copy of the

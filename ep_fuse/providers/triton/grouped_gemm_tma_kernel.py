@@ -2,7 +2,7 @@
 ``grouped_gemm_swiglu`` contract of :mod:`~ep_fuse.providers.triton.grouped_gemm_kernel`, for prefill-size
 rows per expert.
 
-Measured on a GPU and checked there by ``tests/gpu/test_gpu_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
+Measured on a GPU and checked there by ``tests/gpu/test_gpu_moe_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
 ``bench/bench_moe_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`
 says where it runs.
 

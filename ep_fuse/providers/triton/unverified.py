@@ -15,7 +15,7 @@ UNVERIFIED_ON_GPU: dict[str, str] = {}
 """``"<op>:<variant>" -> what it still lacks``. Cleared on 2026-11-30 after their ``tests/gpu/``
 checks passed on H200: the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
-(``tests/gpu/test_gpu_fp8.py``), ``grouped_gemm:tma`` (``tests/gpu/test_gpu_grouped_gemm_tma.py``, then
+(``tests/gpu/test_gpu_fp8.py``), ``grouped_gemm:tma`` (``tests/gpu/test_gpu_moe_grouped_gemm_tma.py``, then
 measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma.py``), ``ep:fp8_dispatch``
 (``tests/gpu/test_gpu_fp8_dispatch.py``: 2 NCCL ranks, bit-identical to the bf16 dispatch) and ``fp8:tma``
 (``tests/gpu/test_gpu_fp8.py``, then measured faster than the one-tile-per-program FP8 kernel by

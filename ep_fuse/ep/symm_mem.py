@@ -1,6 +1,6 @@
 """PyTorch symmetric-memory (NVSHMEM) EP provider, ``rank`` layout: ``torch.ops.symm_mem.all_to_all_vdev_2d``
 dispatch and ``all_to_all_vdev_2d_offset`` combine. **Not run on a GPU yet**: tested on CPU against
-``tests/symm_mem_double.py``, a double of the ops' contract (torch 2.11; ``docs/ep.md``).
+``tests/support/symm_mem_double.py``, a double of the ops' contract (torch 2.11; ``docs/ep.md``).
 
 * Splits and offsets never leave the device: no host sync, static shapes, every received row of the
   static ``R = W * (C or T)`` buffer past the real count carries id -1 (the local permute skips it).
@@ -72,7 +72,7 @@ class Runtime:
 
 
 RUNTIME: Runtime | None = None
-"""Override of the real runtime (tests: ``tests/symm_mem_double.py``); call ``available.cache_clear()``."""
+"""Override of the real runtime (tests: ``tests/support/symm_mem_double.py``); call ``available.cache_clear()``."""
 
 
 def runtime() -> Runtime:

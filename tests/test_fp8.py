@@ -1,7 +1,7 @@
 """FP8 block-scaled routed experts (``quant="fp8_block"``): quantizer, references, Triton kernels
 (interpreter), the quant pass, transformers' ``FP8Experts`` through ``ep_fuse.prepare``, provider choice.
 
-* the quantizer (``ep_fuse/ops/fp8_reference.py``): round-trip bounds on any shape (ragged blocks),
+* the quantizer (``ep_fuse/ops/fp8.py``): round-trip bounds on any shape (ragged blocks),
   zeros and outliers (hypothesis);
 * the GEMM references against a direct fp64 computation of the dequantized math;
 * Triton kernels under the interpreter against the references (codes bit-exact);

@@ -1,6 +1,6 @@
 """W8A8 int8 routed experts (``quant="w8a8_int8"``): references, Triton kernels, the quant pass, NPU chain.
 
-* references (``ep_fuse/ops/quant_reference.py``) against a direct fp64 computation of the quantized math;
+* references (``ep_fuse/ops/w8a8.py``) against a direct fp64 computation of the quantized math;
 * Triton kernels (interpreter) against the references;
 * the quant pass on a hand-written module and a tiny HF Mixtral, eager and Inductor executors: op counts,
   output close to bf16, weights quantized once (a recompile reuses the cache);

@@ -211,7 +211,7 @@ def time_forms(copy_gbs: float) -> list[dict[str, Any]]:
 def time_cache(copy_gbs: float) -> list[dict[str, Any]]:
     """vLLM-style native RoPE with a cos/sin cache (q [T, 32*128], k [T, 8*128]): eager / Inductor / ep_fuse."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from rope_cache_modules import CacheRope
+    from support.rope_cache_modules import CacheRope
 
     rows = []
     for t, neox in ((64, True), (16384, True), (16384, False)):

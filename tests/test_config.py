@@ -165,3 +165,36 @@ def test_active_config_outside_and_inside_a_compile(no_switch_env):
         assert runtime.active_config() is cfg
     assert runtime.active_config().ep_a2a_kernels and runtime.active_config().size_branches is False
 
+
+_SEEN: list = []
+
+
+@torch.library.custom_op("ep_fuse_test::switch_probe", mutates_args=())
+def _switch_probe(x: torch.Tensor) -> torch.Tensor:
+    from ep_fuse import runtime
+
+    _SEEN.append(runtime.active_config().ep_a2a_kernels)
+    return x + 1
+
+
+@_switch_probe.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_compiled_graph_runs_under_its_config(executor, no_switch_env):
+    """A run-time choice (an op's kernel reading the active config) sees the config the graph was compiled with,
+    on every call; outside the call the default applies again."""
+    from ep_fuse import runtime
+
+    def f(x):
+        return torch.ops.ep_fuse_test.switch_probe(x) * 2
+
+    _SEEN.clear()
+    compiled = torch.compile(f, backend="ep_fuse", options={"executor": executor, "ep_a2a_kernels": False})
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 4.0))
+    assert _SEEN and set(_SEEN) == {False}
+    assert runtime.active_config().ep_a2a_kernels

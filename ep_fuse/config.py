@@ -228,8 +228,8 @@ SWITCHES = ("inline_in_inductor", "inline_symbolic", "size_branches", "ep_a2a_ke
 """The behaviour switches: fields read by run-time code through :func:`ep_fuse.runtime.active_config`."""
 
 TRACE_SWITCHES = (("inline_in_inductor", "inline"), ("inline_symbolic", "symbolic"), ("size_branches", "branches"))
-"""Switches that change what Inductor traces from a graph's ep_fuse ops (with their tag in :meth:`EpFuseConfig.cache_key`;
-``unverified_kernels`` too: a launch's host code may pick a variant by it)."""
+"""Switches that change what Inductor traces from a graph's ep_fuse ops, with their tag in
+:meth:`EpFuseConfig.cache_key` (``unverified_kernels`` too: a launch's host code may pick a variant by it)."""
 
 
 def _env_size_branches(value: str) -> bool:

@@ -32,6 +32,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
+from ep_fuse import runtime  # noqa: E402
+from ep_fuse.config import EpFuseConfig  # noqa: E402
 from ep_fuse.ep import all_to_all as a2a  # noqa: E402
 from ep_fuse.ep import groups  # noqa: E402
 from ep_fuse.ops.ep_layout import HEADER, packed_row  # noqa: E402
@@ -60,12 +62,9 @@ def check(x, ids, w, e: int, cap: int, name: str) -> None:
     ops = torch.ops.ep_fuse
     runs = []
     for use in (True, False):
-        a2a.USE_KERNELS = use
-        try:
+        with runtime.use_config(EpFuseConfig(ep_a2a_kernels=use)):
             rx, rids, rw, hd = ops.ep_dispatch(x, ids, w, e, name, "all_to_all", "rank", cap, 300.0)
             out = ops.ep_combine(rx.contiguous(), hd, ids, w, e, name, "all_to_all", "rank", cap, 300.0, None)
-        finally:
-            a2a.USE_KERNELS = True
         live = rids.max(1).values >= 0
         runs.append((rx[live], rids, rw, hd, out))
     for a, b in zip(*runs):
@@ -127,8 +126,7 @@ def run_case(shape, t: int, cap: int, path: str, iters: int, device: torch.devic
     gname = group.group_name
     x, ids, w = routing(t, h, e, k, device, seed=1000 + dist.get_rank())
     ops = torch.ops.ep_fuse
-    a2a.USE_KERNELS = path == "kernels"
-    try:
+    with runtime.use_config(EpFuseConfig(ep_a2a_kernels=path == "kernels")):
         rx, _ids, _w, hd = ops.ep_dispatch(x, ids, w, e, gname, "all_to_all", "rank", cap, 300.0)
         y = rx.contiguous()
         sec_d = per_call(lambda: ops.ep_dispatch(x, ids, w, e, gname, "all_to_all", "rank", cap, 300.0), iters,
@@ -141,8 +139,6 @@ def run_case(shape, t: int, cap: int, path: str, iters: int, device: torch.devic
             return ops.ep_combine(y, hd2, ids, w, e, gname, "all_to_all", "rank", cap, 300.0, None)
 
         sec_p = per_call(pair, iters, device)
-    finally:
-        a2a.USE_KERNELS = True
     remote, received = byte_counts(ids, e, h)
     row = dict(shape=name, tokens=t, mode=f"capacity {cap}" if cap else "data-dependent", path=path,
                dispatch_us=round(sec_d * 1e6, 1), combine_us=round(sec_c * 1e6, 1), pair_us=round(sec_p * 1e6, 1),

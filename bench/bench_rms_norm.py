@@ -31,7 +31,6 @@ from common import (  # noqa: E402
 )
 
 import ep_fuse  # noqa: E402
-import ep_fuse.providers.triton as tri  # noqa: E402
 from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -123,16 +122,17 @@ def check_kernels() -> int:
 def check_compiled() -> list[str]:
     done = []
     for inline in (True, False):
-        tri.INLINE_IN_INDUCTOR = inline
+        opts = {"inline_in_inductor": inline}
         for name, fn in FNS.items():
             for rows, h in ((64, 7168), (1000, 4096)):
                 torch._dynamo.reset()
                 x, r, w = inputs(rows, h, seed=rows)
                 with torch.no_grad():
                     ref = fn(x, r, w)
-                    out = torch.compile(fn, backend="ep_fuse", dynamic=False)(x, r, w)
+                    out = torch.compile(fn, backend="ep_fuse", dynamic=False, options=opts)(x, r, w)
                     x2, r2, w2 = inputs(rows, h, seed=rows + 1)
-                    out2, ref2 = torch.compile(fn, backend="ep_fuse", dynamic=False)(x2, r2, w2), fn(x2, r2, w2)
+                    out2, ref2 = (torch.compile(fn, backend="ep_fuse", dynamic=False, options=opts)(x2, r2, w2),
+                                  fn(x2, r2, w2))
                 rep = ep_fuse.last_report()
                 assert rep.matches and rep.matches[0].provider == "triton", rep
                 for o, e in ((out, ref), (out2, ref2)):
@@ -140,7 +140,6 @@ def check_compiled() -> list[str]:
                     for a, b in zip(o, e):
                         close(a, b, f"compiled {name} inline={inline} {rows}x{h}")
                 done.append(f"{name} inline={inline} {rows}x{h}")
-    tri.INLINE_IN_INDUCTOR = True
     # dynamic shapes (eps stays a literal here; HF models make it a tensor input)
     torch._dynamo.reset()
     f = torch.compile(hf_add_rms_norm, backend="ep_fuse", dynamic=True)
@@ -217,12 +216,11 @@ def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[st
             torch._dynamo.reset()
             impls["inductor"] = torch.compile(fn, dynamic=False)
             for label, inline in (("ep_fuse", True), ("ep_fuse_opaque", False)):
-                tri.INLINE_IN_INDUCTOR = inline
                 torch._dynamo.reset()
-                f = torch.compile(fn, backend="ep_fuse", dynamic=False, options={"perf_guard": False})
+                f = torch.compile(fn, backend="ep_fuse", dynamic=False,
+                                  options={"perf_guard": False, "inline_in_inductor": inline})
                 f(x, r, w)
                 impls[label] = f
-            tri.INLINE_IN_INDUCTOR = True
             lf = liger_fn(op)
             if lf is not None:
                 impls["liger"] = lf

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 import ep_fuse.catalog  # noqa: F401  (every op, provider, engine and pattern)
+from ep_fuse import runtime
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.dump import Dumper
 from ep_fuse.kernel_analysis import memoized_access_analysis
@@ -108,7 +109,34 @@ def _needs_autograd(example_inputs: Sequence[Any]) -> bool:
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpFuseConfig) -> Callable[..., Any]:
-    """Compile one Dynamo graph with ``config`` (no global state is changed)."""
+    """Compile one Dynamo graph with ``config`` (no global state is changed).
+
+    ``config``'s behaviour switches (:data:`ep_fuse.config.SWITCHES`) are the active ones
+    (:func:`ep_fuse.runtime.use_config`) while the graph is rewritten and compiled, and around every call of the
+    compiled graph (the run-time choices of its ops: the EP engines' kernels, the NPU weight layout, ...)."""
+    with runtime.use_config(config):
+        compiled = _compile_graph(gm, example_inputs, config)
+    return _runs_under(config, compiled)
+
+
+def _runs_under(config: EpFuseConfig, compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, called with ``config`` active (same calling convention, boxed or not)."""
+
+    active = runtime.ACTIVE_CONFIG
+
+    def run(*args: Any) -> Any:  # (use_config without the generator: this runs on every call)
+        token = active.set(config)
+        try:
+            return compiled(*args)
+        finally:
+            active.reset(token)
+
+    if getattr(compiled, "_boxed_call", False):
+        run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpFuseConfig) -> Callable[..., Any]:
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -170,7 +198,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpF
 
     patches = _inductor_patches(config)
     tag = torch.compiler.config.cache_key_tag
-    cache_tag = f"{tag}|{ep_fuse_cache_tag()}" if tag else ep_fuse_cache_tag()
+    cache_tag = f"{tag}|{ep_fuse_cache_tag(config)}" if tag else ep_fuse_cache_tag(config)
     why = _not_direct(captured, example_inputs)
     report.inductor = _handoff(captured, why)
     if not report.inductor.cudagraph_safe_mutations:
@@ -212,19 +240,17 @@ def _source_tag() -> str:
     return f"ep_fuse-{getattr(ep_fuse, '__version__', '0')}-{digest.hexdigest()[:16]}"
 
 
-def ep_fuse_cache_tag() -> str:
-    """``ep_fuse-<version>-<hash of its sources>[-<inline switches>]``, added to
-    ``torch.compiler.config.cache_key_tag`` while Inductor compiles a rewritten graph: Inductor's FX-graph and
-    AOTAutograd caches key a graph on its code, not on the fake (meta) functions of the custom ops in it nor
-    on how their launches are traced, so a graph cached by another ep_fuse (other output strides of an op,
-    say), or under other inline switches (``EP_FUSE_SIZE_BRANCHES=0``: the opaque ``<op>_by_size`` op instead
-    of branches), would otherwise be reused and fail, or be wrong."""
-    import sys
+def ep_fuse_cache_tag(config: EpFuseConfig | None = None) -> str:
+    """``ep_fuse-<version>-<hash of its sources><config.cache_key()>``, added to
+    ``torch.compiler.config.cache_key_tag`` while Inductor compiles a graph rewritten under ``config`` (``None``:
+    the default config, :func:`ep_fuse.config.default_config`): Inductor's FX-graph and AOTAutograd caches key
+    a graph on its code, not on the fake (meta) functions of the custom ops in it nor on how their launches are
+    traced, so a graph cached by another ep_fuse (other output strides of an op, say), or under other inline
+    switches of the config (``size_branches=False``: the opaque ``<op>_by_size`` op instead of branches), would
+    otherwise be reused and fail, or be wrong."""
+    from ep_fuse.config import default_config
 
-    prov = sys.modules.get("ep_fuse.providers.triton.provider")  # not loaded: no Triton launch is traced
-    off = [name for name, flag in (("inline", "INLINE_IN_INDUCTOR"), ("symbolic", "INLINE_SYMBOLIC"),
-                                   ("branches", "INLINE_SIZE_BRANCHES")) if not getattr(prov, flag, True)]
-    return _source_tag() + (f"-no-{'-'.join(off)}" if off else "")
+    return _source_tag() + (config if config is not None else default_config()).cache_key()
 
 
 def _handoff(captured: dict[str, Any], why: str | None) -> InductorHandoff:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from ep_fuse.catalog import pattern_names
@@ -18,6 +19,7 @@ EXECUTORS = ("auto", "inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "npu")
 QUANT_MODES = (None, "w8a8_int8", "fp8_block")
+NPU_GMM_WEIGHTS = ("copy", "view")
 
 
 class ConfigError(ValueError):
@@ -59,6 +61,24 @@ class EpFuseConfig:
             token; see :mod:`ep_fuse.passes.quant`. ``"fp8_block"``: routed-expert weights E4M3 with
             128 x 128 block scales (DeepSeek-V3's format; a model's own fp8 experts are used as they are),
             activations quantized per token and 128-channel group. Dense layers stay in their dtype.
+
+    Behaviour switches (defaults from the environment variables of :data:`ENV_DEFAULTS` where set; each
+    applies while the backend rewrites and compiles a graph and while the compiled graph runs):
+        inline_in_inductor: Inductor inlines the Triton providers' launches (``wrap_triton``) where it can;
+            ``False`` keeps the opaque ``ep_fuse_triton`` op everywhere.
+        inline_symbolic: the launches of the ops registered ``symbolic=True`` are inlined at symbolic sizes
+            too (``dynamic=True``; the unbacked batch of ``ep_fuse.dynamic_batch``).
+        size_branches: the ``<op>_by_size`` choice is traced as ``torch.cond`` branches on the row count;
+            ``False`` keeps the opaque ``<op>_by_size`` op, which chooses per call in Python
+            (also ``EP_FUSE_SIZE_BRANCHES=0``).
+        ep_a2a_kernels: the local work of the rank-layout EP engines (``all_to_all``'s routing, pack, unpack
+            and combine sum; ``symm_mem``'s combine sum) runs as Triton kernels wherever Triton runs;
+            ``False``: always the pure-torch reference (same bytes).
+        unverified_kernels: kernel variants not yet cleared for GPUs
+            (:data:`ep_fuse.providers.triton.unverified.UNVERIFIED_ON_GPU`) run on CUDA anyway
+            (also ``EP_FUSE_UNVERIFIED_KERNELS=1``).
+        npu_gmm_weight: the [E, K, N] weight of ``npu_grouped_matmul``: ``"copy"`` (a contiguous transposed
+            copy made once per weight) or ``"view"`` (the transposed view; also ``EP_FUSE_NPU_GMM_WEIGHT``).
     """
 
     executor: str = "auto"
@@ -75,6 +95,12 @@ class EpFuseConfig:
     ep_capacity: int | None = None
     ep_timeout_s: float = 300.0
     quant: str | None = None
+    inline_in_inductor: bool = True
+    inline_symbolic: bool = True
+    size_branches: bool = True
+    ep_a2a_kernels: bool = True
+    unverified_kernels: bool = False
+    npu_gmm_weight: str = "copy"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -91,8 +117,7 @@ class EpFuseConfig:
             raise ConfigError(f"ep_fuse: mode given twice ({mode!r} and options['mode']={options['mode']!r}).")
         if mode is not None:
             options["mode"] = mode
-        if "dump_dir" not in options and os.environ.get("EP_FUSE_DUMP_DIR"):
-            options["dump_dir"] = os.environ["EP_FUSE_DUMP_DIR"]
+        options = {**env_defaults(skip=options), **options}
         return cls(**_normalise(options))
 
     def __post_init__(self) -> None:
@@ -102,8 +127,12 @@ class EpFuseConfig:
             raise ConfigError(
                 f"ep_fuse: mode={self.mode!r} is not one of {', '.join(repr(m) for m in MODES)}."
             )
-        if not isinstance(self.perf_guard, bool):
-            raise ConfigError(f"ep_fuse: perf_guard must be True or False, got {self.perf_guard!r}.")
+        for flag in ("perf_guard", *(name for name in SWITCHES if name != "npu_gmm_weight")):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"ep_fuse: {flag} must be True or False, got {getattr(self, flag)!r}.")
+        if self.npu_gmm_weight not in NPU_GMM_WEIGHTS:
+            raise ConfigError(f"ep_fuse: npu_gmm_weight={self.npu_gmm_weight!r} is not one of "
+                              f"{', '.join(repr(m) for m in NPU_GMM_WEIGHTS)}.")
         names = pattern_names()
         for field in ("patterns", "disable"):
             for name in getattr(self, field) or ():
@@ -181,10 +210,76 @@ class EpFuseConfig:
     def inductor_patches(self) -> dict[str, Any]:
         return dict(self.inductor_config)
 
+    def cache_key(self) -> str:
+        """The part of the config that changes how Inductor traces a rewritten graph beyond the graph's code
+        (which launches it inlines, and how), for Inductor's cache keys: ``""`` at the defaults, else
+        ``-no-<switch>...`` and/or ``-unverified`` (:data:`TRACE_SWITCHES`)."""
+        off = [short for name, short in TRACE_SWITCHES if not getattr(self, name)]
+        return (f"-no-{'-'.join(off)}" if off else "") + ("-unverified" if self.unverified_kernels else "")
+
     def compute_hash(self) -> str:
         """Stable hash of every option; part of cache keys and dump names."""
         blob = json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+SWITCHES = ("inline_in_inductor", "inline_symbolic", "size_branches", "ep_a2a_kernels", "unverified_kernels",
+            "npu_gmm_weight")
+"""The behaviour switches: fields read by run-time code through :func:`ep_fuse.runtime.active_config`."""
+
+TRACE_SWITCHES = (("inline_in_inductor", "inline"), ("inline_symbolic", "symbolic"), ("size_branches", "branches"))
+"""Switches that change what Inductor traces from a graph's ep_fuse ops, with their tag in
+:meth:`EpFuseConfig.cache_key` (``unverified_kernels`` too: a launch's host code may pick a variant by it)."""
+
+
+def _env_size_branches(value: str) -> bool:
+    return value != "0"
+
+
+def _env_flag(value: str) -> bool:
+    return value == "1"
+
+
+def _env_str(value: str) -> str:
+    return value
+
+
+ENV_DEFAULTS: dict[str, tuple[str, Any]] = {
+    "dump_dir": ("EP_FUSE_DUMP_DIR", _env_str),
+    "size_branches": ("EP_FUSE_SIZE_BRANCHES", _env_size_branches),
+    "unverified_kernels": ("EP_FUSE_UNVERIFIED_KERNELS", _env_flag),
+    "npu_gmm_weight": ("EP_FUSE_NPU_GMM_WEIGHT", _env_str),
+}
+"""Field -> (environment variable that sets its default, parser). Read when a config is built by
+:meth:`EpFuseConfig.from_options` (and by :func:`default_config`); an option given explicitly wins. An unset or
+empty variable leaves the field's default. ``EP_FUSE_SIZE_BRANCHES``: ``0`` turns the branches off;
+``EP_FUSE_UNVERIFIED_KERNELS``: ``1`` turns the variants on. (``EP_FUSE_LOG`` is diagnostic only:
+:mod:`ep_fuse.log`.)"""
+
+
+def env_defaults(skip: Collection[str] = ()) -> dict[str, Any]:
+    """The option values the environment variables of :data:`ENV_DEFAULTS` set now (but for the fields in ``skip``,
+    given explicitly)."""
+    out: dict[str, Any] = {}
+    for field, (var, parse) in ENV_DEFAULTS.items():
+        value = None if field in skip else os.environ.get(var)
+        if value:
+            out[field] = parse(value)
+    if "npu_gmm_weight" in out and out["npu_gmm_weight"] not in NPU_GMM_WEIGHTS:
+        raise ConfigError(f"ep_fuse: {ENV_DEFAULTS['npu_gmm_weight'][0]}={out['npu_gmm_weight']!r}: use "
+                          f"{' or '.join(repr(m) for m in NPU_GMM_WEIGHTS)}.")
+    return out
+
+
+def default_config() -> EpFuseConfig:
+    """``EpFuseConfig.from_options({})``: the config run-time code follows outside any compile (direct op
+    calls) -- the defaults, with the environment variables read now (one config per set of their values)."""
+    return _default_config(tuple(os.environ.get(var) for var, _parse in ENV_DEFAULTS.values()))
+
+
+@functools.lru_cache(maxsize=8)
+def _default_config(_env: tuple[str | None, ...]) -> EpFuseConfig:
+    return EpFuseConfig.from_options({})
 
 
 def _normalise(options: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ep_fuse import runtime
+from ep_fuse.config import EpFuseConfig
 from ep_fuse.ep import a2a_kernels
 from ep_fuse.ep import all_to_all as a2a
 from ep_fuse.ops.ep_layout import HEADER, packed_row
@@ -171,13 +173,10 @@ def _gloo_checks(rank: int, world: int) -> None:
         assert a2a._dispatch_kernels(x, ids, w, world), "the interpreter runs the kernels here"
         runs = []
         for use in (True, False, rank == 0):  # kernels, reference, then rank 0 kernels + rank 1 reference
-            a2a.USE_KERNELS = use
-            try:
+            with runtime.use_config(EpFuseConfig(ep_a2a_kernels=use)):
                 rx, rids, rw, hd = ops.ep_dispatch(x, ids, w, e, name, "all_to_all", "rank", capacity, TIMEOUT_S)
                 y = (rx.float() * 2).to(x_dtype)
                 out = ops.ep_combine(y, hd, ids, w, e, name, "all_to_all", "rank", capacity, TIMEOUT_S, None)
-            finally:
-                a2a.USE_KERNELS = True
             hp, _ = packed_row(h, x_dtype, k, w_dtype)
             assert rx.stride() == (hp, 1), "recv_x is the packed buffer's view"
             live = rids.max(1).values >= 0

@@ -103,10 +103,13 @@ def test_inductor_caches_are_keyed_on_this_ep_fuse(monkeypatch):
     # (compile_fx re-enters itself once to apply ep_fuse's Inductor config patches)
     assert seen and set(seen) == {tag} and torch.compiler.config.cache_key_tag == ""
     # the inline switches change how Inductor traces the provider ops: a graph cached under others is not reused
-    from ep_fuse.providers.triton import provider
+    from ep_fuse.config import EpFuseConfig
 
-    monkeypatch.setattr(provider, "INLINE_SIZE_BRANCHES", False)
-    assert ep_fuse_cache_tag() == tag + "-no-branches"
+    assert ep_fuse_cache_tag(EpFuseConfig.from_options({"size_branches": False})) == tag + "-no-branches"
+    seen.clear()
+    torch._dynamo.reset()
+    _run(StaticCacheStep(), dict(backend="ep_fuse", options={"executor": "inductor", "size_branches": False}), steps=1)
+    assert seen and set(seen) == {tag + "-no-branches"}
 
 
 class ReturnsAView(nn.Module):

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from ep_fuse import runtime
 from ep_fuse.config import EpFuseConfig
 from ep_fuse.runtime import TORCH_NPU_CONTRACT_VERSION
 from ep_fuse.ops.registry import canonical_ops
@@ -273,11 +274,11 @@ def test_transposed_weight_is_made_once_per_weight(spy):
     assert moe.TRANSPOSED.copies == 2 and not torch.equal(first, second)
 
 
-def test_transposed_view_mode(spy, monkeypatch):
-    monkeypatch.setenv(moe.WEIGHT_LAYOUT_ENV, "view")
+def test_transposed_view_mode(spy):
     c = make_case(**CASES["minus_one"])
     rows, _, seg = ref.moe_permute_ref(c["x"], c["ids"], c["e"])
-    out = moe.grouped_gemm_swiglu_kernel(rows, c["w13"], seg)
+    with runtime.use_config(EpFuseConfig(npu_gmm_weight="view")):  # (default from EP_FUSE_NPU_GMM_WEIGHT)
+        out = moe.grouped_gemm_swiglu_kernel(rows, c["w13"], seg)
     close(out, ref.grouped_gemm_swiglu_ref(rows, c["w13"], seg), BF16)
     assert moe.TRANSPOSED.copies == 0
     (_, (_, (w,)), _) = spy[0]

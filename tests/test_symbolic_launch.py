@@ -25,6 +25,7 @@ from torch.fx.experimental.symbolic_shapes import (
 )
 
 from ep_fuse import runtime
+from ep_fuse.config import EpFuseConfig
 from ep_fuse.providers.triton import provider
 
 BF16 = torch.bfloat16
@@ -448,6 +449,6 @@ def test_by_size_rule_traces_branches_only_where_they_pay(monkeypatch) -> None:
         assert run(unbacked) == "branches"
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             assert run(symbolic) == "opaque"
-        monkeypatch.setattr(provider, "INLINE_SIZE_BRANCHES", False)
-        assert run(symbolic) == "opaque"
+        with runtime.use_config(EpFuseConfig(size_branches=False)):  # the switch off, in the compile's config
+            assert run(symbolic) == "opaque"
     assert traced == ["grouped_gemm_swiglu"] * 3

@@ -152,17 +152,16 @@ def sum_rank_rows(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: 
 
 
 # Local halves of the rank layout: the Triton kernels (ep_fuse.ep.a2a_kernels) and the pure-torch reference,
-# interchangeable (same wire format and handle), so ranks may even mix them.
-USE_KERNELS = True
-"""The kernels wherever Triton runs (CUDA; the CPU under ``TRITON_INTERPRET=1``); ``False``: always the
-reference (tests and the benchmark compare the two)."""
+# interchangeable (same wire format and handle), so ranks may even mix them. The kernels run wherever Triton runs
+# (CUDA; the CPU under TRITON_INTERPRET=1) unless the active config's ep_a2a_kernels is off (always the reference:
+# tests and the benchmark compare the two); a compiled graph runs under the config it was compiled with.
 MAX_WORLD = 64
 MAX_TOP_K = 64
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _kernels_run_on(device: torch.device) -> bool:
-    return USE_KERNELS and (device.type == "cuda" or (device.type == "cpu" and runtime.triton_interpret()))
+    return runtime.active_config().ep_a2a_kernels and (device.type == "cuda" or (device.type == "cpu" and runtime.triton_interpret()))
 
 
 def _dispatch_kernels(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, world: int) -> bool:

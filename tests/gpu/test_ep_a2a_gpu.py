@@ -48,13 +48,13 @@ def _routing(t, e, k, h, mode, x_dtype, w_dtype, seed, device):
 def _run(x, ids, w, e, cap, use_kernels, a2a):
     ops = torch.ops.ep_fuse
     name = dist.group.WORLD.group_name
-    a2a.USE_KERNELS = use_kernels
-    try:
+    from ep_fuse import runtime
+    from ep_fuse.config import EpFuseConfig
+
+    with runtime.use_config(EpFuseConfig(ep_a2a_kernels=use_kernels)):
         rx, rids, rw, hd = ops.ep_dispatch(x, ids, w, e, name, "all_to_all", "rank", cap, 60.0)
         y = (rx.float() * 2).to(x.dtype)
         out = ops.ep_combine(y, hd, ids, w, e, name, "all_to_all", "rank", cap, 60.0, None)
-    finally:
-        a2a.USE_KERNELS = True
     return rx, rids, rw, hd, out
 
 

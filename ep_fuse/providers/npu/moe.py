@@ -29,7 +29,7 @@ against ``tests/support/npu_double.py``: ``docs/npu.md``):
   which EP users of ``active_expert_range`` seem to rely on). Cumsum rather than
   counts because it *is* ``seg_indptr`` (no ``diff``) and because a count list may not have length 1.
   The [K, N] weight is a contiguous copy made once per weight tensor (cache below), or -- with
-  ``EP_FUSE_NPU_GMM_WEIGHT=view`` -- the transposed view itself, which the current op-plugin page
+  the config's ``npu_gmm_weight="view"`` (default from ``EP_FUSE_NPU_GMM_WEIGHT``) -- the transposed view itself, which the current op-plugin page
   allows for this case ("支持weight转置") and which avoids holding the expert weights twice.
 * **SwiGLU** -- ``npu_swiglu(h, dim=-1)`` = silu(A)·B, A (gate) first: fp32 inside, rounded once;
   the HF/reference order rounds ``silu(gate)`` before the multiply, so results differ by about one
@@ -50,7 +50,6 @@ Calls outside these documented limits are declined with a reason (the reference 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -59,6 +58,7 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ep_fuse import runtime
 from ep_fuse.ops import moe as ops
 from ep_fuse.ops.registry import CanonicalOp, register_provider
 from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
@@ -72,6 +72,7 @@ MAX_GROUPS = 1024  # npu_grouped_matmul single/single/single: at most 1024 group
 INNER_LIMIT = 65536  # npu_grouped_matmul: last dims of x and weight < 65536
 ROW_MAJOR_DROPLESS = 2  # npu_moe_finalize_routing drop_pad_mode: dropless, indices n*K + k
 WEIGHT_LAYOUT_ENV = "EP_FUSE_NPU_GMM_WEIGHT"
+"""The environment variable that sets the default of the config's ``npu_gmm_weight``."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -146,11 +147,8 @@ TRANSPOSED = _TransposedWeights()
 
 def gmm_weight(w: torch.Tensor) -> torch.Tensor:
     """``w`` [E, N, K] (torch Linear layout) as the [E, K, N] weight ``npu_grouped_matmul`` takes."""
-    mode = os.environ.get(WEIGHT_LAYOUT_ENV, "copy")
-    if mode == "view":
+    if runtime.active_config().npu_gmm_weight == "view":  # (validated by the config: "copy" or "view")
         return w.transpose(1, 2)
-    if mode != "copy":
-        raise ValueError(f"{WEIGHT_LAYOUT_ENV}={mode!r}: use 'copy' (default) or 'view'")
     return TRANSPOSED.get(w)
 
 

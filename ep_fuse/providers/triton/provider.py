@@ -18,6 +18,10 @@ stays the opaque op. The ``<op>_by_size`` ops of ``gemm_swiglu`` and the grouped
 between kernels and the reference by the real row count (each family's perf rules); Inductor
 traces that choice as branches on the row count (:mod:`~ep_fuse.providers.triton.size_branches`), except
 where the compile uses CUDA graphs, which keeps the opaque op.
+
+The switches are fields of the config the backend compiles the graph with (read through
+:func:`ep_fuse.runtime.active_config`): ``inline_in_inductor`` (inline at all), ``inline_symbolic`` (at symbolic
+sizes too) and ``size_branches`` (trace the ``<op>_by_size`` choice); all default to on.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +39,6 @@ from ep_fuse.ops.registry import CanonicalOp, Check, register_provider
 from ep_fuse.providers.triton import size_branches
 
 log = logging.getLogger("ep_fuse.providers")
-
-INLINE_IN_INDUCTOR = True
-"""Let Inductor inline the Triton launches (set False to keep the opaque op everywhere)."""
-
 
 def _devices() -> frozenset[str]:
     return frozenset({"cuda", "cpu"}) if runtime.triton_interpret() else frozenset({"cuda"})
@@ -60,14 +59,12 @@ def _static(args: tuple[Any, ...]) -> bool:
     return True
 
 
-INLINE_SYMBOLIC = True
-"""Inline the launches of the ops registered ``symbolic=True`` at symbolic sizes too (``dynamic=True``, and the
-unbacked batch of ``ep_fuse.dynamic_batch`` where the host code traces without a data-dependent guard).
-
-Their host code computes grids and arguments as size expressions without specialising them (no guard is
-added: ``tests/test_symbolic_launch.py``), so Inductor's generated code launches them with pre-bound
-arguments at every size, instead of calling the opaque op through the dispatcher and Triton's JIT launcher
-(about 80 µs of host time per call measured on H200, ``docs/benchmarks.md``)."""
+# ``inline_symbolic`` (config): inline the launches of the ops registered ``symbolic=True`` at symbolic sizes too
+# (``dynamic=True``, and the unbacked batch of ``ep_fuse.dynamic_batch`` where the host code traces without a
+# data-dependent guard). Their host code computes grids and arguments as size expressions without specialising
+# them (no guard is added: ``tests/test_symbolic_launch.py``), so Inductor's generated code launches them with
+# pre-bound arguments at every size, instead of calling the opaque op through the dispatcher and Triton's JIT
+# launcher (about 80 µs of host time per call measured on H200, ``docs/benchmarks.md``).
 
 
 def _unbacked(args: tuple[Any, ...]) -> bool:
@@ -80,8 +77,9 @@ def _unbacked(args: tuple[Any, ...]) -> bool:
 
 def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, symbolic: bool) -> Any:
     def rule(mode: Any, op: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        sized_ok = _static(args) or (symbolic and INLINE_SYMBOLIC)
-        if (not INLINE_IN_INDUCTOR or runtime.triton_interpret() or args[0].device.type != "cuda" or not sized_ok
+        config = runtime.active_config()
+        sized_ok = _static(args) or (symbolic and config.inline_symbolic)
+        if (not config.inline_in_inductor or runtime.triton_interpret() or args[0].device.type != "cuda" or not sized_ok
                 or supports(args) is not None or inline_ok(args) is not None):
             return mode.__torch_dispatch__(op, types, args, kwargs)
         from torch.library import wrap_triton
@@ -102,12 +100,6 @@ def _inline_rule(kernel: Callable[..., Any], supports: Check, inline_ok: Check, 
     return rule
 
 
-INLINE_SIZE_BRANCHES = os.environ.get("EP_FUSE_SIZE_BRANCHES", "1") != "0"
-"""Trace the ``<op>_by_size`` choice as ``torch.cond`` branches at symbolic sizes (False, or
-``EP_FUSE_SIZE_BRANCHES=0`` at import: keep the opaque ``<op>_by_size`` op, which makes the choice per call in
-Python)."""
-
-
 def _cudagraphs_requested() -> bool:
     """Whether the compile running now asks for CUDA graphs (``mode="reduce-overhead"``): Inductor runs a graph
     holding ``torch.cond`` without them."""
@@ -118,10 +110,11 @@ def _cudagraphs_requested() -> bool:
 
 def _size_branches_ok(args: tuple[Any, ...]) -> str | None:
     """``inline_ok`` of the ``<op>_by_size`` ops: their choice is traced unless CUDA graphs are requested or the
-    switch is off (at static sizes it is the one branch those sizes take)."""
+    config's ``size_branches`` is off (``EP_FUSE_SIZE_BRANCHES=0``: keep the opaque ``<op>_by_size`` op, which
+    makes the choice per call in Python; at static sizes the branches are the one branch those sizes take)."""
     if _cudagraphs_requested():
         return "CUDA graphs requested: Inductor would drop them for a graph holding torch.cond"
-    return None if INLINE_SIZE_BRANCHES else "EP_FUSE_SIZE_BRANCHES=0"
+    return None if runtime.active_config().size_branches else "size_branches=False"
 
 
 def always(args: tuple[Any, ...]) -> str | None:

@@ -2,14 +2,15 @@
 
 On CUDA the Triton provider declines them (the call keeps the reference, which Inductor compiles) until
 ``tests/gpu/`` has checked them on a GPU (and, for a variant chosen for speed, a bench has measured it) and
-they are removed from :data:`UNVERIFIED_ON_GPU`; ``EP_FUSE_UNVERIFIED_KERNELS=1`` enables them anyway (what
-the GPU checks set).
+they are removed from :data:`UNVERIFIED_ON_GPU`; the config's ``unverified_kernels=True`` (default from
+``EP_FUSE_UNVERIFIED_KERNELS=1``, what the GPU checks set) enables them anyway.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
+
+from ep_fuse import runtime
 
 UNVERIFIED_ON_GPU: dict[str, str] = {}
 """``"<op>:<variant>" -> what it still lacks``. Cleared on 2026-11-30 after their ``tests/gpu/``
@@ -24,11 +25,13 @@ measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma
 expert by ``bench/bench_fp8.py --deepgemm``). A new variant is added here until its GPU check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
+"""The environment variable that sets the default of the config's ``unverified_kernels``."""
 
 
 def cleared(variant: str) -> bool:
-    """Whether ``variant`` may run on CUDA: it has passed its GPU check, or ``EP_FUSE_UNVERIFIED_KERNELS=1``."""
-    return variant not in UNVERIFIED_ON_GPU or os.environ.get(ENV) == "1"
+    """Whether ``variant`` may run on CUDA: it has passed its GPU check, or the active config's
+    ``unverified_kernels`` is on (``EP_FUSE_UNVERIFIED_KERNELS=1``)."""
+    return variant not in UNVERIFIED_ON_GPU or runtime.active_config().unverified_kernels
 
 
 def gpu_unverified(variant: str, t: Any) -> str | None:
@@ -36,4 +39,4 @@ def gpu_unverified(variant: str, t: Any) -> str | None:
     if t.device.type != "cuda" or cleared(variant):
         return None
     return (f"{variant}: this kernel variant is not cleared for GPUs yet ({UNVERIFIED_ON_GPU[variant]}; "
-            f"{ENV}=1 enables it)")
+            f"unverified_kernels=True or {ENV}=1 enables it)")

@@ -11,15 +11,16 @@ import os
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from ep_fuse import runtime
 from ep_fuse.catalog import pattern_names
 from ep_fuse.ep import BACKENDS
 from ep_fuse.ops.registry import known_providers
+from ep_fuse.runtime import ENV_DEFAULTS, NPU_GMM_WEIGHTS, SWITCHES  # noqa: F401  (re-exported: the options)
 
 EXECUTORS = ("auto", "inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 DEVICES = ("cpu", "cuda", "npu")
 QUANT_MODES = (None, "w8a8_int8", "fp8_block")
-NPU_GMM_WEIGHTS = ("copy", "view")
 
 
 class ConfigError(ValueError):
@@ -223,52 +224,18 @@ class EpFuseConfig:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-SWITCHES = ("inline_in_inductor", "inline_symbolic", "size_branches", "ep_a2a_kernels", "unverified_kernels",
-            "npu_gmm_weight")
-"""The behaviour switches: fields read by run-time code through :func:`ep_fuse.runtime.active_config`."""
-
 TRACE_SWITCHES = (("inline_in_inductor", "inline"), ("inline_symbolic", "symbolic"), ("size_branches", "branches"))
 """Switches that change what Inductor traces from a graph's ep_fuse ops, with their tag in
 :meth:`EpFuseConfig.cache_key` (``unverified_kernels`` too: a launch's host code may pick a variant by it)."""
 
 
-def _env_size_branches(value: str) -> bool:
-    return value != "0"
-
-
-def _env_flag(value: str) -> bool:
-    return value == "1"
-
-
-def _env_str(value: str) -> str:
-    return value
-
-
-ENV_DEFAULTS: dict[str, tuple[str, Any]] = {
-    "dump_dir": ("EP_FUSE_DUMP_DIR", _env_str),
-    "size_branches": ("EP_FUSE_SIZE_BRANCHES", _env_size_branches),
-    "unverified_kernels": ("EP_FUSE_UNVERIFIED_KERNELS", _env_flag),
-    "npu_gmm_weight": ("EP_FUSE_NPU_GMM_WEIGHT", _env_str),
-}
-"""Field -> (environment variable that sets its default, parser). Read when a config is built by
-:meth:`EpFuseConfig.from_options` (and by :func:`default_config`); an option given explicitly wins. An unset or
-empty variable leaves the field's default. ``EP_FUSE_SIZE_BRANCHES``: ``0`` turns the branches off;
-``EP_FUSE_UNVERIFIED_KERNELS``: ``1`` turns the variants on. (``EP_FUSE_LOG`` is diagnostic only:
-:mod:`ep_fuse.log`.)"""
-
-
 def env_defaults(skip: Collection[str] = ()) -> dict[str, Any]:
-    """The option values the environment variables of :data:`ENV_DEFAULTS` set now (but for the fields in ``skip``,
-    given explicitly)."""
-    out: dict[str, Any] = {}
-    for field, (var, parse) in ENV_DEFAULTS.items():
-        value = None if field in skip else os.environ.get(var)
-        if value:
-            out[field] = parse(value)
-    if "npu_gmm_weight" in out and out["npu_gmm_weight"] not in NPU_GMM_WEIGHTS:
-        raise ConfigError(f"ep_fuse: {ENV_DEFAULTS['npu_gmm_weight'][0]}={out['npu_gmm_weight']!r}: use "
-                          f"{' or '.join(repr(m) for m in NPU_GMM_WEIGHTS)}.")
-    return out
+    """The option values the environment variables of :data:`ENV_DEFAULTS` set now (but for the fields in
+    ``skip``, given explicitly)."""
+    try:
+        return runtime.env_defaults(skip)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def default_config() -> EpFuseConfig:

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import importlib
 import os
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
 
-if TYPE_CHECKING:
-    from ep_fuse.config import EpFuseConfig
 
 
 def triton_interpret() -> bool:
@@ -60,13 +59,76 @@ def npu_contracts(*ops: str) -> dict[str, str]:
     return dict.fromkeys(ops, CHECKED_AGAINST)
 
 
-ACTIVE_CONFIG: contextvars.ContextVar[EpFuseConfig | None] = contextvars.ContextVar("ep_fuse_config", default=None)
+@dataclasses.dataclass(frozen=True)
+class Switches:
+    """The behaviour switches run-time code reads (the same fields on :class:`ep_fuse.config.EpFuseConfig`, which
+    documents them). Outside a compile, run-time code sees these defaults with the environment's applied."""
+
+    inline_in_inductor: bool = True
+    inline_symbolic: bool = True
+    size_branches: bool = True
+    ep_a2a_kernels: bool = True
+    unverified_kernels: bool = False
+    npu_gmm_weight: str = "copy"
+
+
+SWITCHES = tuple(f.name for f in dataclasses.fields(Switches))
+NPU_GMM_WEIGHTS = ("copy", "view")
+
+
+def _env_size_branches(value: str) -> bool:
+    return value != "0"
+
+
+def _env_flag(value: str) -> bool:
+    return value == "1"
+
+
+def _env_str(value: str) -> str:
+    return value
+
+
+ENV_DEFAULTS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "dump_dir": ("EP_FUSE_DUMP_DIR", _env_str),
+    "size_branches": ("EP_FUSE_SIZE_BRANCHES", _env_size_branches),
+    "unverified_kernels": ("EP_FUSE_UNVERIFIED_KERNELS", _env_flag),
+    "npu_gmm_weight": ("EP_FUSE_NPU_GMM_WEIGHT", _env_str),
+}
+"""Config field -> (environment variable that sets its default, parser). Read when a config is built
+(:meth:`ep_fuse.config.EpFuseConfig.from_options`) and by :func:`active_config` outside a compile; an option given
+explicitly wins. An unset or empty variable leaves the field's default. ``EP_FUSE_SIZE_BRANCHES``: ``0`` turns the
+branches off; ``EP_FUSE_UNVERIFIED_KERNELS``: ``1`` turns the variants on. (``EP_FUSE_LOG`` is diagnostic only:
+:mod:`ep_fuse.log`.)"""
+
+
+def env_defaults(skip: Collection[str] = ()) -> dict[str, Any]:
+    """The option values the environment variables of :data:`ENV_DEFAULTS` set now (but for the fields in ``skip``,
+    given explicitly). Raises ``ValueError`` for a value no field takes."""
+    out: dict[str, Any] = {}
+    for field, (var, parse) in ENV_DEFAULTS.items():
+        value = None if field in skip else os.environ.get(var)
+        if value:
+            out[field] = parse(value)
+    if "npu_gmm_weight" in out and out["npu_gmm_weight"] not in NPU_GMM_WEIGHTS:
+        raise ValueError(f"ep_fuse: {ENV_DEFAULTS['npu_gmm_weight'][0]}={out['npu_gmm_weight']!r}: use "
+                         f"{' or '.join(repr(m) for m in NPU_GMM_WEIGHTS)}.")
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def _env_switches(_env: tuple[str | None, ...]) -> Switches:
+    values = env_defaults()
+    return Switches(**{k: v for k, v in values.items() if k in SWITCHES})
+
+
+ACTIVE_CONFIG: contextvars.ContextVar[Any] = contextvars.ContextVar("ep_fuse_config", default=None)
 """The config :func:`use_config` set (``None``: none)."""
 
 
 @contextlib.contextmanager
-def use_config(config: EpFuseConfig) -> Iterator[EpFuseConfig]:
-    """Make ``config``'s switches the ones :func:`active_config` returns in this context (this thread/task)."""
+def use_config(config: Any) -> Iterator[Any]:
+    """Make ``config``'s switches (an :class:`~ep_fuse.config.EpFuseConfig`, or :class:`Switches`) the ones
+    :func:`active_config` returns in this context (this thread/task)."""
     token = ACTIVE_CONFIG.set(config)
     try:
         yield config
@@ -74,12 +136,10 @@ def use_config(config: EpFuseConfig) -> Iterator[EpFuseConfig]:
         ACTIVE_CONFIG.reset(token)
 
 
-def active_config() -> EpFuseConfig:
-    """The config set by :func:`use_config`, else :func:`ep_fuse.config.default_config` (the field defaults
-    with the environment variables' defaults applied, read now)."""
+def active_config() -> Any:
+    """The config set by :func:`use_config`, else the default :class:`Switches` with the environment variables'
+    defaults applied (read now). Either has every field of :class:`Switches`."""
     config = ACTIVE_CONFIG.get()
     if config is not None:
         return config
-    from ep_fuse.config import default_config  # (the config module imports the whole package)
-
-    return default_config()
+    return _env_switches(tuple(os.environ.get(var) for var, _parse in ENV_DEFAULTS.values()))

@@ -154,7 +154,8 @@ def test_env_vars_set_the_switch_defaults(no_switch_env, tmp_path):
 def test_active_config_outside_and_inside_a_compile(no_switch_env):
     from ep_fuse import runtime
 
-    assert runtime.active_config() == EpFuseConfig()
+    assert runtime.active_config() == runtime.Switches()
+    assert all(getattr(runtime.Switches(), n) == getattr(EpFuseConfig(), n) for n in runtime.SWITCHES)
     no_switch_env.setenv("EP_FUSE_SIZE_BRANCHES", "0")  # read when asked, outside any compile
     assert runtime.active_config().size_branches is False
     cfg = EpFuseConfig(ep_a2a_kernels=False)

@@ -32,7 +32,7 @@ class Target:
 
 
 def _builtin(name: str, device: str) -> Target:
-    from ep_fuse import tiny_models
+    from ep_fuse.models import tiny as tiny_models
 
     if name not in tiny_models.TINY_MODELS:
         raise TargetError(f"unknown built-in model 'hf:{name}'; choose one of "

@@ -20,14 +20,14 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
     * MoE blocks that hold their experts as an ``nn.ModuleList`` of SwiGLU MLPs and loop over them in
       Python (remote code such as DeepSeek-V3's ``modeling_deepseek.py``, Mixtral / Qwen2-MoE of
       transformers 4.x): the experts are stacked once into 3-D weights run by the same
-      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.expert_loops`); the state
+      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.models.expert_loops`); the state
       dict keeps its per-expert keys. Each conversion is logged at INFO; a block that cannot be
       converted is left as it is with a WARNING giving the reason, or, with ``strict=True``, raises
       ``ValueError``.
     * transformers' ``FP8Experts`` (FP8 checkpoints such as DeepSeek-V3): their forward needs the
       ``kernels-community/finegrained-fp8`` hub kernel; they get a forward that dequantizes the
       block-scaled weights (``ep_fuse::fp8_block_dequant``) and runs the same ``experts_implementation``
-      (:mod:`ep_fuse.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
+      (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
 
     Models without experts are returned unchanged.
     """
@@ -36,8 +36,8 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
             f"ep_fuse.prepare: experts_implementation={experts_implementation!r}; use one of {TRACEABLE_EXPERTS} "
             "(the eager per-expert loop cannot be captured as one graph)"
         )
-    from ep_fuse.expert_loops import convert_expert_loops
-    from ep_fuse.fp8_experts import convert_fp8_experts
+    from ep_fuse.models.expert_loops import convert_expert_loops
+    from ep_fuse.models.fp8_experts import convert_fp8_experts
 
     setter = getattr(model, "set_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", None)

@@ -106,7 +106,7 @@ def build(
     """A tiny causal-LM ``name`` in eval mode with seeded random weights."""
     import transformers as tf
 
-    from ep_fuse.hf import prepare
+    from ep_fuse.models.prepare import prepare
 
     cls = {
         "mixtral": tf.MixtralForCausalLM,
@@ -150,7 +150,7 @@ def qwen2_moe_sized(
     a multiple of 16 bytes, so ``hidden`` and ``moe_intermediate`` are multiples of 8 for bf16."""
     import transformers as tf
 
-    from ep_fuse.hf import prepare
+    from ep_fuse.models.prepare import prepare
 
     cfg = tf.Qwen2MoeConfig(vocab_size=128, hidden_size=hidden, head_dim=head_dim, num_attention_heads=heads,
                             num_key_value_heads=kv_heads, num_hidden_layers=layers, intermediate_size=4 * hidden,

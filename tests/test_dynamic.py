@@ -19,7 +19,7 @@ from ep_fuse.ops.registry import AtRunTime, canonical_ops
 from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
 from ep_fuse.providers.triton import moe as triton_moe
 from ep_fuse.symbolic import concrete_int, known, same_shape, sym_eq
-from ep_fuse.testing import capture_aten
+from support.compiling import capture_aten
 
 BF16, F16 = torch.bfloat16, torch.float16
 aten = torch.ops.aten

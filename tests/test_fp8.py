@@ -29,7 +29,7 @@ from ep_fuse.ops import fp8 as O
 from ep_fuse.ops import fp8 as R
 from ep_fuse.passes.quant import WEIGHT_CACHE
 from ep_fuse.providers.triton import fp8 as T
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn

@@ -15,7 +15,7 @@ from ep_fuse.ops import choose
 from ep_fuse.ops import rms_norm as rms_norm_ops
 from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref
 from ep_fuse.ops.rms_norm import rms_norm_out_dtype
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 OPS = {
     False: (torch.ops.ep_fuse.rms_norm.default, torch.ops.ep_fuse_triton.rms_norm.default, rms_norm_ref),

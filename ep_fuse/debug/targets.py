@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ep_fuse.models import tiny as tiny_models
+
 
 class TargetError(Exception):
     """TARGET cannot be resolved (exit code 2)."""
@@ -32,8 +34,6 @@ class Target:
 
 
 def _builtin(name: str, device: str) -> Target:
-    from ep_fuse.models import tiny as tiny_models
-
     if name not in tiny_models.TINY_MODELS:
         raise TargetError(f"unknown built-in model 'hf:{name}'; choose one of "
                           + ", ".join(f"hf:{m}" for m in tiny_models.TINY_MODELS))

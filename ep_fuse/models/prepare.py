@@ -1,10 +1,17 @@
-"""Hugging Face transformers helpers."""
+"""Preparing a model for ep_fuse: :func:`prepare` (make an HF transformers MoE model traceable as one graph) and
+:func:`dynamic_batch` (mark the batch dim of its inputs so that batch sizes share a graph)."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any
+
+import torch
+
+from ep_fuse.models.expert_loops import convert_expert_loops
+from ep_fuse.models.fp8_experts import convert_fp8_experts
 
 log = logging.getLogger("ep_fuse")
 
@@ -36,9 +43,6 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
             f"ep_fuse.prepare: experts_implementation={experts_implementation!r}; use one of {TRACEABLE_EXPERTS} "
             "(the eager per-expert loop cannot be captured as one graph)"
         )
-    from ep_fuse.models.expert_loops import convert_expert_loops
-    from ep_fuse.models.fp8_experts import convert_fp8_experts
-
     setter = getattr(model, "set_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", None)
     switched = setter is not None and not (callable(can_set) and not _safe(can_set))
@@ -87,10 +91,6 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
 
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).
     """
-    import inspect
-
-    import torch
-
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if ids is None:
         raise ValueError("ep_fuse.dynamic_batch: the inputs have neither input_ids nor inputs_embeds")
@@ -118,8 +118,6 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
 def _batch_can_be_unbacked(device_type: str) -> bool:
     """Whether an unbacked batch traces without a graph break on ``device_type``: everywhere but CUDA with
     cuDNN's SDPA backend on (it guards ``Eq(u0, 1)`` on masked calls, torch 2.11)."""
-    import torch
-
     return device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled()
 
 

@@ -385,11 +385,11 @@ def test_canonical_block_keeps_symbolic_rows():
 def test_dynamic_batch_marks_cuda_inputs_only_with_cudnn_sdpa_off(monkeypatch):
     """On CUDA the batch is marked while cuDNN's SDPA is off (it guards ``Eq(u0, 1)`` on an unbacked batch,
     torch 2.11) or with ``force=True``; elsewhere always."""
-    from ep_fuse.models import prepare as hf
+    from ep_fuse.models.prepare import batch_can_be_unbacked
 
     for enabled, want in ((True, False), (False, True)):
         monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda enabled=enabled: enabled)
-        assert hf._batch_can_be_unbacked("cuda") is want
-        assert hf._batch_can_be_unbacked("cpu")
+        assert batch_can_be_unbacked("cuda") is want
+        assert batch_can_be_unbacked("cpu")
     marked = ep_fuse.dynamic_batch({"input_ids": torch.zeros(3, 5, dtype=torch.long)})
     assert 0 in getattr(marked["input_ids"], "_dynamo_unbacked_indices", ())  # mark_unbacked's record

@@ -94,7 +94,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if ids is None:
         raise ValueError("ep_fuse.dynamic_batch: the inputs have neither input_ids nor inputs_embeds")
-    if not (force or _batch_can_be_unbacked(ids.device.type)):
+    if not (force or batch_can_be_unbacked(ids.device.type)):
         _warn_cuda_once()
         return inputs
     if "position_ids" not in inputs and inputs.get("past_key_values") is None:
@@ -115,7 +115,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     return inputs
 
 
-def _batch_can_be_unbacked(device_type: str) -> bool:
+def batch_can_be_unbacked(device_type: str) -> bool:
     """Whether an unbacked batch traces without a graph break on ``device_type``: everywhere but CUDA with
     cuDNN's SDPA backend on (it guards ``Eq(u0, 1)`` on masked calls, torch 2.11)."""
     return device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled()

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch.fx as fx
 
 from ep_fuse.config import EpFuseConfig
+from ep_fuse.debug.graph_json import graph_to_json
+from ep_fuse.debug.html import write_html
 from ep_fuse.report import GraphReport
 
 log = logging.getLogger("ep_fuse.dump")
@@ -45,8 +47,6 @@ class Dumper:
     def graph(self, stage: str, gm: fx.GraphModule) -> None:
         if self.folder is None:
             return
-        from ep_fuse.debug.graph_json import graph_to_json
-
         text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
         (self.folder / f"{stage}.py").write_text(text)
         if stage == "00_dynamo":
@@ -59,8 +59,6 @@ class Dumper:
     def report(self, report: GraphReport) -> None:
         if self.folder is None or self.root is None:
             return
-        from ep_fuse.debug.html import write_html
-
         (self.folder / "report.json").write_text(report.to_json())
         (self.folder / "summary.txt").write_text(str(report) + os.linesep)
         (self.folder / "unlowered.txt").write_text("".join(n + os.linesep for n in report.unlowered))

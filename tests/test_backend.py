@@ -10,7 +10,7 @@ from torch import nn
 import ep_fuse
 from ep_fuse.backend import ep_fuse_backend, resolve_executor
 from ep_fuse.config import ConfigError, EpFuseConfig
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import ep_fuse
-from ep_fuse import tiny_models
+from ep_fuse.models import tiny as tiny_models
 from ep_fuse.matching import Lit, Mismatch, op
 from ep_fuse.matching.checks import is_int, is_size
 from ep_fuse.matching.matcher import State, match_tree
@@ -19,7 +19,7 @@ from ep_fuse.ops.registry import AtRunTime, canonical_ops
 from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
 from ep_fuse.providers.triton import moe as triton_moe
 from ep_fuse.symbolic import concrete_int, known, same_shape, sym_eq
-from ep_fuse.testing import capture_aten
+from support.compiling import capture_aten
 
 BF16, F16 = torch.bfloat16, torch.float16
 aten = torch.ops.aten
@@ -385,11 +385,11 @@ def test_canonical_block_keeps_symbolic_rows():
 def test_dynamic_batch_marks_cuda_inputs_only_with_cudnn_sdpa_off(monkeypatch):
     """On CUDA the batch is marked while cuDNN's SDPA is off (it guards ``Eq(u0, 1)`` on an unbacked batch,
     torch 2.11) or with ``force=True``; elsewhere always."""
-    from ep_fuse import hf
+    from ep_fuse.models.prepare import batch_can_be_unbacked
 
     for enabled, want in ((True, False), (False, True)):
         monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda enabled=enabled: enabled)
-        assert hf._batch_can_be_unbacked("cuda") is want
-        assert hf._batch_can_be_unbacked("cpu")
+        assert batch_can_be_unbacked("cuda") is want
+        assert batch_can_be_unbacked("cpu")
     marked = ep_fuse.dynamic_batch({"input_ids": torch.zeros(3, 5, dtype=torch.long)})
     assert 0 in getattr(marked["input_ids"], "_dynamo_unbacked_indices", ())  # mark_unbacked's record

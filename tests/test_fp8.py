@@ -29,7 +29,7 @@ from ep_fuse.ops import fp8 as O
 from ep_fuse.ops import fp8 as R
 from ep_fuse.passes.quant import WEIGHT_CACHE
 from ep_fuse.providers.triton import fp8 as T
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -439,7 +439,7 @@ def _fp8_deepseek(block=(16, 32)):
     )
     from transformers.integrations.moe import use_experts_implementation
 
-    from ep_fuse import tiny_models
+    from ep_fuse.models import tiny as tiny_models
 
     model, dequantized = tiny_models.build("deepseek_v3"), tiny_models.build("deepseek_v3")
     cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
@@ -459,7 +459,7 @@ def _fp8_deepseek(block=(16, 32)):
 
 @pytest.mark.hf
 def test_fp8_experts_need_the_hub_kernel_until_prepared():
-    from ep_fuse import tiny_models
+    from ep_fuse.models import tiny as tiny_models
 
     model, dequantized = _fp8_deepseek()
     inputs = tiny_models.example_inputs(batch=1, seq=8)
@@ -474,7 +474,7 @@ def test_fp8_experts_need_the_hub_kernel_until_prepared():
 @pytest.mark.hf
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 def test_fp8_experts_compile_to_the_fp8_block(executor):
-    from ep_fuse import tiny_models
+    from ep_fuse.models import tiny as tiny_models
 
     model, dequantized = _fp8_deepseek()
     ep_fuse.prepare(model)
@@ -496,7 +496,7 @@ def test_fp8_experts_compile_to_the_fp8_block(executor):
 
 @pytest.mark.hf
 def test_unsupported_fp8_experts_are_refused(caplog):
-    from ep_fuse.fp8_experts import convert_fp8_experts
+    from ep_fuse.models.fp8_experts import convert_fp8_experts
 
     model, _ = _fp8_deepseek()
     experts = model.get_submodule("model.layers.1.mlp.experts")

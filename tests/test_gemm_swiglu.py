@@ -13,7 +13,7 @@ from ep_fuse.ops import choose
 from ep_fuse.ops import gemm_swiglu as gemm_swiglu_ops
 from ep_fuse.ops.gemm_swiglu import gemm_swiglu_ref
 from ep_fuse.providers.npu import gemm_swiglu as npu_gemm_swiglu
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 F = nn.functional

@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-from ep_fuse import tiny_models
+from ep_fuse.models import tiny as tiny_models
 from ep_fuse.ops import choose
 from ep_fuse.ops import moe_gating as moe_gating_ops
 from ep_fuse.ops.moe_gating import moe_gating_ref, moe_gating_stable_ref
 from ep_fuse.providers.triton.moe_gating import check_gating_call, moe_gating_kernel
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -25,7 +25,7 @@ from ep_fuse.pipeline import run_passes
 from ep_fuse.providers.npu import provider as npu_provider
 from ep_fuse.providers.npu import moe
 from ep_fuse.report import GraphReport
-from ep_fuse.testing import capture_aten
+from support.compiling import capture_aten
 
 BF16 = torch.bfloat16
 TOL = {BF16: (2e-2, 2e-2), torch.float16: (4e-3, 4e-3), torch.float32: (2e-5, 2e-5)}

@@ -15,7 +15,7 @@ from ep_fuse.providers.npu import gemm_swiglu as npu_gemm_swiglu
 from ep_fuse.providers.npu import provider as npu_provider
 from ep_fuse.providers.npu import rms_norm as npu_rms_norm
 from ep_fuse.report import GraphReport
-from ep_fuse.testing import capture_aten
+from support.compiling import capture_aten
 
 BF16 = torch.bfloat16
 

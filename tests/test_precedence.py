@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import ep_fuse
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ep_fuse
-from ep_fuse.expert_loops import StackedExperts
+from ep_fuse.models.expert_loops import StackedExperts
 
 pytestmark = pytest.mark.hf  # the stacked experts run transformers' grouped_mm function
 

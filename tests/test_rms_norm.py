@@ -15,7 +15,7 @@ from ep_fuse.ops import choose
 from ep_fuse.ops import rms_norm as rms_norm_ops
 from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref
 from ep_fuse.ops.rms_norm import rms_norm_out_dtype
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 OPS = {
     False: (torch.ops.ep_fuse.rms_norm.default, torch.ops.ep_fuse_triton.rms_norm.default, rms_norm_ref),
@@ -364,7 +364,7 @@ def test_dynamic_shapes_eps_as_tensor_input():
 
 def test_eps_attribute_becomes_tensor_input_under_dynamic():
     """HF stores eps as a float attribute; dynamic=True turns it into an f64[] graph input."""
-    from ep_fuse import tiny_models
+    from ep_fuse.models import tiny as tiny_models
 
     model = tiny_models.build("mixtral")
     inp = tiny_models.example_inputs()

@@ -14,7 +14,7 @@ from ep_fuse.ops import choose
 from ep_fuse.ops import rope as rope_ops
 from ep_fuse.ops.rope import rope_qk_ref, rope_ref
 from ep_fuse.providers.npu import rope as npu_rope
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 

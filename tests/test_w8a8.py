@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from support.moe_modules import routed_case
 
 import ep_fuse
-from ep_fuse import tiny_models
+from ep_fuse.models import tiny as tiny_models
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ops import w8a8 as R
 from ep_fuse.ops.moe import moe_permute_ref
 from ep_fuse.passes.quant import WEIGHT_CACHE
 from ep_fuse.providers.triton import w8a8 as T
-from ep_fuse.testing import compile_and_run
+from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
 W8A8_OPS = ("quant_per_token", "grouped_gemm_w8a8_swiglu_quant", "grouped_gemm_w8a8")

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # ben
 from common import bench_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
-from ep_fuse import tiny_models  # noqa: E402
+from ep_fuse.models import tiny as tiny_models  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DYNAMIC = {"true": True, "auto": None}

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # ben
 from common import env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
-from ep_fuse import tiny_models  # noqa: E402
+from ep_fuse.models import tiny as tiny_models  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ep_fuse.models import tiny
+
 
 class TargetError(Exception):
     """TARGET cannot be resolved (exit code 2)."""
@@ -32,16 +34,14 @@ class Target:
 
 
 def _builtin(name: str, device: str) -> Target:
-    from ep_fuse import tiny_models
-
-    if name not in tiny_models.TINY_MODELS:
+    if name not in tiny.TINY_MODELS:
         raise TargetError(f"unknown built-in model 'hf:{name}'; choose one of "
-                          + ", ".join(f"hf:{m}" for m in tiny_models.TINY_MODELS))
+                          + ", ".join(f"hf:{m}" for m in tiny.TINY_MODELS))
     try:
-        model = tiny_models.build(name, device=device)
+        model = tiny.build(name, device=device)
     except ImportError as exc:
         raise TargetError(f"hf:{name} needs transformers ({exc}); pip install 'ep-fuse[test]'") from exc
-    return Target(f"hf:{name}", model, (), tiny_models.example_inputs(device=device))
+    return Target(f"hf:{name}", model, (), tiny.example_inputs(device=device))
 
 
 def _factory(spec: str) -> Any:

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from support.compiling import compile_and_run
+
 
 class _Experts(torch.nn.Module):
     def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -147,8 +149,6 @@ def routed_case(t: int = 13, h: int = 64, e: int = 4, i: int = 32, k: int = 2
 def compile_routed_case(t: int, device: str, **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(compiled output, eager output)`` of :func:`routed_case` (t tokens, H256 E8 I128 top-2) on ``device``,
     compiled by ep_fuse with ``options``; :func:`ep_fuse.last_report` describes the compile."""
-    from ep_fuse.testing import compile_and_run
-
     mod, inputs = routed_case(t=t, h=256, e=8, i=128, k=2)
     mod, inputs = mod.to(device), tuple(a.to(device) for a in inputs)
     with torch.no_grad():

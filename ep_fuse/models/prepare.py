@@ -1,10 +1,17 @@
-"""Hugging Face transformers helpers."""
+"""Preparing a model for ep_fuse: :func:`prepare` (make an HF transformers MoE model traceable as one graph) and
+:func:`dynamic_batch` (mark the batch dim of its inputs so that batch sizes share a graph)."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from typing import Any
+
+import torch
+
+from ep_fuse.models.expert_loops import convert_expert_loops
+from ep_fuse.models.fp8_experts import convert_fp8_experts
 
 log = logging.getLogger("ep_fuse")
 
@@ -20,14 +27,14 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
     * MoE blocks that hold their experts as an ``nn.ModuleList`` of SwiGLU MLPs and loop over them in
       Python (remote code such as DeepSeek-V3's ``modeling_deepseek.py``, Mixtral / Qwen2-MoE of
       transformers 4.x): the experts are stacked once into 3-D weights run by the same
-      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.expert_loops`); the state
+      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.models.expert_loops`); the state
       dict keeps its per-expert keys. Each conversion is logged at INFO; a block that cannot be
       converted is left as it is with a WARNING giving the reason, or, with ``strict=True``, raises
       ``ValueError``.
     * transformers' ``FP8Experts`` (FP8 checkpoints such as DeepSeek-V3): their forward needs the
       ``kernels-community/finegrained-fp8`` hub kernel; they get a forward that dequantizes the
       block-scaled weights (``ep_fuse::fp8_block_dequant``) and runs the same ``experts_implementation``
-      (:mod:`ep_fuse.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
+      (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
 
     Models without experts are returned unchanged.
     """
@@ -36,9 +43,6 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
             f"ep_fuse.prepare: experts_implementation={experts_implementation!r}; use one of {TRACEABLE_EXPERTS} "
             "(the eager per-expert loop cannot be captured as one graph)"
         )
-    from ep_fuse.expert_loops import convert_expert_loops
-    from ep_fuse.fp8_experts import convert_fp8_experts
-
     setter = getattr(model, "set_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", None)
     switched = setter is not None and not (callable(can_set) and not _safe(can_set))
@@ -87,14 +91,10 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
 
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).
     """
-    import inspect
-
-    import torch
-
     ids = inputs.get("input_ids", inputs.get("inputs_embeds"))
     if ids is None:
         raise ValueError("ep_fuse.dynamic_batch: the inputs have neither input_ids nor inputs_embeds")
-    if not (force or _batch_can_be_unbacked(ids.device.type)):
+    if not (force or batch_can_be_unbacked(ids.device.type)):
         _warn_cuda_once()
         return inputs
     if "position_ids" not in inputs and inputs.get("past_key_values") is None:
@@ -115,11 +115,9 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     return inputs
 
 
-def _batch_can_be_unbacked(device_type: str) -> bool:
+def batch_can_be_unbacked(device_type: str) -> bool:
     """Whether an unbacked batch traces without a graph break on ``device_type``: everywhere but CUDA with
     cuDNN's SDPA backend on (it guards ``Eq(u0, 1)`` on masked calls, torch 2.11)."""
-    import torch
-
     return device_type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled()
 
 

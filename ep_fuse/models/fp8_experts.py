@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ep_fuse.ops import fp8 as fp8_ops
+
 log = logging.getLogger("ep_fuse")
 
 FP8 = torch.float8_e4m3fn
@@ -127,8 +129,6 @@ class _Dequantized:
 
 def dequantized_weights(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gate_up_proj, down_proj)`` of an ``FP8Experts`` module in ``dtype``, through ``ep_fuse::fp8_block_dequant``."""
-    from ep_fuse.ops import fp8 as fp8_ops
-
     op = fp8_ops.fp8_block_dequant.op
     out = []
     for name in ("gate_up_proj", "down_proj"):
@@ -139,7 +139,7 @@ def dequantized_weights(module: Any, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
 
 def _forward(impl: str) -> Any:
-    from transformers.integrations import moe
+    from transformers.integrations import moe  # optional dependency
 
     fn = moe.grouped_mm_experts_forward if impl == "grouped_mm" else moe.batched_mm_experts_forward
 

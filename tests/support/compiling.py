@@ -1,4 +1,5 @@
-"""Helpers for tests and tools: capture the ATen graphs ep_fuse sees, compile and compare."""
+"""Compiling in tests: capture the ATen graphs ep_fuse sees (:func:`capture_aten`), count calls of an op
+(:func:`count`), compile with ep_fuse and run (:func:`compile_and_run`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
+
+from ep_fuse.fx_utils import target_name
 
 
 def capture_aten(
@@ -14,9 +19,6 @@ def capture_aten(
 ) -> list[tuple[fx.GraphModule, list[Any]]]:
     """The functionalized ATen inference graphs of ``fn(*args, **kwargs)`` before any ep_fuse pass,
     each with the real inputs (parameters included) it takes, in placeholder order."""
-    from functorch.compile import make_boxed_func
-    from torch._functorch.aot_autograd import aot_module_simplified
-
     graphs: list[tuple[fx.GraphModule, list[Any]]] = []
 
     def backend(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -35,8 +37,6 @@ def capture_aten(
 def count(gm_or_hist: fx.GraphModule | dict[str, int], target: Any) -> int:
     """Calls of ``target`` in a graph (or in an op histogram from a report)."""
     if isinstance(gm_or_hist, dict):
-        from ep_fuse.fx_utils import target_name
-
         return gm_or_hist.get(target if isinstance(target, str) else target_name(target), 0)
     return sum(1 for n in gm_or_hist.graph.nodes if n.op == "call_function" and n.target is target)
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ep_fuse.models.prepare import prepare
+
 TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "llama4",
                "granitemoe", "granitemoeshared", "cohere2_moe")
 
@@ -46,7 +48,7 @@ bf16 softmax of its top-k values, whose bf16 rounding the fused providers do not
 
 
 def _config(name: str, **overrides: Any) -> Any:
-    import transformers as tf
+    import transformers as tf  # optional dependency
 
     common = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
@@ -104,9 +106,7 @@ def build(
     **config_overrides: Any,
 ) -> torch.nn.Module:
     """A tiny causal-LM ``name`` in eval mode with seeded random weights."""
-    import transformers as tf
-
-    from ep_fuse.hf import prepare
+    import transformers as tf  # optional dependency
 
     cls = {
         "mixtral": tf.MixtralForCausalLM,
@@ -148,9 +148,7 @@ def qwen2_moe_sized(
     The defaults are a CPU-sized copy of an odd-sized model (hidden 2880, head_dim 80, 60 experts, top-6):
     widths that are not powers of two, many experts, a wide top-k. ``torch._grouped_mm`` needs rows of
     a multiple of 16 bytes, so ``hidden`` and ``moe_intermediate`` are multiples of 8 for bf16."""
-    import transformers as tf
-
-    from ep_fuse.hf import prepare
+    import transformers as tf  # optional dependency
 
     cfg = tf.Qwen2MoeConfig(vocab_size=128, hidden_size=hidden, head_dim=head_dim, num_attention_heads=heads,
                             num_key_value_heads=kv_heads, num_hidden_layers=layers, intermediate_size=4 * hidden,

@@ -70,7 +70,7 @@ class Conversion:
 # --------------------------------------------------------------------------- stacked experts
 def _experts_function(implementation: str) -> Callable[..., torch.Tensor]:
     try:
-        from transformers.integrations import moe
+        from transformers.integrations import moe  # optional dependency
     except ImportError as e:  # pragma: no cover - transformers is installed with the tests
         raise LoopRefused(f"needs transformers >= 5 for its {implementation} experts function ({e})") from e
     fn = {"grouped_mm": getattr(moe, "grouped_mm_experts_forward", None),

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 import ep_fuse.catalog  # noqa: F401  (every op, provider, engine and pattern)
 from ep_fuse import runtime
-from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.config import ConfigError, EpFuseConfig, default_config
 from ep_fuse.dump import Dumper
 from ep_fuse.kernel_analysis import memoized_access_analysis
 from ep_fuse.log import configure_from_env
@@ -248,8 +248,6 @@ def ep_fuse_cache_tag(config: EpFuseConfig | None = None) -> str:
     traced, so a graph cached by another ep_fuse (other output strides of an op, say), or under other inline
     switches of the config (``size_branches=False``: the opaque ``<op>_by_size`` op instead of branches), would
     otherwise be reused and fail, or be wrong."""
-    from ep_fuse.config import default_config
-
     return _source_tag() + (config if config is not None else default_config()).cache_key()
 
 

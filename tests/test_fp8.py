@@ -27,7 +27,7 @@ from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ops import choose
 from ep_fuse.ops import fp8 as O
 from ep_fuse.ops import fp8 as R
-from ep_fuse.passes.quant import WEIGHT_CACHE
+from ep_fuse.passes.weight_eval import WEIGHT_CACHE
 from ep_fuse.providers.triton import fp8 as T
 from ep_fuse.testing import compile_and_run
 
@@ -367,7 +367,7 @@ def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
     import torch.fx as fx
 
     from ep_fuse.ops.ep import ep_dispatch
-    from ep_fuse.passes.quant import _fp8_not_faster
+    from ep_fuse.passes.quant_weights import fp8_not_faster
 
     def block_behind(t: int, dispatched: bool) -> tuple[fx.Node, fx.Node]:
         g = fx.Graph()
@@ -386,9 +386,10 @@ def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
         rid.meta["val"] = torch.empty(2 * t, 8, device="meta", dtype=torch.int64)
         return g.call_function(operator.add, (rx, rid)), nodes["w13"]
 
-    assert _fp8_not_faster(*block_behind(2048, True)) is None
-    assert "256.0 rows per expert" in _fp8_not_faster(*block_behind(4096, True))
-    assert "256.0 rows per expert" in _fp8_not_faster(*block_behind(2048, False))
+    assert fp8_not_faster(*block_behind(2048, True)) is None
+    assert "256.0 rows per expert" in fp8_not_faster(*block_behind(4096, True))
+    assert "256.0 rows per expert" in fp8_not_faster(*block_behind(2048, False))
+    assert fp8_not_faster(*block_behind(4096, True), aligned=True) is None  # DeepGEMM takes it: always faster
 
 
 def test_npu_declines_fp8_with_the_reason():

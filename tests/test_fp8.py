@@ -508,3 +508,27 @@ def test_unsupported_fp8_experts_are_refused(caplog):
     assert "forward" not in vars(experts)
     with pytest.raises(ValueError, match="clamped"):
         convert_fp8_experts(model, strict=True)
+
+
+def test_quant_pass_asks_the_providers_what_is_cleared_for_gpus(monkeypatch, caplog):
+    """What is cleared for GPUs is the Triton provider's table (``providers/triton/unverified.py``); the quant pass
+    asks it through the registry (questions ``not_cleared`` of ``moe_experts_fp8``, ``not_cleared_before_dispatch``
+    of ``quant_fp8_group``), and warns where the FP8 experts would run the reference on CUDA."""
+    from ep_fuse.ops.registry import ask
+    from ep_fuse.passes import quant
+    from ep_fuse.providers.triton import unverified
+
+    monkeypatch.delenv(unverified.ENV, raising=False)
+    for op, question in ((O.moe_experts_fp8, "not_cleared"), (O.quant_fp8_group, "not_cleared_before_dispatch")):
+        assert ask(op, question, "cuda") == {"triton": None}
+    monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "fp8:triton", "not checked")
+    monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "ep:fp8_dispatch", "not checked")
+    assert "ep:fp8_dispatch" in ask(O.quant_fp8_group, "not_cleared_before_dispatch", "cuda")["triton"]
+    assert ask(O.quant_fp8_group, "not_cleared_before_dispatch", "cpu") == {"triton": None}
+    with caplog.at_level(logging.WARNING, logger="ep_fuse"):
+        quant._warn_fp8_reference("cpu")
+        assert not caplog.records
+        quant._warn_fp8_reference("cuda")
+    assert "not cleared for GPUs" in caplog.text and unverified.ENV in caplog.text and "SLOW" in caplog.text
+    monkeypatch.setenv(unverified.ENV, "1")
+    assert ask(O.moe_experts_fp8, "not_cleared", "cuda") == {"triton": None}

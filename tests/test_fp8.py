@@ -532,3 +532,21 @@ def test_quant_pass_asks_the_providers_what_is_cleared_for_gpus(monkeypatch, cap
     assert "not cleared for GPUs" in caplog.text and unverified.ENV in caplog.text and "SLOW" in caplog.text
     monkeypatch.setenv(unverified.ENV, "1")
     assert ask(O.moe_experts_fp8, "not_cleared", "cuda") == {"triton": None}
+
+
+def test_quant_pass_modules_import_no_provider():
+    """The quant pass, its weights, evaluator and FP8 dispatch ask providers and EP engines through the registry
+    and the EP engine table; none imports a provider or engine module (at module level or in a function)."""
+    import ast
+    from pathlib import Path
+
+    passes = Path(ep_fuse.__file__).parent / "passes"
+    for name in ("quant", "quant_weights", "weight_eval", "ep_fp8_dispatch", "graph_edit"):
+        tree = ast.parse((passes / f"{name}.py").read_text())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        bad = [m for m in imported if m.startswith(("ep_fuse.providers", "ep_fuse.ep.", "ep_fuse.catalog"))]
+        assert not bad, (name, bad)
+        inner = [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("ep_fuse")]
+        assert not inner, (name, [n.module for n in inner])

@@ -10,7 +10,9 @@ is always last. At run time a provider op re-checks its inputs and falls back to
 
 This module is the floor: it imports nothing of the package. Op families (:mod:`ep_fuse.ops.rms_norm`, ...)
 define their ops here, providers register from their own modules, and :mod:`ep_fuse.catalog` loads them all
-and sets each device's provider order (:func:`set_priority`).
+and sets each device's provider order (:func:`set_priority`). What a pass must ask the providers of an op at compile
+time (DeepGEMM's layout for an FP8 block, a measured perf rule) it asks here (:func:`ask`), answered by rules the
+providers register beside their implementations (:func:`register_rule`), so passes import no provider.
 
 Ops are defined on ``torch.library`` fragments directly (schema + one Python kernel + fake) instead of
 ``torch.library.custom_op``, which adds a Python dispatch layer per call: a launch stays at C++-dispatcher cost.

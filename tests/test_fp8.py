@@ -27,7 +27,7 @@ from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ops import choose
 from ep_fuse.ops import fp8 as O
 from ep_fuse.ops import fp8 as R
-from ep_fuse.passes.quant import WEIGHT_CACHE
+from ep_fuse.passes.weight_eval import WEIGHT_CACHE
 from ep_fuse.providers.triton import fp8 as T
 from support.compiling import compile_and_run
 
@@ -367,7 +367,7 @@ def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
     import torch.fx as fx
 
     from ep_fuse.ops.ep import ep_dispatch
-    from ep_fuse.passes.quant import _fp8_not_faster
+    from ep_fuse.passes.quant_weights import fp8_not_faster
 
     def block_behind(t: int, dispatched: bool) -> tuple[fx.Node, fx.Node]:
         g = fx.Graph()
@@ -386,9 +386,10 @@ def test_fp8_rule_behind_an_ep_dispatch_counts_the_tokens_sent():
         rid.meta["val"] = torch.empty(2 * t, 8, device="meta", dtype=torch.int64)
         return g.call_function(operator.add, (rx, rid)), nodes["w13"]
 
-    assert _fp8_not_faster(*block_behind(2048, True)) is None
-    assert "256.0 rows per expert" in _fp8_not_faster(*block_behind(4096, True))
-    assert "256.0 rows per expert" in _fp8_not_faster(*block_behind(2048, False))
+    assert fp8_not_faster(*block_behind(2048, True)) is None
+    assert "256.0 rows per expert" in fp8_not_faster(*block_behind(4096, True))
+    assert "256.0 rows per expert" in fp8_not_faster(*block_behind(2048, False))
+    assert fp8_not_faster(*block_behind(4096, True), aligned=True) is None  # DeepGEMM takes it: always faster
 
 
 def test_npu_declines_fp8_with_the_reason():
@@ -507,3 +508,45 @@ def test_unsupported_fp8_experts_are_refused(caplog):
     assert "forward" not in vars(experts)
     with pytest.raises(ValueError, match="clamped"):
         convert_fp8_experts(model, strict=True)
+
+
+def test_quant_pass_asks_the_providers_what_is_cleared_for_gpus(monkeypatch, caplog):
+    """What is cleared for GPUs is the Triton provider's table (``providers/triton/unverified.py``); the quant pass
+    asks it through the registry (questions ``not_cleared`` of ``moe_experts_fp8``, ``not_cleared_before_dispatch``
+    of ``quant_fp8_group``), and warns where the FP8 experts would run the reference on CUDA."""
+    from ep_fuse.ops.registry import ask
+    from ep_fuse.passes import quant
+    from ep_fuse.providers.triton import unverified
+
+    monkeypatch.delenv(unverified.ENV, raising=False)
+    for op, question in ((O.moe_experts_fp8, "not_cleared"), (O.quant_fp8_group, "not_cleared_before_dispatch")):
+        assert ask(op, question, "cuda") == {"triton": None}
+    monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "fp8:triton", "not checked")
+    monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "ep:fp8_dispatch", "not checked")
+    assert "ep:fp8_dispatch" in ask(O.quant_fp8_group, "not_cleared_before_dispatch", "cuda")["triton"]
+    assert ask(O.quant_fp8_group, "not_cleared_before_dispatch", "cpu") == {"triton": None}
+    with caplog.at_level(logging.WARNING, logger="ep_fuse"):
+        quant._warn_fp8_reference("cpu")
+        assert not caplog.records
+        quant._warn_fp8_reference("cuda")
+    assert "not cleared for GPUs" in caplog.text and unverified.ENV in caplog.text and "SLOW" in caplog.text
+    monkeypatch.setenv(unverified.ENV, "1")
+    assert ask(O.moe_experts_fp8, "not_cleared", "cuda") == {"triton": None}
+
+
+def test_quant_pass_modules_import_no_provider():
+    """The quant pass, its weights, evaluator and FP8 dispatch ask providers and EP engines through the registry
+    and the EP engine table; none imports a provider or engine module (at module level or in a function)."""
+    import ast
+    from pathlib import Path
+
+    passes = Path(ep_fuse.__file__).parent / "passes"
+    for name in ("quant", "quant_weights", "weight_eval", "ep_fp8_dispatch", "graph_edit"):
+        tree = ast.parse((passes / f"{name}.py").read_text())
+        imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        bad = [m for m in imported if m.startswith(("ep_fuse.providers", "ep_fuse.ep.", "ep_fuse.catalog"))]
+        assert not bad, (name, bad)
+        inner = [n for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(f) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("ep_fuse")]
+        assert not inner, (name, [n.module for n in inner])

@@ -226,3 +226,42 @@ def test_aligned_schemas_pass_opcheck():
                           test_utils=fake)
     torch.library.opcheck(O.grouped_gemm_fp8.op, (xq[:, :128].contiguous(), xs[:, :1].contiguous(), q2, s2, seg,
                                                   128, 128, BF16, 16), test_utils=fake)
+
+
+def test_quant_pass_asks_the_providers_for_the_aligned_layout(monkeypatch):
+    """The quant pass imports no provider: it asks the registry (question ``aligned_layout`` of ``moe_experts_fp8``),
+    which DeepGEMM answers with its alignment and the 128 x 128 weight block it needs; on CPU, or where DeepGEMM is
+    not available, no provider asks for an aligned layout."""
+    import torch.fx as fx
+
+    from ep_fuse.config import EpFuseConfig
+    from ep_fuse.ops.moe import moe_experts
+    from ep_fuse.ops.registry import ask
+    from ep_fuse.passes.base import PassContext
+    from ep_fuse.passes.quant import fp8_layout
+    from ep_fuse.providers.triton.unverified import ENV
+
+    monkeypatch.setenv(ENV, "1")
+    monkeypatch.setattr(D, "available", lambda: None)
+    with FakeTensorMode():
+        vals = {"x": torch.empty(4096, 7168, dtype=BF16, device="cuda"),
+                "ids": torch.empty(4096, 8, dtype=torch.int64, device="cuda"),
+                "w": torch.empty(4096, 8, dtype=torch.float32, device="cuda"),
+                "w13": torch.empty(256, 4096, 7168, dtype=BF16, device="cuda"),
+                "w2": torch.empty(256, 7168, 2048, dtype=BF16, device="cuda")}
+    g = fx.Graph()
+    nodes = {name: g.placeholder(name) for name in vals}
+    for name, v in vals.items():
+        nodes[name].meta["val"] = v
+    block = g.call_function(moe_experts.op, (*nodes.values(), None))
+
+    def ctx(device: str) -> PassContext:
+        return PassContext(config=EpFuseConfig.from_options({"quant": "fp8_block"}), device=device,
+                           executor="eager", report=None)
+
+    assert ask(O.moe_experts_fp8, "aligned_layout", vals["x"], 8, vals["w13"], vals["w2"]) == {
+        "deepgemm": (D.ALIGN, (D.BLOCK, D.BLOCK))}
+    assert fp8_layout(ctx("cuda"), block, nodes["w13"], nodes["w2"]) == (D.ALIGN, (D.BLOCK, D.BLOCK))
+    assert fp8_layout(ctx("cpu"), block, nodes["w13"], nodes["w2"]) == (1, None)
+    monkeypatch.setattr(D, "available", lambda: "not installed")
+    assert fp8_layout(ctx("cuda"), block, nodes["w13"], nodes["w2"]) == (1, None)

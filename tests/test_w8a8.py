@@ -22,7 +22,7 @@ from ep_fuse.models import tiny as tiny_models
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ops import w8a8 as R
 from ep_fuse.ops.moe import moe_permute_ref
-from ep_fuse.passes.quant import WEIGHT_CACHE
+from ep_fuse.passes.weight_eval import WEIGHT_CACHE
 from ep_fuse.providers.triton import w8a8 as T
 from support.compiling import compile_and_run
 

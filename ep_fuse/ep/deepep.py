@@ -338,7 +338,7 @@ __all__ = ["HEADER", "available", "destroy_buffers", "get_buffer", "supports"]
 # module attributes are looked up per call (tests swap runtimes and limits in and out)
 register_ep_provider(
     "deepep", dispatch_normal, combine_normal, layout="rank", available=lambda: available(),
-    supports=lambda x, ids, dt, world, e, cap: supports("normal", x, ids, dt, world, cap, e))
+    supports=lambda x, ids, dt, world, e, cap: supports("normal", x, ids, dt, world, cap, e), row_bytes=ROW_BYTES)
 register_ep_provider(
     "deepep_low_latency", dispatch_low_latency, combine_low_latency, layout="expert", available=lambda: available(),
     supports=lambda x, ids, dt, world, e, cap: supports("low_latency", x, ids, dt, world, cap, e))

@@ -86,6 +86,9 @@ class EpProvider:
     """``(x, topk_ids, block_dtype, world, num_experts, capacity)``: ``None`` when it can run the block."""
     contracts: dict[str, str] = dataclasses.field(default_factory=dict)
     """External ops its kernels call -> the release whose contract they were checked against (the report)."""
+    row_bytes: int = 1
+    """A token row's size in bytes must be a multiple of this for the engine to move it (DeepEP's normal dispatch
+    copies rows as 16-byte words): what a pass that packs other rows (FP8 codes + scales) must keep."""
 
 
 _PROVIDERS: dict[str, EpProvider] = {}
@@ -98,9 +101,10 @@ def _nothing(*_args: Any) -> None:
 def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any], *, layout: str,
                          available: Callable[[], str | None] = _nothing,
                          supports: Callable[..., str | None] = _nothing,
-                         contracts: dict[str, str] | None = None) -> EpProvider:
+                         contracts: dict[str, str] | None = None, row_bytes: int = 1) -> EpProvider:
     """Make ``ep_backend=name`` run ``dispatch`` / ``combine`` (signatures on :class:`EpProvider`)."""
-    prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports, dict(contracts or {}))
+    prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports, dict(contracts or {}),
+                                         row_bytes)
     return prov
 
 

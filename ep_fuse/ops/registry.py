@@ -10,7 +10,9 @@ is always last. At run time a provider op re-checks its inputs and falls back to
 
 This module is the floor: it imports nothing of the package. Op families (:mod:`ep_fuse.ops.rms_norm`, ...)
 define their ops here, providers register from their own modules, and :mod:`ep_fuse.catalog` loads them all
-and sets each device's provider order (:func:`set_priority`).
+and sets each device's provider order (:func:`set_priority`). What a pass must ask the providers of an op at compile
+time (DeepGEMM's layout for an FP8 block, a measured perf rule) it asks here (:func:`ask`), answered by rules the
+providers register beside their implementations (:func:`register_rule`), so passes import no provider.
 
 Ops are defined on ``torch.library`` fragments directly (schema + one Python kernel + fake) instead of
 ``torch.library.custom_op``, which adds a Python dispatch layer per call: a launch stays at C++-dispatcher cost.
@@ -301,3 +303,27 @@ def choose(
             continue
         return Choice(name, prov.op, tuple(declined))
     return Choice(REFERENCE, canonical.op, tuple(declined))
+
+
+# --------------------------------------------------------------------------- provider rules
+_RULES: dict[tuple[str, str], dict[str, Callable[..., Any]]] = {}
+"""``(op name, question) -> provider -> rule``: compile-time questions a pass asks about an op that only its
+providers can answer (:func:`register_rule`, :func:`ask`)."""
+
+
+def _op_name(op: CanonicalOp | str) -> str:
+    return op if isinstance(op, str) else op.name
+
+
+def register_rule(op: CanonicalOp | str, provider: str, question: str, rule: Callable[..., Any]) -> None:
+    """Let ``provider`` answer ``question`` about ``op`` with ``rule`` (called by the provider's module at
+    registration, beside :func:`register_provider`). The question's arguments and answer are the contract between
+    the pass that asks and the providers that answer; its docstring belongs where the pass asks it."""
+    _RULES.setdefault((_op_name(op), question), {})[provider] = rule
+
+
+def ask(op: CanonicalOp | str, question: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Every registered provider's answer to ``question`` about ``op`` (``{provider: answer}``, in registration
+    order; empty when no provider answers it), so that a pass asks providers without importing them."""
+    rules = _RULES.get((_op_name(op), question), {})
+    return {provider: rule(*args, **kwargs) for provider, rule in list(rules.items())}

@@ -71,6 +71,15 @@ def router_width(ids: Any) -> int | None:
     return None
 
 
+def dispatch_of(recv: Any) -> fx.Node | None:
+    """The ``ep_dispatch`` node whose received tokens (output 0) ``recv`` is, else ``None`` (a block behind the
+    dispatch this pass inserts reads them)."""
+    if not (isinstance(recv, fx.Node) and recv.target is operator.getitem and recv.args[1] == 0):
+        return None
+    d = recv.args[0]
+    return d if isinstance(d, fx.Node) and d.target is ep_dispatch.op else None
+
+
 FALLBACKS = {
     "deepep_low_latency": ("deepep_low_latency", "deepep", "all_to_all"),
     "deepep": ("deepep", "all_to_all"),

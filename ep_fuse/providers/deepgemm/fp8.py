@@ -11,7 +11,8 @@ DeepGEMM's SM90 FP8 recipe), output bf16; for gate|up, a Triton kernel then appl
 (:mod:`~ep_fuse.providers.deepgemm.swiglu_quant_kernel`). DeepGEMM tiles each expert by 128 rows, so it
 only takes calls on the aligned layout (``align == 128``, :mod:`ep_fuse.ops.fp8`): the expert
 segments come straight from ``seg_indptr`` as DeepGEMM's prefix-sum layout, no rows are copied. The quant
-pass asks :func:`align_for` whether to build that layout.
+pass asks whether to build that layout through the registry (question ``aligned_layout`` of ``moe_experts_fp8``,
+answered by :func:`aligned_layout`).
 
 Numerics: DeepGEMM promotes each 128-deep K block's FP8 MMA result to fp32 with both scales, like the Triton
 kernel; its gate|up output is bf16, so SwiGLU sees gate and up rounded to bf16 (the reference keeps fp32).
@@ -30,7 +31,7 @@ import torch
 
 from ep_fuse.ops import fp8 as fp8_ops
 from ep_fuse.ops.fp8 import FP8, aligned_rows
-from ep_fuse.ops.registry import mark_sparse, register_provider
+from ep_fuse.ops.registry import mark_sparse, register_provider, register_rule
 from ep_fuse.providers.triton.unverified import gpu_unverified
 
 log = logging.getLogger("ep_fuse.providers")
@@ -175,7 +176,17 @@ def align_for(x: Any, top_k: int, w13: Any, w2: Any) -> int:
     return ALIGN
 
 
+def aligned_layout(x: Any, top_k: int, w13: Any, w2: Any) -> tuple[int, tuple[int, int]] | None:
+    """The quant pass's question ``aligned_layout`` of ``moe_experts_fp8``: ``(align, (block_n, block_k))`` when
+    DeepGEMM takes this block's GEMMs on the layout aligned to ``align`` rows (:func:`align_for`), provided its
+    weights have ``block_n x block_k`` blocks; ``None`` when it would not take them."""
+    align = align_for(x, top_k, w13, w2)
+    return (align, (BLOCK, BLOCK)) if align > 1 else None
+
+
 mark_sparse(NAME)
+# module attributes are looked up per call (tests swap the runtime and the rule)
+register_rule(fp8_ops.moe_experts_fp8, NAME, "aligned_layout", lambda *a: aligned_layout(*a))
 register_provider(fp8_ops.grouped_gemm_fp8_swiglu_quant, NAME, grouped_gemm_fp8_swiglu_quant_kernel,
                   devices=_devices, available=available, supports=check_swiglu_call)
 register_provider(fp8_ops.grouped_gemm_fp8, NAME, grouped_gemm_fp8_kernel, devices=_devices, available=available,

@@ -16,12 +16,13 @@ import torch
 
 from ep_fuse.ops import fp8 as ops
 from ep_fuse.ops.fp8 import FP8, aligned_rows, cdiv
+from ep_fuse.ops.registry import register_rule
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.tensor_checks import KERNEL_DTYPES, static_rows
 from ep_fuse.providers.triton.grouped_gemm import expert_weight_limits, quantized_operand_checks, unit_last
 from ep_fuse.providers.triton.moe_permute import check_moe_permute_call
 from ep_fuse.providers.triton.provider import register
-from ep_fuse.providers.triton.unverified import gpu_unverified
+from ep_fuse.providers.triton.unverified import ENV, cleared, gpu_unverified
 from ep_fuse.symbolic import same_shape, sym_eq
 
 MAX_GROUP = 1024
@@ -29,6 +30,8 @@ MAX_GROUP = 1024
 
 
 VARIANT = "fp8:triton"
+DISPATCH_VARIANT = "ep:fp8_dispatch"
+"""The FP8 codes + scales crossing an EP dispatch (``quant_fp8_group`` moved before it by the quant pass)."""
 TMA_VARIANT = "fp8:tma"
 
 
@@ -224,8 +227,30 @@ def fp8_block_quant_rule(x: Any, top_k: int, experts: int, deepgemm: bool = Fals
     return None
 
 
+def fp8_experts_not_cleared(device: str) -> str | None:
+    """Why the Triton FP8 expert kernels do not run on ``device`` yet (``None``: they may): on CUDA until
+    ``fp8:triton`` is cleared for GPUs (:mod:`~ep_fuse.providers.triton.unverified`)."""
+    if device == "cuda" and not cleared(VARIANT):
+        return f"the Triton FP8 kernels are not cleared for GPUs ({ENV}=1 enables them)"
+    return None
+
+
+def fp8_dispatch_not_cleared(device: str) -> str | None:
+    """Why the activation quantization may not move before an EP dispatch on ``device`` (``None``: it may)."""
+    if device == "cuda" and not cleared(DISPATCH_VARIANT):
+        return f"FP8 dispatch has not run over NCCL yet ({DISPATCH_VARIANT} in providers/triton/unverified.py)"
+    return None
+
+
 # declined on CUDA where a variant is not yet cleared for GPUs (:mod:`~ep_fuse.providers.triton.unverified`)
 register(ops.quant_fp8_group, quant_fp8_group_kernel, supports=check_quant_fp8_call)
 register(ops.moe_permute_fp8, moe_permute_fp8_kernel, supports=check_permute_fp8_call)
 register(ops.grouped_gemm_fp8_swiglu_quant, grouped_gemm_fp8_swiglu_quant_kernel, supports=check_fp8_swiglu_call)
 register(ops.grouped_gemm_fp8, grouped_gemm_fp8_kernel, supports=check_fp8_gemm_call)
+
+# what the quant pass asks the providers of the FP8 block (ep_fuse.ops.registry.ask; module attributes are looked
+# up per call, so tests that swap a rule or a threshold reach the pass)
+register_rule(ops.moe_experts_fp8, "triton", "keep_bf16", lambda *a, **kw: fp8_block_quant_rule(*a, **kw))
+register_rule(ops.moe_experts_fp8, "triton", "not_cleared", lambda device: fp8_experts_not_cleared(device))
+register_rule(ops.quant_fp8_group, "triton", "not_cleared_before_dispatch",
+              lambda device: fp8_dispatch_not_cleared(device))

@@ -149,9 +149,11 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
     report = GraphReport(graph=_graph_id(gm), device=device, executor=executor)
 
     if _needs_autograd(example_inputs):
-        report.skipped = "the graph needs autograd; ep_fuse rewrites inference graphs (use torch.no_grad())"
+        report.skipped = ("the graph needs autograd (an input requires grad and grad mode is on): ep_fuse's fusions "
+                          "are inference-only and its ops have no backward, so nothing is fused (run under "
+                          "torch.no_grad() / torch.inference_mode(), or model.eval() with requires_grad_(False))")
         record(report)
-        log.info("ep_fuse: graph %s: %s", report.graph, report.skipped)
+        _warn_once_per_process(f"ep_fuse: graph {report.graph}: {report.skipped}")
         if executor == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -221,6 +223,16 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
              report.graph, ", ".join(f"{k} {v:.2f} s" for k, v in report.compile_seconds.items()),
              analyses.computed, analyses.seconds, analyses.served)
     return compiled
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once_per_process(message: str, kind: str = "autograd") -> None:
+    """One WARNING for the first graph of ``kind`` in a process (the report of every such graph says it too)."""
+    if kind not in _WARNED:
+        _WARNED.add(kind)
+        log.warning("%s", message)
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,9 +50,15 @@ def run_passes(
     report.ops_before = op_histogram(gm.graph)
     dumper.graph("01_aten", gm)
     watch = ShapeGuardWatch(ctx.fake_mode)
+    backup = _copy_graph(gm)
     for i, p in enumerate(build_passes(config), start=2):
         t0 = time.perf_counter()
-        changes = p(gm, ctx)
+        ctx.current = None
+        try:
+            changes = p(gm, ctx)
+        except Exception as exc:  # a failing pass must never break the compile: the graph as Dynamo gave it
+            _restore(gm, backup, report, _where(p, ctx), exc)
+            break
         report.passes.append(PassRecord(p.name, time.perf_counter() - t0, changes, op_histogram(gm.graph)))
         progress.info("graph %s: %s: %d change(s) in %.2f s", report.graph, p.name, changes,
                       report.passes[-1].seconds)
@@ -70,3 +76,32 @@ def run_passes(
                  m.module_path or m.root, m.provider)
     log.info("ep_fuse: %s", report.summary())
     return report
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph (node metadata, fake values included, shared with the original)."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return graph
+
+
+def _where(p: GraphPass, ctx: PassContext) -> str:
+    if isinstance(ctx.current, tuple) and len(ctx.current) == 2:
+        pattern, node = ctx.current
+        return f"pass {p.name}, pattern {pattern.key} at {node.name}"
+    return f"pass {p.name}"
+
+
+def _restore(gm: fx.GraphModule, backup: fx.Graph, report: GraphReport, where: str, exc: Exception) -> None:
+    """Put ``backup`` back as ``gm``'s graph after a pass raised, and say so once (a WARNING and the report)."""
+    gm.graph = backup
+    gm.recompile()
+    report.matches.clear()
+    report.near_misses.clear()
+    report.ep.clear()
+    report.passes.clear()
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    report.skipped = f"the rewrite failed in {where}: {type(exc).__name__}: {first}; the graph runs unrewritten"
+    log.warning("ep_fuse: graph %s: %s (please report it with EP_FUSE_DUMP_DIR set)", report.graph, report.skipped)
+    log.debug("ep_fuse: the failing pass's traceback", exc_info=exc)

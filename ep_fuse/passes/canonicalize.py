@@ -43,6 +43,7 @@ class Canonicalize(GraphPass):
             if chosen is None:
                 continue
             res, rep, value = chosen
+            ctx.current = (res.pattern, node)
             record = self._record(res, ctx)
             new = apply_replacement(gm, res, rep, ctx.fake_mode, value)
             record.fused_node = new[0].name
@@ -51,6 +52,7 @@ class Canonicalize(GraphPass):
             erased.update(res.nodes)
             changes += 1
             log.debug("ep_fuse: %s matched at %s (%s)", res.pattern.key, node.name, record.module_path)
+        ctx.current = None
         ctx.report.matches.reverse()  # report in graph order
         self._near_misses(graph, misses, ctx)
         return changes
@@ -65,12 +67,13 @@ class Canonicalize(GraphPass):
         Also returns the replacement's fake output (``None`` where it was not run), reused by the rewrite."""
         first: tuple[Match, Any, Any] | None = None
         for pattern in self._by_root.get(node.target, ()):
+            ctx.current = (pattern, node)
             res = try_match(pattern, node)
             if isinstance(res, Mismatch):
                 misses.append((pattern, res))
                 continue
             rep = pattern.build(res)
-            reason, value = _same_result(node, rep, ctx.fake_mode)
+            reason, value = _same_result(res, rep, ctx.fake_mode)
             if reason:
                 misses.append((pattern, Mismatch(node, reason, tuple(res.nodes))))
                 continue
@@ -147,14 +150,15 @@ def _is_anchor(anchor: Any, node: fx.Node) -> bool:
     return bool(anchor(node))
 
 
-def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> tuple[str | None, Any]:
-    """Fake-run the replacement: its first output must have the root's dtype and shape.
+def _same_result(m: Match, rep: Any, fake_mode: Any) -> tuple[str | None, Any]:
+    """Fake-run the replacement: each output must have the dtype, shape and strides of the node whose uses it takes
+    over (``rep.outputs``), so that nothing downstream (a ``view``, a stride-sensitive op) sees another layout.
 
     Returns (why not, ``None`` when it does; the replacement's fake output, ``None`` when not run)."""
     if fake_mode is None:
         return None, None
-    old = val(root)
-    if not isinstance(old, torch.Tensor):
+    olds = [val(m.root if name == "root" else m[name]) for name in rep.outputs]
+    if not isinstance(olds[0], torch.Tensor):
         return None, None
     args = [fake_value(a, fake_mode) for a in rep.args]
     try:
@@ -162,9 +166,23 @@ def _same_result(root: fx.Node, rep: Any, fake_mode: Any) -> tuple[str | None, A
             out = rep.op(*args)
     except Exception as exc:  # the canonical op rejected the arguments
         return f"replacement {rep.op} rejects the matched arguments: {exc}", None
-    new = out[0] if isinstance(out, (tuple, list)) else out
-    if new.dtype != old.dtype:
-        return f"replacement would produce {new.dtype} where the graph has {old.dtype}", None
-    if new.dim() != old.dim() or not all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
-        return f"replacement would produce shape {list(new.shape)} where the graph has {list(old.shape)}", None
+    news = list(out) if isinstance(out, (tuple, list)) else [out]
+    for name, new, old in zip(rep.outputs, news, olds):
+        if not isinstance(old, torch.Tensor) or not isinstance(new, torch.Tensor):
+            continue
+        what = "" if name == "root" else f" (output {name!r})"
+        if new.dtype != old.dtype:
+            return f"replacement would produce {new.dtype} where the graph has {old.dtype}{what}", None
+        if new.dim() != old.dim() or not all(statically_known_true(a == b) for a, b in zip(new.shape, old.shape)):
+            return f"replacement would produce shape {list(new.shape)} where the graph has {list(old.shape)}{what}", None
+        if not _same_strides(new, old):
+            return (f"replacement would produce strides {list(new.stride())} where the graph has "
+                    f"{list(old.stride())}{what} (shape {list(old.shape)})"), None
     return None, out
+
+
+def _same_strides(new: torch.Tensor, old: torch.Tensor) -> bool:
+    """Whether ``new`` lays out its elements as ``old`` does: equal strides on every dim of more than one element
+    (decided for every value of the symbols, never by adding a guard)."""
+    return all(statically_known_true(n <= 1) or statically_known_true(a == b)
+               for n, a, b in zip(old.shape, new.stride(), old.stride()))

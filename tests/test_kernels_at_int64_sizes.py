@@ -80,6 +80,7 @@ def _record_all() -> list[tuple[str, Any, tuple[Any, ...], dict[str, Any]]]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    import ep_fuse.catalog  # noqa: F401  (registers every kernel, as the backend does)
     from ep_fuse.providers.triton import provider
     from ep_fuse.providers.triton import size_branches as sb
 

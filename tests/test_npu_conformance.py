@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map
 
 from ep_fuse import runtime as npu_runtime
 from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops import registry
 from ep_fuse.ops import moe as moe_ref
 from ep_fuse.ops import w8a8 as Q
@@ -307,6 +308,7 @@ def test_ep_dispatch_combine_through_torch_npu_meta(contracts, monkeypatch, worl
 
     monkeypatch.setitem(sys.modules, "torch_npu", npu_ep_double.make_module())
     monkeypatch.setattr(groups, "resolve_group", lambda _name: _Group(world, rank))
+    monkeypatch.setattr(ep_ops, "resolve_group", lambda _name: _Group(world, rank))  # (the ops' fake impls)
     monkeypatch.setattr(ep_npu, "handles", _Handles())
     spy = Spy(sys.modules["torch_npu"], CALLED)
     t, h, e = 5, 64, 4 * world

@@ -1,6 +1,6 @@
 """DeepEP provider (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; ``op-contracts.md`` §8.2-§8.10).
 
-Run for real on 2 x H200 (``tests/gpu/``, ``bench/bench_ep.py``; build: ``tools/build_deepep.sh``) and
+Run for real on 2 GPUs (``tests/gpu/``, ``bench/bench_ep.py``; build: ``tools/build_deepep.sh``) and
 on CPU against ``tests/support/deepep_double.py``, a double of the same contract.
 
 * ``deepep`` (normal, ``rank`` layout): ``get_dispatch_layout`` -> ``dispatch`` (ids rebased to local
@@ -140,7 +140,7 @@ _BUFFERS: dict[str, _BufferState] = {}
 TUNED: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {2: ((24, 12), (24, 8))}
 """Intranode configs per group size: ``((dispatch SMs, NVL chunk), (combine SMs, NVL chunk))``. 2 ranks:
 the best of DeepEP's own tuning sweep (``tests/test_intranode.py``, 4096 tokens x 7168, top-8, 256
-experts) on 2 x H200, 2026-11-30 -- 339.7 GB/s dispatch, 288.3 GB/s combine (its defaults: 20 SMs,
+experts) on 2 GPUs (``docs/ep.md``) -- 339.7 GB/s dispatch, 288.3 GB/s combine (its defaults: 20 SMs,
 chunks 24 / 10). Other group sizes use DeepEP's defaults (``bench_ep.py --deepep-config`` overrides)."""
 NVL_BUFFER_TOKENS = 256
 

@@ -83,7 +83,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
 
     On CUDA the batch is marked only while cuDNN's SDPA backend is off
     (``torch.backends.cuda.enable_cudnn_sdp(False)``) or with ``force=True``; otherwise it is left unmarked,
-    with a WARNING. Measured on H200 with torch 2.11, the cuDNN backend guards on the unbacked batch
+    with a WARNING. Measured on a GPU with torch 2.11 (``docs/benchmarks.md``), the cuDNN backend guards on the unbacked batch
     (``Eq(u0, 1)``) whenever the attention has a mask, which breaks the graph at every attention layer for
     ``backend="ep_fuse"`` and ``backend="inductor"`` alike (20 graphs for a 2-layer model over the sequence of
     ``tools/check_dynamic.py`` instead of 4 with plain ``dynamic=True``; ``docs/benchmarks.md#dynamic-shapes``).
@@ -124,6 +124,6 @@ def batch_can_be_unbacked(device_type: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _warn_cuda_once() -> None:
     log.warning("ep_fuse.dynamic_batch: batch dims left unmarked on CUDA: cuDNN's SDPA guards on an unbacked "
-                "batch when attention has a mask and breaks the graph at every attention layer (torch 2.11, "
-                "H200). Call torch.backends.cuda.enable_cudnn_sdp(False) before compiling (the batch is then "
+                "batch when attention has a mask and breaks the graph at every attention layer (torch 2.11). "
+                "Call torch.backends.cuda.enable_cudnn_sdp(False) before compiling (the batch is then "
                 "marked), or use torch.compile(..., dynamic=True) without dynamic_batch.")

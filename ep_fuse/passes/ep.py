@@ -96,7 +96,7 @@ MEASURED_AUTO: dict[tuple[int, bool], tuple[str, ...]] = {
     (2, False): ("deepep", "all_to_all"),
 }
 """``auto`` on CUDA where it was measured: ``(ranks, capacity set) -> providers, fastest first``.
-``bench/bench_ep.py`` on 2 x H200 (NVLink, 2026-11-30), per-rank EP MoE layer, Inductor executor:
+``bench/bench_ep.py`` on 2 GPUs with NVLink (``docs/ep.md``), per-rank EP MoE layer, Inductor executor:
 with a capacity (CUDA graphs) the Triton-indexed NCCL all_to_all was fastest at every shape
 (DeepSeek-V3 decode 2847 us vs DeepEP normal 2895, low-latency 4017, symm_mem 3644; prefill 8218 vs
 DeepEP 8275; Qwen3-30B-A3B decode 233 vs 250 / 377, prefill 1134 vs 1403); data-dependent sizes:

@@ -64,7 +64,7 @@ def _static(args: tuple[Any, ...]) -> bool:
 # data-dependent guard). Their host code computes grids and arguments as size expressions without specialising
 # them (no guard is added: ``tests/test_symbolic_launch.py``), so Inductor's generated code launches them with
 # pre-bound arguments at every size, instead of calling the opaque op through the dispatcher and Triton's JIT
-# launcher (about 80 µs of host time per call measured on H200, ``docs/benchmarks.md``).
+# launcher (about 80 µs of host time per call, ``docs/benchmarks.md``).
 
 
 def _unbacked(args: tuple[Any, ...]) -> bool:

@@ -13,15 +13,15 @@ from typing import Any
 from ep_fuse import runtime
 
 UNVERIFIED_ON_GPU: dict[str, str] = {}
-"""``"<op>:<variant>" -> what it still lacks``. Cleared on 2026-11-30 after their ``tests/gpu/``
-checks passed on H200: the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
+"""``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
+(``docs/benchmarks.md`` says when and where): the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
 (``tests/gpu/test_gpu_fp8.py``), ``grouped_gemm:tma`` (``tests/gpu/test_gpu_moe_grouped_gemm_tma.py``, then
 measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma.py``), ``ep:fp8_dispatch``
 (``tests/gpu/test_gpu_fp8_dispatch.py``: 2 NCCL ranks, bit-identical to the bf16 dispatch) and ``fp8:tma``
 (``tests/gpu/test_gpu_fp8.py``, then measured faster than the one-tile-per-program FP8 kernel by
-``bench/bench_fp8.py --tma``). Cleared on 2026-12-01: ``fp8:deepgemm`` (the DeepGEMM provider,
-``tests/gpu/test_gpu_deepgemm.py`` on H200, then measured faster than the Triton FP8 kernels from 64 rows per
+``bench/bench_fp8.py --tma``), ``fp8:deepgemm`` (the DeepGEMM provider,
+``tests/gpu/test_gpu_deepgemm.py``, then measured faster than the Triton FP8 kernels from 64 rows per
 expert by ``bench/bench_fp8.py --deepgemm``). A new variant is added here until its GPU check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"

@@ -120,12 +120,18 @@ class NearMiss:
         return self.attempts[0] if self.attempts else None
 
     def explain(self) -> str:
+        """The site, the variant that came closest (most nodes matched) with its failing check, then every
+        variant tried, deepest first."""
         where = f" in {self.module_path}" if self.module_path else ""
         lines = [f"{self.anchor} ({self.anchor_op}){where}: not fused"]
         if self.note:
             lines.append(f"  {self.note}")
+        best = self.best
+        if best is not None:
+            lines.append(f"  closest: {best.pattern} ({best.depth} nodes matched), failing check at "
+                         f"{best.failed_at}: {best.reason}")
         for a in self.attempts:
-            lines.append(f"  {a.pattern}: failed at {a.failed_at}: {a.reason}")
+            lines.append(f"  {a.pattern}: failed at {a.failed_at}: {a.reason} ({a.depth} nodes matched)")
         return "\n".join(lines)
 
 

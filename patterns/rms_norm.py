@@ -4,6 +4,7 @@ Core, in every variant::
 
     xf   = x | _to_copy(x, float32)                     # upcast or not
     rstd = rsqrt(mean(pow(xf, 2) | xf*xf, [-1], True) + eps)   # eps literal or 0-d tensor
+         | pow(mean(...) + eps, -0.5)                   # the ``_pow`` variants (HF Gemma4 / MuseSpark)
     n    = xf * rstd
 
 Tails (the ``mode`` of ``ep_fuse::rms_norm``):
@@ -12,6 +13,8 @@ Tails (the ``mode`` of ``ep_fuse::rms_norm``):
 * ``weight_fp32``  ``_to_copy(w * n, D)`` or ``w * n``  (GPT-OSS; plain fp32 models)
 * ``gemma``        ``[_to_copy](n * (_to_copy(w, f32) + 1.0), D)``   (Qwen3-Next)
 * ``none``         ``_to_copy(n, D)`` or ``n``     (weightless L2 q/k-norm)
+* ``weight_fp32_pow`` / ``none_pow``: those tails on the ``pow(·, -0.5)`` statistic (Gemma4-style
+  ``with_scale=True`` / ``False``: ``n * w.float()`` in fp32, then ``type_as``)
 
 ``add_rms_norm`` is the same tree with ``x = a + b``; the sum keeps its other users through the
 fused op's second output. The reduction may be over hidden or over head_dim of a 4-D view.
@@ -25,7 +28,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import Cast, Lit, Match, Opt, Pattern, Replacement, Var, alt, equals, is_number, op
+from ep_fuse.matching import Anchor, Cast, Lit, Match, Opt, Pattern, Replacement, Var, alt, equals, is_number, op
 from ep_fuse.matching.checks import tensor_of
 from ep_fuse.ops import rms_norm as rms_norm_ops
 
@@ -55,6 +58,7 @@ def _dim_list(v: Any) -> str | None:
 
 # --------------------------------------------------------------------------- trees
 def _trees(x: Any) -> dict[str, Any]:
+    """The tail of each ``mode`` over the core on ``x``."""
     xf = alt(Cast(x, F32, bind="upcast_node"), x, bind="xf")
     sq = alt(
         op(aten.pow.Tensor_Scalar, self=xf, exponent=Lit(equals(2))),
@@ -62,9 +66,11 @@ def _trees(x: Any) -> dict[str, Any]:
     )
     var = op(aten.mean.dim, self=sq, dim=Lit(_dim_list, bind="dims"), keepdim=Lit(equals(True)), bind="mean")
     eps = alt(Lit(is_number, bind="eps"), Var("eps_t", _scalar_float_tensor))
-    rstd = op(aten.rsqrt.default, self=op((aten.add.Tensor, aten.add.Scalar), self=var, other=eps,
-                                          commutative=("self", "other")))
+    var_eps = op((aten.add.Tensor, aten.add.Scalar), self=var, other=eps, commutative=("self", "other"))
+    rstd = op(aten.rsqrt.default, self=var_eps)
     n = op(aten.mul.Tensor, self=xf, other=rstd, commutative=("self", "other"), bind="n")
+    rstd_pow = op(aten.pow.Tensor_Scalar, self=var_eps, exponent=Lit(equals(-0.5)))
+    n_pow = op(aten.mul.Tensor, self=xf, other=rstd_pow, commutative=("self", "other"), bind="n")
     w = Var("weight", _float_tensor)
     mul_w = op(aten.mul.Tensor, self=w, other=n, commutative=("self", "other"))
     one_plus_w = op((aten.add.Tensor, aten.add.Scalar), self=Opt(Cast(w, F32)), other=Lit(equals(1.0)),
@@ -76,7 +82,19 @@ def _trees(x: Any) -> dict[str, Any]:
                           "out_dtype")),
         "weight_fp32": Opt(Cast(mul_w, "out_dtype")),
         "none": Opt(Cast(n, "out_dtype")),
+        "weight_fp32_pow": Opt(Cast(op(aten.mul.Tensor, self=w, other=n_pow, commutative=("self", "other")),
+                                    "out_dtype")),
+        "none_pow": Opt(Cast(n_pow, "out_dtype")),
     }
+
+
+def _is_inverse_sqrt(node: Any) -> bool:
+    """``pow(·, -0.5)``: the statistic of the ``_pow`` variants (``pow(x, 2)`` is no candidate site)."""
+    return len(node.args) > 1 and node.args[1] == -0.5
+
+
+ANCHORS = {"rsqrt": (aten.rsqrt.default,), "pow": (Anchor(aten.pow.Tensor_Scalar, _is_inverse_sqrt),)}
+"""Candidate sites (near misses): the ``rsqrt`` of the rsqrt variants, the ``pow(·, -0.5)`` of the ``_pow`` ones."""
 
 
 # --------------------------------------------------------------------------- guards
@@ -149,7 +167,7 @@ def _patterns() -> list[Pattern]:
                     tree=tree,
                     build=build(mode),
                     guards=(*GUARDS, *extra),
-                    anchors=(aten.rsqrt.default,),
+                    anchors=ANCHORS["pow" if mode.endswith("_pow") else "rsqrt"],
                     description=f"{'residual add + ' if name == 'add_rms_norm' else ''}RMSNorm, {mode} weight",
                     produces=f"ep_fuse::{name}",
                 )

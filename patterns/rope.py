@@ -10,6 +10,9 @@
   ``x[..., 1::2]`` (output de-interleaved)
 * ``interleave`` (GPT-J, vLLM ``is_neox=False``): the same pairs, ``stack(..., -1).flatten(-2)`` (interleaved)
 * ``partial_chunk`` / ``partial_interleave``: those forms on ``x[..., :R]``, concatenated with ``x[..., R:]``
+* ``rotate_pairs`` / ``partial_rotate_pairs`` (HF GLM, Cohere): ``x·c2 + stack((−x[1::2], x[0::2]), -1).flatten(-2)·s2``
+  with pair-repeated ``c2``/``s2``; ``rotate_pairs_fp32`` (HF Ernie 4.5 / HY-V4-VL): the same on
+  ``_to_copy(·, f32)`` of ``x`` and of the rotated copy, then ``[_to_copy](·, D)``
 * ``complex`` (DeepSeek-V2, Llama4): ``_to_copy(view(view_as_real(mul(view_as_complex(view(_to_copy(x, f32),
   [..., D/2, 2])), freqs_cis)), x.shape), D)``
 
@@ -104,6 +107,15 @@ def _rotate_pairs(xr: Any, even: Any, odd: Any) -> Any:
               other=_mul(rotated, Var("sin_rep", _float_tensor)), commutative=("self", "other"))
 
 
+def _rotate_pairs_fp32(x: Any, even: Any, odd: Any) -> Any:
+    """``(x.float()·cos + rotate_pairs(x).float()·sin).to(D)`` (HF Ernie 4.5 / HY-V4-VL, "full precision")."""
+    rotated = op(VIEWS, self=op(aten.stack.default, tensors=[op(aten.neg.default, self=odd), even],
+                                dim=Lit(is_int, bind="stack_dim")), size=Lit(is_shape), bind="flat")
+    body = op(aten.add.Tensor, self=_mul(Cast(x, F32), Var("cos_rep", _float_tensor)),
+              other=_mul(Cast(rotated, F32), Var("sin_rep", _float_tensor)), commutative=("self", "other"))
+    return Opt(Cast(body, "out_dtype"))
+
+
 def _inner(x: Any) -> dict[str, Any]:
     """The rotation forms on ``x`` (the whole head or its rotated slice)."""
     split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
@@ -113,6 +125,13 @@ def _inner(x: Any) -> dict[str, Any]:
     return {"half": _half(x), "chunk": _pairwise(Item(split, 0), Item(split, 1)),
             "deinterleave": _pairwise(even, odd), "interleave": _interleaved(even, odd),
             "rotate_pairs": _rotate_pairs(x, even, odd)}
+
+
+def _whole_head_only(x: Any) -> dict[str, Any]:
+    """Forms with no partial-rotary variant (no model slices the head before them)."""
+    even = _slice(x, Lit(equals(0)), Lit(is_end), 2, bind="xe")
+    odd = _slice(x, Lit(equals(1)), Lit(is_end), 2, bind="xo")
+    return {"rotate_pairs_fp32": _rotate_pairs_fp32(x, even, odd)}
 
 
 PARTIAL_FORMS = {"partial": "half", "partial_chunk": "chunk", "partial_interleave": "interleave",
@@ -134,7 +153,7 @@ def _trees() -> dict[str, Any]:
     on_slice = _inner(xr)
     trees = {variant: op(aten.cat.default, tensors=[on_slice[form], passthrough], dim=Lit(is_int, bind="cat_outer"))
              for variant, form in PARTIAL_FORMS.items()}
-    return {**trees, **_inner(x), "complex": Opt(Cast(complex_out, "out_dtype"))}
+    return {**trees, **_inner(x), **_whole_head_only(x), "complex": Opt(Cast(complex_out, "out_dtype"))}
 
 
 # --------------------------------------------------------------------------- guards
@@ -379,7 +398,7 @@ def _build(form: str):
         rot = _rot_dim(m)
         if "cos_rep" in m.bindings:
             cos, sin = _halves(m, "cos"), _halves(m, "sin")
-            return Replacement(rope_ops.rope.op, (m["x"], cos, sin, form, rot, None))
+            return Replacement(rope_ops.rope.op, (m["x"], cos, sin, form, rot, m.get("out_dtype")))
         cache = cache_gather(m, rot) if form in CACHE_FORMS else None
         if cache is not None:
             return Replacement(rope_ops.rope_cache.op, (m["x"], *cache, form, rot))

@@ -92,6 +92,44 @@ def test_explain_names_the_failed_check_and_node():
     assert "rms_norm[llama]: failed at slice_1: eps must be a number or a 0-d floating tensor" in stdout
 
 
+ROPE_LOOK_ALIKE = """
+import torch
+from torch import nn
+
+
+class SwappedPairsFp32(nn.Module):
+    \"\"\"HF Ernie 4.5's fp32 GPT-J RoPE with one op changed: the rotated copy is stack((x2, -x1)).\"\"\"
+
+    def forward(self, q, cos, sin):
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        rotated = torch.stack((q[..., 1::2], -q[..., 0::2]), dim=-1).flatten(-2)
+        return ((q.float() * cos) + (rotated.float() * sin)).to(q.dtype)
+
+
+def build(device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 5, 16, generator=g).to(torch.bfloat16)
+    return SwappedPairsFp32(), (q, torch.randn(1, 1, 5, 16, generator=g), torch.randn(1, 1, 5, 16, generator=g))
+"""
+
+
+def test_explain_names_the_deepest_variant_first(tmp_path):
+    target = tmp_path / "rope_look_alike.py"
+    target.write_text(ROPE_LOOK_ALIKE)
+    code, stdout, stderr = run("explain", f"{target}:build", "--pattern", "rope", "--executor", "eager", "--quiet")
+    assert code == 0, stderr
+    assert "0 site(s) fused, 1 candidate site(s) not fused" in stdout, stdout
+    lines = stdout.splitlines()
+    closest = [ln for ln in lines if ln.strip().startswith("closest:")]
+    assert len(closest) == 1 and closest[0].strip().startswith("closest: rope[rotate_pairs_fp32] ("), stdout
+    assert "expected aten.neg.default" in closest[0], stdout
+    tried = [ln.strip().split(":")[0] for ln in lines if ": failed at " in ln]
+    assert tried[0] == "rope[rotate_pairs_fp32]" and "rope[rotate_pairs]" in tried[1:], stdout
+    depths = [int(ln.rsplit("(", 1)[1].split()[0]) for ln in lines if ": failed at " in ln]
+    assert depths == sorted(depths, reverse=True), stdout
+
+
 def test_explain_a_fused_node():
     code, stdout, _ = run("explain", NEAR_MISS, "--pattern", "add_rms_norm", "--node", "rsqrt", "--quiet")
     assert code == 0 and "rsqrt was fused: add_rms_norm[llama]" in stdout

@@ -51,6 +51,20 @@ def test_reference_modes_spell_out_model_numerics():
     assert not torch.equal(a, b)
 
 
+def test_reference_pow_modes_keep_the_models_pow():
+    """The ``_pow`` modes spell Gemma4's ``xf * pow(mean(xf**2) + eps, -0.5)``, bitwise, and are not rsqrt's."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 48, generator=g).to(torch.bfloat16), torch.randn(48, generator=g).to(torch.bfloat16)
+    xf = x.float()
+    n = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+    torch.testing.assert_close(rms_norm_ref(x, w.float(), 1e-6, None, "weight_fp32_pow", True, torch.bfloat16),
+                               (n * w.float()).to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(rms_norm_ref(x, None, 1e-6, None, "none_pow", True, None), n, rtol=0, atol=0)
+    assert rms_norm_out_dtype(x, w.float(), "weight_fp32_pow", True, torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ValueError, match="takes no weight"):
+        rms_norm_ref(x, w, 1e-6, None, "none_pow", True, None)
+
+
 def test_reference_rejects_inconsistent_arguments():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match="needs weight"):
@@ -284,6 +298,29 @@ class NoUpcastBf16(nn.Module):
         return self.weight * _n(x)
 
 
+class Gemma4Norm(nn.Module):
+    """HF Gemma4 / MuseSpark / DiffusionGemma ``RMSNorm``: ``pow(·, -0.5)`` in fp32, ``with_scale`` weight
+    ``.float()``, ``type_as``; ``add``: the decoder's ``residual + hidden_states`` before ``pre_feedforward_layernorm``."""
+
+    def __init__(self, h=None, with_scale=True, add=False):
+        super().__init__()
+        self.with_scale, self.add = with_scale, add
+        if with_scale:
+            self.weight = nn.Parameter(torch.randn(h) * 0.1 + 1)
+
+    def _norm(self, hidden_states):
+        mean_squared = hidden_states.pow(2).mean(-1, keepdim=True) + EPS
+        return hidden_states * torch.pow(mean_squared, -0.5)
+
+    def forward(self, x, r):
+        h = r + x if self.add else x
+        normed = self._norm(h.float())
+        if self.with_scale:
+            normed = normed * self.weight.float()
+        out = normed.type_as(h)
+        return (out, h) if self.add else out
+
+
 def _inputs(shape, dtype=BF16):
     g = torch.Generator().manual_seed(1)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
@@ -303,6 +340,11 @@ CASES = [
     (lambda: Fp32Model(32), torch.float32, (9, 32), {("add_rms_norm", "weight_fp32"): 1}),
     (lambda: HeadDimNorm(16), BF16, (2, 5, 64), {("rms_norm", "llama"): 1}),
     (lambda: NoUpcastBf16(32), BF16, (4, 32), {("rms_norm", "weight_fp32"): 1}),
+    (lambda: Gemma4Norm(48), BF16, (5, 48), {("rms_norm", "weight_fp32_pow"): 1}),
+    (lambda: Gemma4Norm(48, add=True), BF16, (5, 48), {("add_rms_norm", "weight_fp32_pow"): 1}),
+    (lambda: Gemma4Norm(with_scale=False), BF16, (2, 3, 4, 16), {("rms_norm", "none_pow"): 1}),
+    (lambda: Gemma4Norm(32), torch.float32, (9, 32), {("rms_norm", "weight_fp32_pow"): 1}),
+    (lambda: Gemma4Norm(with_scale=False, add=True), torch.float32, (9, 32), {("add_rms_norm", "none_pow"): 1}),
 ]
 
 
@@ -310,7 +352,12 @@ def _check(report, expected):
     got = {(m.pattern, m.variant): report.count(m.pattern, m.variant) for m in report.matches}
     assert got == expected, report
     n_sites = sum(expected.values())
-    assert report.ops_before.get("aten.rsqrt.default", 0) == n_sites
+    if all(variant.endswith("_pow") for _name, variant in expected):  # pow(x, 2) and pow(·, -0.5) per site
+        assert report.ops_before.get("aten.pow.Tensor_Scalar", 0) == 2 * n_sites
+        assert report.ops_before.get("aten.rsqrt.default", 0) == 0
+        assert report.ops_after.get("aten.pow.Tensor_Scalar", 0) == 0
+    else:
+        assert report.ops_before.get("aten.rsqrt.default", 0) == n_sites
     assert report.ops_after.get("aten.rsqrt.default", 0) == 0
     fused = sum(v for k, v in report.ops_after.items() if k.startswith("ep_fuse"))
     assert fused == n_sites
@@ -431,6 +478,54 @@ def test_look_alikes_do_not_match(mod, why):
     assert why in rep.near_misses[0].explain()
     for o, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (out, ref))):
         assert torch.equal(o, e)
+
+
+class PowQuarter(nn.Module):
+    """``pow(mean(x²) + eps, -0.25)``: not an RMSNorm (and no candidate site: only ``pow(·, -0.5)`` is one)."""
+
+    def forward(self, x, r):
+        hf = x.float()
+        return (hf * torch.pow(hf.pow(2).mean(-1, keepdim=True) + EPS, -0.25)).type_as(x)
+
+
+class PowMeanOverOtherDim(nn.Module):
+    def forward(self, x, r):
+        hf = x.float()
+        return (hf * torch.pow(hf.pow(2).mean(0, keepdim=True) + EPS, -0.5)).type_as(x)
+
+
+class PowOtherTensorScaled(nn.Module):
+    """``y * pow(mean(x²) + eps, -0.5)`` with ``y != x``."""
+
+    def forward(self, x, r):
+        hf = x.float()
+        return (r.float() * torch.pow(hf.pow(2).mean(-1, keepdim=True) + EPS, -0.5)).type_as(x)
+
+
+@pytest.mark.parametrize(
+    "mod, why",
+    [
+        (PowQuarter(), None),
+        (PowMeanOverOtherDim(), "failed at mean: guard reduces_last_dim: mean over dim 0 of a 2-D tensor"),
+        (PowOtherTensorScaled(), "failed at _to_copy: must be the same node as '_to_copy_1' (xf)"),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_pow_look_alikes_do_not_match(mod, why):
+    x, r = _inputs((6, 32))
+    with torch.no_grad():
+        ref = mod(x, r)
+    out = compile_and_run(mod, x, r, executor="eager")
+    rep = ep_fuse.last_report()
+    assert rep.matches == [], rep
+    if why is None:
+        assert rep.near_misses == [], rep
+    else:
+        assert len(rep.near_misses) == 1 and rep.near_misses[0].anchor.startswith("pow"), rep
+        best = rep.near_misses[0].best
+        assert best is not None and best.pattern.endswith("_pow]"), rep.near_misses[0].explain()
+        assert why in rep.near_misses[0].explain()
+    assert torch.equal(out, ref)
 
 
 class BroadcastWeight(nn.Module):

@@ -14,6 +14,7 @@ from ep_fuse.ops import choose
 from ep_fuse.ops import rope as rope_ops
 from ep_fuse.ops.rope import rope_qk_ref, rope_ref
 from ep_fuse.providers.npu import rope as npu_rope
+from ep_fuse.providers.triton import rope as triton_rope
 from support.compiling import compile_and_run
 
 BF16 = torch.bfloat16
@@ -259,6 +260,143 @@ def test_rotate_pairs_look_alikes_do_not_match(mod, why):
     assert torch.equal(out, ref)
     text = "\n".join(m.explain() for m in rep.near_misses)
     assert why in text, text
+
+
+class ErnieRope(nn.Module):
+    """HF Ernie 4.5 / Ernie 4.5-MoE / HY-V4-VL ``apply_rotary_pos_emb`` ("glm rope style (with full dim) and full
+    precision"): fp32 cos/sin of ``cat((freqs, freqs))``, ``cos[..., :D/2].repeat_interleave(2)``, each term upcast
+    (``q.float() * cos + rotate_half(q).float() * sin``, ``rotate_half`` = the GPT-J pairs), one cast back."""
+
+    def __init__(self, d=16, swap=False, full_cos=False):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), persistent=False)
+        self.swap, self.full_cos = swap, full_cos
+
+    def _rot(self, x):
+        if self.swap:  # look-alike: stack((x2, -x1)), the opposite rotation
+            return torch.stack((x[..., 1::2], -x[..., 0::2]), dim=-1).flatten(-2)
+        return rotate_pairs(x)
+
+    def forward(self, q, k, pos):
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * 1.0, emb.sin() * 1.0
+        original_dtype = q.dtype
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        if not self.full_cos:  # look-alike: the rotate-half layout cos used as it is
+            cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        q_embed = (q.float() * cos) + (self._rot(q).float() * sin)
+        k_embed = (k.float() * cos) + (self._rot(k).float() * sin)
+        return q_embed.to(original_dtype), k_embed.to(original_dtype)
+
+
+def _ernie_args(dtype=BF16, transposed=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if transposed:  # [B, H, S, D] views of the projections' [B, S, H, D]
+        q = torch.randn(2, 7, 4, 16, generator=g).to(dtype).transpose(1, 2)
+        k = torch.randn(2, 7, 2, 16, generator=g).to(dtype).transpose(1, 2)
+    else:
+        q, k = torch.randn(2, 4, 7, 16, generator=g).to(dtype), torch.randn(2, 2, 7, 16, generator=g).to(dtype)
+    return q, k, torch.arange(7).expand(2, 7)
+
+
+ERNIE = [(BF16, False, "rotate_pairs_fp32"), (BF16, True, "rotate_pairs_fp32"), (torch.float16, False, "rotate_pairs_fp32"),
+         (torch.float32, False, "rotate_pairs")]  # fp32 heads: no casts, the plain form
+
+
+@pytest.mark.parametrize("dtype, transposed, variant", ERNIE, ids=lambda v: str(v))
+def test_rotate_pairs_fp32_is_bitwise_eager(dtype, transposed, variant):
+    mod, args = ErnieRope(), _ernie_args(dtype, transposed)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant) for m in rep.matches] == [("rope", variant)] * 2, rep
+    assert rep.ops_after.get("ep_fuse.rope_qk.default") == 1 and rep.ops_after.get("aten.neg.default", 0) == 0
+    assert rep.ops_after.get("aten.stack.default", 0) == 0
+    assert not rep.near_misses
+    for o, e in zip(out, ref):
+        assert o.dtype == e.dtype and o.stride() == e.stride() and torch.equal(o, e)
+
+
+@pytest.mark.parametrize("dtype, transposed, variant", ERNIE, ids=lambda v: str(v))
+def test_rotate_pairs_fp32_with_triton_kernel(dtype, transposed, variant):
+    mod, args = ErnieRope(), _ernie_args(dtype, transposed, seed=1)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant) for m in rep.matches] == [("rope", variant)] * 2, rep
+    if variant == "rotate_pairs_fp32":
+        assert {m.provider for m in rep.matches} == {"triton"}, rep
+        assert rep.ops_after.get("ep_fuse_triton.rope_qk.default") == 1
+    for o, e in zip(out, ref):
+        assert o.dtype == e.dtype and o.stride() == e.stride()
+        ulp_close(o, e, dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 3), h=st.integers(1, 5), s=st.integers(1, 9),
+    d=st.sampled_from([8, 16, 32, 64, 128]),
+    dtype=st.sampled_from([BF16, torch.float16, torch.float32]),
+    cos_fp32=st.booleans(),
+    cast_back=st.booleans(),
+    layout=st.sampled_from(["bhsd_view", "bshd", "bhsd"]),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_rotate_pairs_fp32_matches_reference(b, h, s, d, dtype, cos_fp32, cast_back, layout, seed):
+    """fp32 products and sum, one rounding at the store: bitwise under the interpreter (no FMA contraction)."""
+    x, cos, sin = _args("interleave", b, h, s, d, d, dtype, layout, 1, seed)
+    if cos_fp32:
+        cos, sin = cos.float(), sin.float()
+    out_dtype = dtype if cast_back else None
+    k = x[:, :1] if layout != "bshd" else x[:, :, :1]
+    args = (x, k, cos, sin, "rotate_pairs_fp32", d, out_dtype)
+    assert choose(rope_ops.rope_qk, args, "cpu").provider == "triton"
+    for o, e in zip(torch.ops.ep_fuse_triton.rope_qk(*args), rope_qk_ref(*args)):
+        assert o.dtype == e.dtype == (out_dtype or torch.float32) and o.shape == e.shape
+        assert [st for st, n in zip(o.stride(), o.shape) if n > 1] == [st for st, n in zip(e.stride(), e.shape) if n > 1]
+        assert torch.equal(o, e)
+
+
+def test_rotate_pairs_fp32_providers_decline_what_they_cannot_do():
+    x, cos, sin = _args("interleave", 1, 2, 5, 16, 16, BF16, "bhsd", 1, 0)
+    args = (x, cos.float(), sin.float(), "rotate_pairs_fp32", 16, BF16)
+    assert "rotate_pairs_fp32 form (fp32 math): not measured against Inductor" in choose(
+        rope_ops.rope, args, "cpu", executor="inductor").declined[0][1]
+    assert "neither fp32 nor the heads'" in triton_rope.check_rope_call((x, cos.half(), sin.half(), *args[3:]))
+    assert "no documented torch_npu op" in npu_rope.rope_supports(args)
+    with pytest.raises(ValueError, match="rotates the whole head"):
+        rope_ref(x, cos[..., :4], sin[..., :4], "rotate_pairs_fp32", 8, None)
+
+
+@pytest.mark.parametrize("mod, check", [
+    (ErnieRope(swap=True), "expected aten.neg.default"),
+    (ErnieRope(full_cos=True), "cos is not provably repeated in pairs"),
+], ids=["SwappedPairsFp32", "FullWidthCosFp32"])
+def test_rotate_pairs_fp32_look_alikes_name_the_deepest_variant(mod, check):
+    """The fp32 GPT-J form with one op changed: no rope, and the near miss names ``rope[rotate_pairs_fp32]``
+    (the variant that matched most nodes) first, with its failing check."""
+    args = _ernie_args()
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert not [m for m in rep.matches if m.pattern == "rope"], rep
+    assert all(torch.equal(o, e) for o, e in zip(out, ref))
+    assert len(rep.near_misses) == 2, rep.near_misses  # the neg of q and the neg of k
+    for nm in rep.near_misses:
+        depths = [a.depth for a in nm.attempts]
+        assert depths == sorted(depths, reverse=True), nm.explain()
+        assert nm.best.pattern == "rope[rotate_pairs_fp32]" and check in nm.best.reason, nm.explain()
+        text = nm.explain()
+        assert f"closest: rope[rotate_pairs_fp32] ({nm.best.depth} nodes matched)" in text, text
+        # a variant rooted below the anchor that failed before reaching it is listed too, after the deepest
+        assert "rope[rotate_pairs]: failed at" in text, text
+        assert text.index("rope[rotate_pairs_fp32]: failed at") < min(
+            (text.index(f"{a.pattern}: failed at") for a in nm.attempts[1:]), default=len(text)), text
 
 
 def test_q_and_k_with_different_cos_are_not_paired():

@@ -14,21 +14,33 @@ import torch
 
 from ep_fuse.ops.registry import define_canonical
 
-RMS_NORM_MODES = ("llama", "weight_fp32", "gemma", "none")
+RMS_NORM_MODES = ("llama", "weight_fp32", "gemma", "none", "weight_fp32_pow", "none_pow")
 """How the weight meets the normalised value ``n`` (fp32 when ``upcast``):
 
 * ``llama``: ``w * n.to(out_dtype)`` -- cast first, multiply in the model dtype (HF Llama/Mixtral/Qwen/DeepSeek);
 * ``weight_fp32``: ``(w * n)`` then an optional cast (GPT-OSS; also plain fp32 models);
 * ``gemma``: ``n * (w.float() + 1)`` then an optional cast (zero-centred weight, Qwen3-Next);
 * ``none``: ``n`` then an optional cast (weightless L2 q/k-norm).
+
+A ``_pow`` suffix writes the statistic as ``n = xf * pow(mean(xf**2) + eps, -0.5)`` (HF Gemma4 / MuseSpark /
+DiffusionGemma, ``with_scale=True`` -> ``weight_fp32_pow``, ``with_scale=False`` -> ``none_pow``); the reference
+keeps the ``pow`` so it rounds as the model does. Fused kernels compute ``rsqrt`` (the same function, a few fp32
+ulp apart): :func:`base_mode`.
 """
+
+POW_SUFFIX = "_pow"
+
+
+def base_mode(mode: str) -> str:
+    """The weight tail of ``mode`` without the ``_pow`` statistic (what the fused kernels implement)."""
+    return mode.removesuffix(POW_SUFFIX)
 
 
 def _check_mode(mode: str, weight: torch.Tensor | None, out_dtype: torch.dtype | None) -> None:
     if mode not in RMS_NORM_MODES:
         raise ValueError(f"ep_fuse rms_norm: mode {mode!r} is not one of {RMS_NORM_MODES}")
-    if (weight is None) != (mode == "none"):
-        raise ValueError(f"ep_fuse rms_norm: mode {mode!r} {'needs' if mode != 'none' else 'takes no'} weight")
+    if (weight is None) != (base_mode(mode) == "none"):
+        raise ValueError(f"ep_fuse rms_norm: mode {mode!r} {'takes no' if weight is not None else 'needs'} weight")
     if mode == "llama" and out_dtype is None:
         raise ValueError("ep_fuse rms_norm: mode 'llama' casts before the weight multiply and needs out_dtype")
 
@@ -42,12 +54,14 @@ def rms_norm_ref(
     upcast: bool,
     out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    """RMSNorm over the last dim: ``n = xf * rsqrt(mean(xf**2) + eps)`` then the weight as ``mode`` says."""
+    """RMSNorm over the last dim: ``n = xf * rsqrt(mean(xf**2) + eps)`` (``_pow`` modes: ``pow(·, -0.5)``), then the
+    weight as ``mode`` says."""
     _check_mode(mode, weight, out_dtype)
     xf = x.to(torch.float32) if upcast else x
     var = xf.pow(2).mean(-1, keepdim=True)
     var = var + (eps_t if eps_t is not None else eps)
-    n = xf * torch.rsqrt(var)
+    n = xf * (torch.pow(var, -0.5) if mode.endswith(POW_SUFFIX) else torch.rsqrt(var))
+    mode = base_mode(mode)
     if mode == "llama":
         assert weight is not None and out_dtype is not None
         return weight * n.to(out_dtype)
@@ -89,6 +103,7 @@ def rms_norm_out_dtype(
 ) -> torch.dtype:
     """Output dtype of ``rms_norm_ref`` (type promotion of its last op)."""
     stat = torch.float32 if upcast else x.dtype
+    mode = base_mode(mode)
     if mode == "llama":
         assert weight is not None and out_dtype is not None
         return torch.promote_types(weight.dtype, out_dtype)

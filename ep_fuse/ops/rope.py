@@ -9,7 +9,7 @@ import torch
 
 from ep_fuse.ops.registry import define_canonical
 
-ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex", "rotate_pairs")
+ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex", "rotate_pairs", "rotate_pairs_fp32")
 """How the first ``rot_dim`` channels of a head rotate (``docs/patterns.md``, RoPE):
 
 * ``half`` (rotate-half / NeoX): ``x·cos + cat(-x2, x1)·sin``; cos/sin span ``rot_dim``;
@@ -21,6 +21,9 @@ ROPE_FORMS = ("half", "chunk", "deinterleave", "interleave", "complex", "rotate_
   head, ``x·c2 + stack((−x[1::2], x[0::2]), -1).flatten(-2)·s2`` with ``c2 = c.repeat_interleave(2, -1)``
   (c/s span ``rot_dim / 2``): the values of ``interleave``, the output laid out like ``x`` (an
   element-wise result, where ``interleave``'s ``stack`` is contiguous);
+* ``rotate_pairs_fp32`` (HF Ernie 4.5 / Ernie 4.5-MoE, HY-V4-VL, "glm rope style and full precision"):
+  ``(x.float()·c2 + rotate_pairs(x).float()·s2).to(out_dtype)``: the pairs of ``rotate_pairs`` computed in
+  fp32 (cos/sin in fp32 or in the heads' dtype, promoted), one rounding at the end;
 * ``complex`` (DeepSeek-V2, Llama4): pairs ``(x[2j], x[2j+1])`` times ``freqs_cis[j]`` in fp32, interleaved
   output; ``cos`` is the complex ``freqs_cis`` and ``sin`` is ``None``.
 
@@ -57,6 +60,12 @@ def rope_ref(
     elif form == "rotate_pairs":
         rotated = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
         out = xr * cos.repeat_interleave(2, -1) + rotated * sin.repeat_interleave(2, -1)
+    elif form == "rotate_pairs_fp32":
+        if rot_dim != d:
+            raise ValueError("ep_fuse rope: form 'rotate_pairs_fp32' rotates the whole head")
+        rotated = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+        out = (xr.float() * cos.repeat_interleave(2, -1)) + (rotated.float() * sin.repeat_interleave(2, -1))
+        out = out.to(out_dtype) if out_dtype is not None else out
     else:
         if form == "chunk":
             x1, x2 = torch.split(xr, h, -1)

@@ -17,6 +17,9 @@ from ep_fuse.report import Attempt, MatchRecord, NearMiss
 
 log = logging.getLogger("ep_fuse.passes")
 MIN_EXPLAIN_DEPTH = 3
+ANCHOR_REACH = 8
+"""How many ops below an anchor a failed attempt may have matched and still explain it (the deepest pattern
+trees put their root about that far below their anchor: RoPE's final cast over add, mul, cast, view, stack)."""
 
 
 class Canonicalize(GraphPass):
@@ -119,15 +122,18 @@ class Canonicalize(GraphPass):
             if not names:
                 continue
             best: dict[str, Mismatch] = {}
+            below = _downstream(node, ANCHOR_REACH)
             for pattern, miss in misses:
                 if pattern.name not in names:
                     continue
-                # the attempt reached the anchor, failed on it, or reached (or failed at) one of its users
-                if not (node in miss.matched or miss.node is node
-                        or any(u in miss.matched or u is miss.node for u in node.users)):
+                # the attempt reached the anchor, failed on it, or matched (or failed at) a node computed from it
+                # a few ops below: a variant rooted below the anchor that failed before reaching it still counts
+                if not (node in miss.matched or miss.node is node or miss.node in below
+                        or any(n in below for n in miss.matched)):
                     continue
                 if pattern.key not in best or miss.depth > best[pattern.key].depth:
                     best[pattern.key] = miss
+            # deepest first (the variant that came closest); ties in pattern priority order
             attempts = sorted(
                 (Attempt(key, m.where(), m.reason, m.depth) for key, m in best.items()),
                 key=lambda a: -a.depth,
@@ -142,6 +148,18 @@ class Canonicalize(GraphPass):
             ctx.report.near_misses.append(
                 NearMiss(ctx.report.graph, node.name, target_name(node.target), module_path(node), attempts, note)
             )
+
+
+def _downstream(node: fx.Node, hops: int) -> set[fx.Node]:
+    """The nodes computed from ``node`` within ``hops`` ops (``node`` excluded)."""
+    out: set[fx.Node] = set()
+    frontier = [node]
+    for _ in range(hops):
+        frontier = [u for n in frontier for u in n.users if u not in out]
+        out.update(frontier)
+        if not frontier:
+            break
+    return out
 
 
 def _is_anchor(anchor: Any, node: fx.Node) -> bool:

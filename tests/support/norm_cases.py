@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-MODES = ("llama", "weight_fp32", "gemma", "none")
+MODES = ("llama", "weight_fp32", "gemma", "none", "weight_fp32_pow", "none_pow")
 TOL = {torch.bfloat16: (1e-2, 1e-2), torch.float16: (2e-3, 2e-3), torch.float32: (2e-5, 2e-5)}
 
 
@@ -15,7 +15,7 @@ def norm_args(rows: int, n: int, dtype: torch.dtype, mode: str, residual: bool, 
     shape = shape or (rows, n)
     x = torch.randn(shape, generator=g).to(dtype)
     r = torch.randn(shape, generator=g).to(dtype) if residual else None
-    w = None if mode == "none" else (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(w_dtype or dtype)
+    w = None if mode.startswith("none") else (torch.randn(shape[-1], generator=g) * 0.5 + 1).to(w_dtype or dtype)
     if out_dtype == "auto":
         out_dtype = dtype if (mode == "llama" or dtype != torch.float32) else None
     eps = 1e-6

@@ -9,7 +9,7 @@ import torch
 
 from ep_fuse.ops import rms_norm as ops
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.ops.rms_norm import host_eps, rms_norm_out_dtype, unpack_norm_args
+from ep_fuse.ops.rms_norm import base_mode, host_eps, rms_norm_out_dtype, unpack_norm_args
 from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
 from ep_fuse.providers.rms_norm import check_norm_call
 from ep_fuse.symbolic import known
@@ -35,13 +35,14 @@ def supports(args: tuple[Any, ...]) -> str | None:
 
 
 def _gamma_dtype(x: torch.Tensor, weight: torch.Tensor | None, mode: str) -> torch.dtype:
-    if mode == "gemma":
+    if base_mode(mode) == "gemma":
         return torch.float32 if x.dtype != torch.float32 else x.dtype
     return weight.dtype if weight is not None else x.dtype
 
 
 def gamma(x: torch.Tensor, weight: torch.Tensor | None, mode: str) -> torch.Tensor:
-    """The ``gamma`` the NPU op multiplies by for ``mode``."""
+    """The ``gamma`` the NPU op multiplies by for ``mode`` (a ``_pow`` mode's ``pow(·, -0.5)`` is the op's rsqrt)."""
+    mode = base_mode(mode)
     if mode == "gemma":
         assert weight is not None
         return weight.to(torch.float32) + 1.0

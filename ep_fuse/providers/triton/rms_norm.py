@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ep_fuse.ops import rms_norm as ops
-from ep_fuse.ops.rms_norm import host_eps, rms_norm_out_dtype, unpack_norm_args
+from ep_fuse.ops.rms_norm import base_mode, host_eps, rms_norm_out_dtype, unpack_norm_args
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.rms_norm import check_norm_call
 from ep_fuse.providers.tensor_checks import row_stride, static_rows
@@ -45,7 +45,8 @@ def _run(
     sx = row_stride(x)
     sr = row_stride(residual) if residual is not None else 0
     assert sx is not None and sr is not None, "checked by the provider's supports()"
-    launch(x, residual, weight, y, s, eps, mode, out_dtype, sx, sr, wrap=wrap)
+    # a ``_pow`` mode's ``pow(·, -0.5)`` is the kernel's ``rsqrt`` (fp32, a few ulp apart)
+    launch(x, residual, weight, y, s, eps, base_mode(mode), out_dtype, sx, sr, wrap=wrap)
     return y, s
 
 

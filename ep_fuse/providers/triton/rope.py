@@ -19,9 +19,11 @@ from ep_fuse.providers.triton.provider import register
 from ep_fuse.providers.triton.unverified import gpu_unverified
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-KERNEL_FORMS = {"rotate_pairs": "interleave"}
+KERNEL_FORMS = {"rotate_pairs": "interleave", "rotate_pairs_fp32": "interleave"}
 """Canonical forms computed by another form's kernel code: ``rotate_pairs`` has ``interleave``'s values
-(its output layout comes from the reference, like every output)."""
+(its output layout comes from the reference, like every output); ``rotate_pairs_fp32`` too, in fp32 math."""
+FP32_MATH_FORMS = ("complex", "rotate_pairs_fp32")
+"""Forms the model computes in fp32 whatever the heads' dtype: upcast after the loads, one rounding at the store."""
 
 
 def _unit_last_stride(t: torch.Tensor) -> bool:
@@ -67,6 +69,15 @@ def check_rope_call(args: tuple[Any, ...]) -> str | None:
             return "freqs_cis is not a unit-stride complex64 tensor"
         if out_dtype not in (None, *KERNEL_DTYPES):
             return f"output dtype {out_dtype}"
+    elif form == "rotate_pairs_fp32":
+        if rot_dim != q.shape[-1]:
+            return "partial rotary in the fp32 pairs form"
+        if cos.dtype not in (q.dtype, torch.float32) or sin.dtype != cos.dtype:
+            return f"cos/sin dtype {cos.dtype}/{sin.dtype} is neither fp32 nor the heads' {q.dtype}"
+        if out_dtype not in (None, *KERNEL_DTYPES):
+            return f"output dtype {out_dtype}"
+        if not (_unit_last_stride(cos) and _unit_last_stride(sin)):
+            return "cos/sin channels are not contiguous"
     else:
         if cos.dtype != q.dtype or sin.dtype != q.dtype:
             return f"cos/sin dtype {cos.dtype}/{sin.dtype} differs from the heads' {q.dtype} (type promotion)"
@@ -177,7 +188,9 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
     from ep_fuse.providers.triton.rope_kernel import FORMS, rope_jit, rows_per_program, warps_for
 
     d = q.shape[-1]
-    native = rounding_mode(q, TUNING.get("rounding")) == 3
+    fp32_math = form == "rotate_pairs_fp32"  # fp32 products and sum (CODE fp32: no rounding), rounded at the store
+    mode = 2 if fp32_math else rounding_mode(q, TUNING.get("rounding"))
+    native = mode == 3
     rows = TUNING.get("rows") or rows_per_program(int(d), native)
     qlead, qxs = _lead3(q)
     _, qys = _lead3(qy)
@@ -204,10 +217,11 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         positions if positions is not None else qc,
         q_progs, q_rows, qlead[1], qlead[2], k_rows, klead[1], klead[2],
         *qxs, *qys, *qcs, *qss, *kxs, *kys, *kcs, *kss, cos.stride(0) if positions is not None else 0,
-        HALF=half, ROT=rot, D=int(d), FORM=FORMS[KERNEL_FORMS.get(form, form)], CODE=DTYPE_CODES[q.dtype],
+        HALF=half, ROT=rot, D=int(d), FORM=FORMS[KERNEL_FORMS.get(form, form)],
+        CODE=DTYPE_CODES[torch.float32 if fp32_math else q.dtype],
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
-        EMULATE_RTNE=1 if INTERPRET else rounding_mode(q, TUNING.get("rounding")),
+        EMULATE_RTNE=1 if INTERPRET else mode,
         IDX32=_fits_int32(q_rows + rows, k_rows + rows) and not TUNING.get("idx64", False),
         HAS_POS=positions is not None, num_warps=TUNING.get("num_warps") or warps_for(int(d), native),
     )
@@ -301,8 +315,8 @@ def _rope_rule(x: Any, form: str, executor: str) -> str | None:
     (fp32 math, 0.81-0.89x before the packed path) and the complex form (unmeasured) decline."""
     if executor != "inductor":
         return None
-    if form == "complex":
-        return "RoPE complex form (fp32 math): not measured against Inductor"
+    if form in FP32_MATH_FORMS:
+        return f"RoPE {form} form (fp32 math): not measured against Inductor"
     if x.dtype not in (torch.bfloat16, torch.float16):
         return f"RoPE on {x.dtype} heads: Inductor's kernel measured faster (0.81-0.89x)"
     return None

@@ -6,7 +6,8 @@ over a [B, S, H, D] buffer) and broadcast cos/sin (stride 0) are read in place, 
 With ``HAS_POS`` (the cos/sin-cache form) the cos/sin strides address ``positions`` instead, and a
 head's cos/sin row is ``cache[positions[...]]`` (cos half at ``C``, sin half at ``S``).
 Products and sums are rounded to the input dtype where the model code rounds them
-(``half``/``chunk``/``deinterleave``); the ``complex`` form computes in fp32. ``EMULATE_RTNE`` picks
+(``half``/``chunk``/``deinterleave``); the ``complex`` form computes in fp32, and so does ``CODE`` fp32 on
+narrower heads (the ``rotate_pairs_fp32`` form: upcast after the loads, rounded once at the store). ``EMULATE_RTNE`` picks
 how (see :func:`~ep_fuse.providers.triton.jit_helpers.round_as`): 3 (GPU, bf16/fp16) keeps the values
 in the storage dtype and uses packed ``fma.rn.{bf16x2,f16x2}`` instructions, each one correctly
 rounded operation, which is what PyTorch's upcast-compute-round of one eager op gives (fp32 has at
@@ -131,7 +132,10 @@ def _rope_rows(
             y1 = round_as(round_as(x1 * c1, CODE, EMULATE_RTNE) - round_as(x2 * s1, CODE, EMULATE_RTNE), CODE, EMULATE_RTNE)
             y2 = round_as(round_as(x2 * c2, CODE, EMULATE_RTNE) + round_as(x1 * s2, CODE, EMULATE_RTNE), CODE, EMULATE_RTNE)
         if FORM == 4:  # interleaved output (GPT-J): pairs joined in registers, one contiguous store
-            tl.store(Y + yb + jj, tl.reshape(tl.join(y1, y2), (ROWS, 2 * BLOCK)), mask=mm)
+            yy = tl.reshape(tl.join(y1, y2), (ROWS, 2 * BLOCK))
+            if CODE != OUT_CODE:  # fp32 math (``rotate_pairs_fp32``): the one rounding, at the store
+                yy = for_store(yy, OUT_CODE, EMULATE_RTNE)
+            tl.store(Y + yb + jj, yy, mask=mm)
         else:
             tl.store(Y + yb + j, y1, mask=m)
             tl.store(Y + yb + HALF + j, y2, mask=m)

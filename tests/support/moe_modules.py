@@ -154,3 +154,109 @@ def compile_routed_case(t: int, device: str, **options: Any) -> tuple[torch.Tens
     with torch.no_grad():
         ref = mod(*inputs)
     return compile_and_run(mod, *inputs, **options), ref
+
+
+# --------------------------------------------------------------------------- HF experts with other gates
+class HFExperts(torch.nn.Module):
+    """An experts module with the attributes transformers' experts functions read (``gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]), run through its ``grouped_mm`` or ``batched_mm`` function, so the traced code is
+    HF's; subclasses override ``_apply_gate`` as the models do (transformers 5.24)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16,
+                 impl: str = "grouped_mm", scale: float = 1.0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.num_experts, self.impl = num_experts, impl
+        self.gate_up_proj = torch.nn.Parameter(
+            (scale * torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.down_proj = torch.nn.Parameter((torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5).to(dtype))
+        self.act_fn = torch.nn.SiLU()
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        from transformers.integrations import moe as hf_moe
+
+        fn = {"grouped_mm": hf_moe.grouped_mm_experts_forward, "batched_mm": hf_moe.batched_mm_experts_forward}
+        return fn[self.impl](self, x, topk_ids, topk_weights)
+
+
+class ClampedSwiGLU(HFExperts):
+    """DeepSeek-V4 / GLM-5-Next / HY-V4: both halves clamped by ``swiglu_limit``, then SwiGLU."""
+
+    limit = 0.75
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.act_fn(gate) * up
+
+
+class ClampedAfterSiLU(HFExperts):
+    """Step-3.7: the SiLU output clamped (max), the up half clamped both ways (``inf`` on unclamped layers)."""
+
+    limit = 0.5
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = self.act_fn(gate).clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * up
+
+
+class Fp32SwiGLU(HFExperts):
+    """Beam: SwiGLU in fp32, cast back before the down projection."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (self.act_fn(gate.float()) * up.float()).to(gate.dtype)
+
+
+class SoftcappedSwiGLU(HFExperts):
+    """Inkling-2: ``softcap(g) * sigmoid(g) * softcap(u)`` in fp32, ``softcap(v) = tanh(v / c) * c``."""
+
+    gate_cap, up_cap = 0.5, 0.8
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        dtype = gate.dtype
+        gate, up = gate.float(), up.float()
+        capped_gate = torch.tanh(gate / self.gate_cap) * self.gate_cap
+        return (capped_gate * torch.sigmoid(gate) * (torch.tanh(up / self.up_cap) * self.up_cap)).to(dtype)
+
+
+class AsymmetricClamp(ClampedSwiGLU):
+    """Look-alike: the up half clamped to ``[-L/2, L]`` (not one limit)."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit / 2, max=self.limit)
+
+
+class Fp64Up(Fp32SwiGLU):
+    """Look-alike: the up half upcast to fp64, not fp32 (another rounding of the product)."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (self.act_fn(gate.float()) * up.double()).to(gate.dtype)
+
+
+class MiscappedSwiGLU(SoftcappedSwiGLU):
+    """Look-alike: ``tanh(g / c) * 2c`` (the scale is not the cap)."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        dtype = gate.dtype
+        gate, up = gate.float(), up.float()
+        capped_gate = torch.tanh(gate / self.gate_cap) * (2 * self.gate_cap)
+        return (capped_gate * torch.sigmoid(gate) * (torch.tanh(up / self.up_cap) * self.up_cap)).to(dtype)
+
+
+GATED = {"silu_clamp": ClampedSwiGLU, "silu_clamp_post": ClampedAfterSiLU, "silu_fp32": Fp32SwiGLU,
+         "softcap_fp32": SoftcappedSwiGLU}
+"""The gated activations of ``ep_fuse.ops.moe.ACTS`` besides plain SwiGLU, by name."""

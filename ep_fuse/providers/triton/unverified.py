@@ -12,7 +12,10 @@ from typing import Any
 
 from ep_fuse import runtime
 
-UNVERIFIED_ON_GPU: dict[str, str] = {}
+UNVERIFIED_ON_GPU: dict[str, str] = {
+    f"grouped_gemm_swiglu:{act}": "tests/gpu/test_gpu_moe_forms.py has not run on a GPU"
+    for act in ("silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32")
+}
 """``"<op>:<variant>" -> what it still lacks``. Cleared on 2026-11-30 after their ``tests/gpu/``
 checks passed on H200: the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
@@ -22,7 +25,8 @@ measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma
 (``tests/gpu/test_gpu_fp8.py``, then measured faster than the one-tile-per-program FP8 kernel by
 ``bench/bench_fp8.py --tma``). Cleared on 2026-12-01: ``fp8:deepgemm`` (the DeepGEMM provider,
 ``tests/gpu/test_gpu_deepgemm.py`` on H200, then measured faster than the Triton FP8 kernels from 64 rows per
-expert by ``bench/bench_fp8.py --deepgemm``). A new variant is added here until its GPU check has run."""
+expert by ``bench/bench_fp8.py --deepgemm``). A new variant is added here until its GPU check has run: the
+grouped GEMM's gated-activation epilogues (``grouped_gemm_swiglu:<act>``, ``ep_fuse.ops.moe.ACTS``)."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
 """The environment variable that sets the default of the config's ``unverified_kernels``."""

@@ -25,6 +25,9 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   when the ids are a top-k output, where the clamp changes nothing): ``x`` repeated K times (``unsqueeze/expand/clone/view``), the
   expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
 
+The gated activation between the GEMMs is SwiGLU or one of its transformers 5.24 variants (``ops.moe.ACTS``:
+clamped before or after the SiLU, fp32, soft-capped; :func:`_swiglu`), carried as the block's ``act`` arguments.
+
 Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
 Llama4's dense ``bmm`` over all experts (every token through every expert, scores pre-multiplied).
 Shared experts and routed-scaling factors live outside these nodes and stay untouched.

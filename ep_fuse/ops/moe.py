@@ -135,6 +135,11 @@ def act_args(act: str = "silu", limit: float | None = None, gate_cap: float | No
     return (act, limit, gate_cap, up_cap)
 
 
+def full_act(rest: tuple) -> tuple[str, float | None, float | None, float | None]:
+    """The four activation arguments from a call's trailing arguments (traced calls drop trailing defaults)."""
+    return tuple(rest) + ("silu", None, None, None)[len(rest):]
+
+
 def act_problem(act: str, limit: float | None, gate_cap: float | None, up_cap: float | None) -> str | None:
     """Why these activation arguments describe no activation of :data:`ACTS` (``None``: they do)."""
     if act not in ACTS:

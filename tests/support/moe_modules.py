@@ -260,3 +260,43 @@ class MiscappedSwiGLU(SoftcappedSwiGLU):
 GATED = {"silu_clamp": ClampedSwiGLU, "silu_clamp_post": ClampedAfterSiLU, "silu_fp32": Fp32SwiGLU,
          "softcap_fp32": SoftcappedSwiGLU}
 """The gated activations of ``ep_fuse.ops.moe.ACTS`` besides plain SwiGLU, by name."""
+
+
+class RoutedBlock(torch.nn.Module):
+    """A MoE block around :class:`HFExperts`-style experts: softmax top-k router, then one of the layouts of
+    the 5.24 models: ``scaled`` (Beam / Laguna / Step-3.7: ``routed_scaling_factor`` on the experts' output,
+    then an RMSNorm), ``parallel`` (a dense SwiGLU MLP on the same normed input, summed with the MoE branch),
+    ``shared_bmm`` (Inkling: shared experts as 3-D ``[S, I, H]`` tensors run with ``bmm``, summed)."""
+
+    def __init__(self, experts: torch.nn.Module, hidden: int, layout: str, top_k: int = 2) -> None:
+        super().__init__()
+        dtype = experts.down_proj.dtype
+        g = torch.Generator().manual_seed(5)
+        self.experts, self.layout, self.top_k = experts, layout, top_k
+        self.router = torch.nn.Parameter(torch.randn(experts.num_experts, hidden, generator=g).to(dtype))
+        self.norm_w = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.scale = 2.5
+        s, i = 2, 16
+        self.dense = torch.nn.Parameter((torch.randn(3, i, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.shared_gate = torch.nn.Parameter((torch.randn(s, i, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.shared_up = torch.nn.Parameter((torch.randn(s, i, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.shared_down = torch.nn.Parameter((torch.randn(s, hidden, i, generator=g) / i**0.5).to(dtype))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        v = x.float()
+        return self.norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = F.linear(x, self.router).float().softmax(-1).topk(self.top_k)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        if self.layout == "scaled":
+            return self._norm(self.experts(x, ids, w) * self.scale)
+        if self.layout == "parallel":
+            h = self._norm(x)
+            dense = F.linear(F.silu(F.linear(h, self.dense[0])) * F.linear(h, self.dense[1]), self.dense[2].T)
+            return x + dense + self.experts(h, ids, w)
+        hs = x.reshape(1, -1, x.shape[-1]).expand(self.shared_gate.shape[0], -1, -1)
+        gate = torch.bmm(hs, self.shared_gate.transpose(1, 2))
+        up = torch.bmm(hs, self.shared_up.transpose(1, 2))
+        shared = torch.bmm(F.silu(gate) * up, self.shared_down.transpose(1, 2)).float().sum(0).to(x.dtype)
+        return self.experts(x, ids, w) + shared

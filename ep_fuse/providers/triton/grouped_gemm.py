@@ -84,21 +84,21 @@ def check_grouped_gemm_call(args: tuple[Any, ...]) -> str | None:
 def act_variant(act: tuple) -> str | None:
     """The kernel variant name (:data:`~ep_fuse.providers.triton.unverified.UNVERIFIED_ON_GPU`) of a gated
     activation other than plain SwiGLU (``act``: the call's trailing ``(name, limit, gate_cap, up_cap)``)."""
-    from ep_fuse.ops.moe import act_args  # ops: below the provider
+    from ep_fuse.ops.moe import act_args, full_act  # ops: below the provider
 
-    rest = act_args(*act)
+    rest = act_args(*full_act(act))
     return f"grouped_gemm_swiglu:{rest[0]}" if rest else None
 
 
 def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows), with the call's
     gated activation (a variant other than SwiGLU is declined on CUDA until its GPU check has run)."""
-    from ep_fuse.ops.moe import act_problem
+    from ep_fuse.ops.moe import act_problem, full_act
 
     reason = check_grouped_gemm_call(args[:3])
     if reason is None and not known(args[1].shape[1] % 2 == 0):
         return "w13 has an odd number of rows (not gate|up halves)"
-    act = tuple(args[3:])
+    act = full_act(tuple(args[3:]))
     variant = act_variant(act)
     if reason is None and variant is not None:
         reason = act_problem(*act) or gpu_unverified(variant, args[0])
@@ -133,7 +133,9 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
     """Allocate the output and launch the grouped GEMM: ``variant`` (``None``: :func:`kernel_variant` chooses
     from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``); ``act``: the gated
     activation's ``(name, limit, gate_cap, up_cap)`` (empty: SwiGLU)."""
-    act = tuple(act)
+    from ep_fuse.ops.moe import full_act
+
+    act = full_act(tuple(act))
     gated = act_variant(act) is not None
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)

@@ -25,6 +25,9 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   when the ids are a top-k output, where the clamp changes nothing): ``x`` repeated K times (``unsqueeze/expand/clone/view``), the
   expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
 
+The gated activation between the GEMMs is SwiGLU or one of its transformers 5.24 variants (``ops.moe.ACTS``:
+clamped before or after the SiLU, fp32, soft-capped; :func:`_swiglu`), carried as the block's ``act`` arguments.
+
 Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
 Llama4's dense ``bmm`` over all experts (every token through every expert, scores pre-multiplied).
 Shared experts and routed-scaling factors live outside these nodes and stay untouched.
@@ -32,12 +35,14 @@ Shared experts and routed-scaling factors live outside these nodes and stay unto
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ep_fuse import runtime
 from ep_fuse.fx_utils import tensor_val
 from ep_fuse.matching import Anchor, Cast, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
 from ep_fuse.matching.checks import (
@@ -84,11 +89,52 @@ def _transposed(name: str) -> Any:
     return op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(one_of(-2, 1)), dim1=Lit(one_of(-1, 2)))
 
 
+def is_number(v: Any) -> str | None:
+    """A concrete int or float literal (a clamp bound, a soft cap)."""
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    return None if ok else f"expected a number, got {v!r}"
+
+
+def _mul(a: Any, b: Any, **kw: Any) -> Any:
+    return op(aten.mul.Tensor, self=a, other=b, commutative=("self", "other"), **kw)
+
+
+def _clamp(v: Any, lo: str | None, hi: str) -> Any:
+    """``v.clamp(max=hi)`` (``lo`` None) or ``v.clamp(min=lo, max=hi)``, the bounds bound as literals."""
+    bounds = {"max": Lit(is_number, bind=hi)}
+    if lo is not None:
+        bounds["min"] = Lit(is_number, bind=lo)
+    return op(aten.clamp.default, self=v, **bounds)
+
+
+def _softcapped(v: Any, cap: str) -> Any:
+    """``tanh(v / cap) * cap`` (Inkling-2's ``Softcap``; ``cap * tanh(v / cap)`` traces the same), or ``v``."""
+    tanh = op(aten.tanh.default, self=op(aten.div.Tensor, self=v, other=Lit(is_number, bind=cap)))
+    return alt(op(aten.mul.Tensor, self=tanh, other=Lit(is_number, bind=f"{cap}_scale")), v)
+
+
 def _swiglu(h: Any) -> Any:
+    """The gated activations of ``ops.moe.ACTS`` on the halves of ``split(h, I, -1)``; which one matched is
+    read from the bindings (:func:`activation`)."""
     split = op(aten.split.Tensor, self=h, split_size=Lit(is_int, bind="inter"), dim=Lit(one_of(-1, 1)),
                bind="gate_up")
-    return op(aten.mul.Tensor, self=op(aten.silu.default, self=Item(split, 0)), other=Item(split, 1),
-              commutative=("self", "other"))
+    gate, up = Item(split, 0), Item(split, 1)
+    silu = op(aten.silu.default, self=gate)
+    plain = _mul(silu, up)
+    # DeepSeek-V4 / GLM-5-Next / HY-V4: clamp both halves, then SwiGLU (``limit`` in the config)
+    clamped = _mul(op(aten.silu.default, self=_clamp(gate, None, "gate_max")), _clamp(up, "up_min", "up_max"),
+                   bind="act_clamp")
+    # Step-3.7: the SiLU output clamped (max only), the up half clamped both ways
+    clamped_post = _mul(_clamp(silu, None, "post_max"), _clamp(up, "up_min", "up_max"), bind="act_clamp_post")
+    # Beam: ``(silu(gate.float()) * up.float()).to(gate.dtype)``
+    # (in an fp32 model ``.float()`` and the cast back trace to nothing)
+    g32, u32 = Opt(Cast(gate, dtype=torch.float32), bind="gate32"), Opt(Cast(up, dtype=torch.float32), bind="up32")
+    fp32 = Cast(_mul(op(aten.silu.default, self=Cast(gate, dtype=torch.float32)), Cast(up, dtype=torch.float32),
+                     bind="act_fp32"), dtype="act_dtype")
+    # Inkling-2: ``(softcap(g) * sigmoid(g) * softcap(u)).to(dtype)`` with g, u in fp32
+    capped = Opt(Cast(_mul(_mul(_softcapped(g32, "gate_cap"), op(aten.sigmoid.default, self=g32)),
+                           _softcapped(u32, "up_cap"), bind="act_softcap"), dtype="act_dtype"))
+    return alt(plain, clamped, clamped_post, fp32, capped)
 
 
 def _fill(target: Any, **args: Any) -> Any:
@@ -309,14 +355,58 @@ def combine_dtypes(m: Match) -> str | None:
     return None
 
 
-GUARDS = (expert_weights, routing, combine_dtypes, clamp_is_noop)
+def activation(m: Match) -> tuple[str, float | None, float | None, float | None]:
+    """``(act, limit, gate_cap, up_cap)`` of the matched gated activation (``ops.moe.ACTS``)."""
+    for name, bound in (("silu_clamp", "gate_max"), ("silu_clamp_post", "post_max")):
+        if f"act_{name[5:]}" in m.bindings:
+            limit = float(m[bound])
+            # Step-3.7 clamps to +-inf on its unclamped layers: the identity
+            return ("silu", None, None, None) if limit == math.inf else (name, limit, None, None)
+    if "act_fp32" in m.bindings:
+        return "silu_fp32", None, None, None
+    if "act_softcap" in m.bindings:
+        gate_cap, up_cap = (float(m[c]) if c in m.bindings else None for c in ("gate_cap", "up_cap"))
+        return "softcap_fp32", None, gate_cap, up_cap
+    return "silu", None, None, None
+
+
+def activation_form(m: Match) -> str | None:
+    """The clamp bounds are one limit (gate ``max=L``, up ``[-L, L]``), a soft cap multiplies by its own
+    divisor, the fp32 forms cast back to the activation dtype; and a non-SwiGLU activation is only fused
+    where no later pass rewrites the block without it (quant, EP)."""
+    act, limit, gate_cap, up_cap = activation(m)
+    x = tensor_val(m["x"])
+    if "up_min" in m.bindings:
+        lo, hi = m["up_min"], m["up_max"]
+        limit = float(m.get("gate_max", m.get("post_max")))
+        if not (limit > 0 and lo == -limit and hi == limit):
+            return f"clamps gate max={limit}, up [{lo}, {hi}]: not one limit L (gate max=L, up [-L, L])"
+    for cap in ("gate_cap", "up_cap"):
+        if cap in m.bindings and m[cap] != m[f"{cap}_scale"]:
+            return f"soft cap tanh(v / {m[cap]}) * {m[f'{cap}_scale']}: the scale is not the cap"
+        if cap in m.bindings and not m[cap] > 0:
+            return f"soft cap {m[cap]} is not positive"
+    if act in ("silu_fp32", "softcap_fp32") and m.get("act_dtype", torch.float32) != x.dtype:
+        return (f"the fp32 activation is cast to {m.get('act_dtype', torch.float32)}, not back to the activation "
+                f"dtype {x.dtype}")
+    if act != "silu":
+        cfg = runtime.active_config()
+        if getattr(cfg, "quant", None) is not None:
+            return f"act={act}: the quant pass rewrites moe_experts with SwiGLU only"
+        if getattr(cfg, "ep_requested", False):
+            return f"act={act}: the EP pass rewrites moe_experts with SwiGLU only"
+    return None
+
+
+GUARDS = (expert_weights, routing, combine_dtypes, clamp_is_noop, activation_form)
 
 
 def _build(m: Match) -> Replacement:
     w = m["topk_weights"]
     if m.get("weight_dtype") is not None:
         w = Derived(torch.ops.prims.convert_element_type.default, (w, m["weight_dtype"]))
-    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype")))
+    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype"),
+                                                *moe_ops.act_args(*activation(m))))
 
 
 def _expert_gemm(node: Any) -> bool:

@@ -259,3 +259,122 @@ def test_gpt_oss_glu_experts_are_not_swiglu():
     assert rep.ops_after.get("aten._grouped_mm.default") == 4
     # the experts' sorts, and the routers declined for their bf16 softmax (tiny_models.DECLINED_ROUTERS)
     assert [m.explain().split(" ")[0] for m in rep.near_misses] == ["topk", "sort", "topk_1", "sort_1"]
+
+
+# --------------------------------------------------------------------------- gated activations (transformers 5.24)
+GATED_CASES = [(act, impl) for act in ("silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32")
+               for impl in ("grouped_mm", "batched_mm")]
+
+
+def _gated_args(dtype, t=13, h=32, e=4, k=2):
+    g = torch.Generator().manual_seed(3)
+    w, ids = _routing(t, e, k, seed=3)
+    return torch.randn(t, h, generator=g).to(dtype), ids, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("act, impl", GATED_CASES)
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+def test_gated_activation_forms_fuse(act, impl, dtype, provider):
+    from support.moe_modules import GATED
+
+    mod = GATED[act](4, 32, 16, dtype=dtype, impl=impl, scale=3.0)  # large enough that clamps and caps bind
+    args = _gated_args(dtype)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": [provider]})
+    rep = ep_fuse.last_report()
+    assert rep.count("moe_experts") == 1, rep.summary()
+    assert [m.variant for m in rep.matches] == [impl]
+    assert rep.matches[0].stages == {s: provider for s in ("moe_permute", "grouped_gemm_swiglu", "grouped_gemm",
+                                                           "moe_unpermute")}
+    assert out.dtype == ref.dtype and out.shape == ref.shape and out.stride() == ref.stride()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+    if provider == "reference" and impl == "grouped_mm":
+        assert torch.equal(out, ref), "the reference rounds as HF does"
+    # the block carries the activation: plain SwiGLU on the same weights differs (fp32 SwiGLU in fp32 is SwiGLU)
+    x, ids, w = args
+    plain = moe_experts_ref(x, ids, w.to(x.dtype) if impl == "batched_mm" else w, mod.gate_up_proj, mod.down_proj,
+                            x.dtype)
+    if act != "silu_fp32":
+        assert not torch.allclose(plain.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_step37_unclamped_layers_are_plain_swiglu():
+    """Step-3.7 clamps to +-inf on its unclamped layers: matched as plain SwiGLU (quant and EP keep it)."""
+    from support.moe_modules import ClampedAfterSiLU
+
+    mod = ClampedAfterSiLU(4, 32, 16)
+    mod.limit = float("inf")
+    args = _gated_args(BF16)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", providers={"cpu": ["reference"]}, quant="w8a8_int8")
+    rep = ep_fuse.last_report()
+    assert rep.count("moe_experts") == 1
+    assert rep.ops_after.get("ep_fuse.grouped_gemm_w8a8_swiglu_quant.default") == 1, rep.ops_after
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+
+
+@pytest.mark.parametrize("cls_name, dtype, reason", [
+    ("AsymmetricClamp", BF16, "not one limit L"),
+    ("AsymmetricClamp", torch.float32, "not one limit L"),
+    ("Fp64Up", BF16, "cast to torch.float64, expected torch.float32"),
+    ("MiscappedSwiGLU", BF16, "the scale is not the cap"),
+    ("MiscappedSwiGLU", torch.float32, "the scale is not the cap"),
+])
+def test_gated_lookalikes_are_not_fused(cls_name, dtype, reason):
+    from support import moe_modules
+
+    mod = getattr(moe_modules, cls_name)(4, 32, 16, dtype=dtype, scale=3.0)
+    args = _gated_args(dtype)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert "moe_experts" not in rep.counts(), rep.summary()
+    assert any(reason in m.explain() for m in rep.near_misses), [m.explain() for m in rep.near_misses]
+    assert torch.equal(out, ref)
+
+
+def test_gated_activation_is_not_fused_where_quant_would_drop_it():
+    from support.moe_modules import ClampedSwiGLU
+
+    mod = ClampedSwiGLU(4, 32, 16, scale=3.0)
+    args = _gated_args(BF16)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", quant="w8a8_int8")
+    rep = ep_fuse.last_report()
+    assert "moe_experts" not in rep.counts()
+    assert any("quant pass rewrites moe_experts with SwiGLU only" in m.explain() for m in rep.near_misses)
+    assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- block layouts (transformers 5.24)
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("layout", ["scaled", "parallel", "shared_bmm"])
+@pytest.mark.parametrize("act", ["silu", "silu_clamp"])
+def test_routed_experts_fuse_inside_block_layouts(layout, act, dtype):
+    """Routed scaling on the experts' output + RMSNorm (Beam, Laguna, Step-3.7), a parallel dense MLP (summed),
+    3-D shared experts on ``bmm`` (Inkling): the routed experts fuse; the rest stays as it was."""
+    from support.moe_modules import GATED, HFExperts, RoutedBlock
+
+    experts = (HFExperts if act == "silu" else GATED[act])(4, 32, 16, dtype=dtype, scale=3.0)
+    mod = RoutedBlock(experts, 32, layout)
+    x = _gated_args(dtype)[0]
+    with torch.no_grad():
+        ref = mod(x)
+    out = compile_and_run(mod, x, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert rep.count("moe_experts") == 1, rep.summary()
+    assert [m.variant for m in rep.matches if m.pattern == "moe_experts"] == ["grouped_mm"]
+    if layout == "shared_bmm":
+        assert rep.ops_after.get("aten.bmm.default") == 3, "the shared experts' bmm stay"
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())

@@ -13,6 +13,15 @@ Conventions shared by every MoE op and provider:
   owns rows ``[seg_indptr[e], seg_indptr[e+1])``. ``torch._grouped_mm``'s ``offs`` is
   ``seg_indptr[1:]`` as int32; NPU ``group_list_type=1`` counts are ``diff(seg_indptr)``.
 * expert weights are in Hugging Face layout: ``w13`` [E, 2I, H] (gate rows, then up rows), ``w2`` [E, H, I].
+* the gated activation ``act`` (:data:`ACTS`, with its parameters ``limit``, ``gate_cap``, ``up_cap``) of the
+  gate|up GEMM's halves ``g``, ``u`` (each rounded to the activation dtype), in the models' op order:
+
+  - ``"silu"``: ``silu(g) * up`` in the activation dtype (Mixtral, Qwen, DeepSeek-V3, ...);
+  - ``"silu_clamp"``: ``silu(g.clamp(max=limit)) * u.clamp(-limit, limit)`` (DeepSeek-V4, GLM-5-Next, HY-V4);
+  - ``"silu_clamp_post"``: ``silu(g).clamp(max=limit) * u.clamp(-limit, limit)`` (Step-3.7);
+  - ``"silu_fp32"``: ``(silu(g.float()) * u.float()).to(dtype)`` (Beam);
+  - ``"softcap_fp32"``: ``(c(g, gate_cap) * sigmoid(g) * c(u, up_cap)).to(dtype)`` in fp32, where
+    ``c(v, cap) = tanh(v / cap) * cap`` (``v`` itself for a ``None`` cap) (Inkling-2).
 
 Numerics follow the Hugging Face ``grouped_mm`` experts exactly: each GEMM output is rounded to the
 activation dtype, ``silu(gate) * up`` in that dtype, the routing weight multiplies the expert output in
@@ -110,15 +119,80 @@ def grouped_gemm_traceable(args: tuple) -> bool:
     return grouped_mm_supported(args[0], args[1])
 
 
-def grouped_gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` of the gate|up GEMM (``w13`` [E, 2I, H]); tail rows zero."""
+ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32")
+"""The gated activations of the ``act`` argument (module docstring)."""
+
+ACT_SCHEMA = 'str act="silu", float? limit=None, float? gate_cap=None, float? up_cap=None'
+"""The activation arguments shared by ``grouped_gemm_swiglu`` and ``moe_experts`` (defaults: plain SwiGLU)."""
+
+
+def act_args(act: str = "silu", limit: float | None = None, gate_cap: float | None = None,
+             up_cap: float | None = None) -> tuple:
+    """The trailing call arguments of an activation: none for plain SwiGLU (the calls written before the
+    activation arguments existed), else all four."""
+    if act == "silu" and limit is None and gate_cap is None and up_cap is None:
+        return ()
+    return (act, limit, gate_cap, up_cap)
+
+
+def full_act(rest: tuple) -> tuple[str, float | None, float | None, float | None]:
+    """The four activation arguments from a call's trailing arguments (traced calls drop trailing defaults)."""
+    return tuple(rest) + ("silu", None, None, None)[len(rest):]
+
+
+def act_problem(act: str, limit: float | None, gate_cap: float | None, up_cap: float | None) -> str | None:
+    """Why these activation arguments describe no activation of :data:`ACTS` (``None``: they do)."""
+    if act not in ACTS:
+        return f"unknown activation {act!r} (one of {', '.join(ACTS)})"
+    if (limit is not None) != act.startswith("silu_clamp"):
+        return f"act={act!r} with limit={limit!r} (a limit goes with the clamped acts only)"
+    if act != "softcap_fp32" and (gate_cap is not None or up_cap is not None):
+        return f"act={act!r} with soft caps (softcap_fp32 only)"
+    if any(v is not None and not v > 0 for v in (limit, gate_cap, up_cap)):
+        return "limit and caps must be positive"
+    return None
+
+
+def _softcap(v: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return v if cap is None else torch.tanh(v / cap) * cap
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: float | None = None,
+              gate_cap: float | None = None, up_cap: float | None = None) -> torch.Tensor:
+    """The activation ``act`` of the gate and up halves, in the op order of the models that write it."""
+    reason = act_problem(act, limit, gate_cap, up_cap)
+    if reason is not None:
+        raise ValueError(f"ep_fuse: {reason}")
+    silu = torch.nn.functional.silu
+    if act == "silu":
+        return silu(gate) * up
+    if act == "silu_clamp":
+        return silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    if act == "silu_clamp_post":
+        return silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+    g, u = gate.float(), up.float()
+    if act == "silu_fp32":
+        return (silu(g) * u).to(gate.dtype)
+    return (_softcap(g, gate_cap) * torch.sigmoid(g) * _softcap(u, up_cap)).to(gate.dtype)
+
+
+def grouped_gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor, act: str = "silu",
+                            limit: float | None = None, gate_cap: float | None = None,
+                            up_cap: float | None = None) -> torch.Tensor:
+    """The gated activation ``act`` (default ``silu(gate) * up``) of the gate|up GEMM (``w13`` [E, 2I, H]);
+    tail rows zero."""
     h = grouped_gemm_ref(x, w13, seg_indptr)
     inter = w13.shape[1] // 2
     gate, up = h.split(inter, -1)
-    return torch.nn.functional.silu(gate) * up
+    return gated_act(gate, up, act, limit, gate_cap, up_cap)
 
 
-def grouped_gemm_swiglu_fake(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_swiglu_fake(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor, act: str = "silu",
+                             limit: float | None = None, gate_cap: float | None = None,
+                             up_cap: float | None = None) -> torch.Tensor:
+    reason = act_problem(act, limit, gate_cap, up_cap)
+    if reason is not None:
+        raise ValueError(f"ep_fuse: {reason}")
     return x.new_empty(x.shape[0], w13.shape[1] // 2)
 
 
@@ -129,16 +203,21 @@ def moe_experts_ref(
     w13: torch.Tensor,
     w2: torch.Tensor,
     out_dtype: torch.dtype | None,
+    act: str = "silu",
+    limit: float | None = None,
+    gate_cap: float | None = None,
+    up_cap: float | None = None,
 ) -> torch.Tensor:
-    """The routed-expert block: permute -> grouped GEMM + SwiGLU -> grouped GEMM -> weighted unpermute.
+    """The routed-expert block: permute -> grouped GEMM + activation ``act`` (default SwiGLU) -> grouped GEMM
+    -> weighted unpermute.
 
     Written with the canonical stage ops, so that expanding the block leaves one node per stage for
     the providers (and the EP pass) to work on.
     """
     ops = torch.ops.ep_fuse
     rows, src2dst, seg_indptr = ops.moe_permute(x, topk_ids, w13.shape[0])
-    act = ops.grouped_gemm_swiglu(rows, w13, seg_indptr)
-    y = ops.grouped_gemm(act, w2, seg_indptr)
+    h = ops.grouped_gemm_swiglu(rows, w13, seg_indptr, *act_args(act, limit, gate_cap, up_cap))
+    y = ops.grouped_gemm(h, w2, seg_indptr)
     return ops.moe_unpermute(y, src2dst, topk_weights, topk_ids.shape[1], out_dtype)
 
 
@@ -158,12 +237,15 @@ grouped_gemm = define_canonical(
 """``grouped_gemm(x, w [E, N, K], seg_indptr)``: per-expert ``x @ w[e].T`` over row segments."""
 
 grouped_gemm_swiglu = define_canonical(
-    "grouped_gemm_swiglu", "(Tensor x, Tensor w13, Tensor seg_indptr) -> Tensor", grouped_gemm_swiglu_ref,
+    "grouped_gemm_swiglu", f"(Tensor x, Tensor w13, Tensor seg_indptr, {ACT_SCHEMA}) -> Tensor",
+    grouped_gemm_swiglu_ref,
     fake=grouped_gemm_swiglu_fake, traceable=grouped_gemm_traceable)
-"""``grouped_gemm_swiglu(x, w13 [E, 2I, H], seg_indptr)``: ``silu(gate) * up`` of the gate|up grouped GEMM."""
+"""``grouped_gemm_swiglu(x, w13 [E, 2I, H], seg_indptr, act=...)``: the gated activation (default
+``silu(gate) * up``) of the gate|up grouped GEMM."""
 
 moe_experts = define_canonical(
     "moe_experts",
-    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, ScalarType? out_dtype) -> Tensor",
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor w2, ScalarType? out_dtype, "
+    f"{ACT_SCHEMA}) -> Tensor",
     moe_experts_ref, block=True, stages=("moe_permute", "grouped_gemm_swiglu", "grouped_gemm", "moe_unpermute"))
 """The routed-expert block; expanded into the four stage ops above before lowering."""

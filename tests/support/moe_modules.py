@@ -154,3 +154,149 @@ def compile_routed_case(t: int, device: str, **options: Any) -> tuple[torch.Tens
     with torch.no_grad():
         ref = mod(*inputs)
     return compile_and_run(mod, *inputs, **options), ref
+
+
+# --------------------------------------------------------------------------- HF experts with other gates
+class HFExperts(torch.nn.Module):
+    """An experts module with the attributes transformers' experts functions read (``gate_up_proj`` [E, 2I, H],
+    ``down_proj`` [E, H, I]), run through its ``grouped_mm`` or ``batched_mm`` function, so the traced code is
+    HF's; subclasses override ``_apply_gate`` as the models do (transformers 5.24)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16,
+                 impl: str = "grouped_mm", scale: float = 1.0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.num_experts, self.impl = num_experts, impl
+        self.gate_up_proj = torch.nn.Parameter(
+            (scale * torch.randn(num_experts, 2 * inter, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.down_proj = torch.nn.Parameter((torch.randn(num_experts, hidden, inter, generator=g) / inter**0.5).to(dtype))
+        self.act_fn = torch.nn.SiLU()
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.has_post_expert_norm, self._is_expert_parallel = False, False
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        from transformers.integrations import moe as hf_moe
+
+        fn = {"grouped_mm": hf_moe.grouped_mm_experts_forward, "batched_mm": hf_moe.batched_mm_experts_forward}
+        return fn[self.impl](self, x, topk_ids, topk_weights)
+
+
+class ClampedSwiGLU(HFExperts):
+    """DeepSeek-V4 / GLM-5-Next / HY-V4: both halves clamped by ``swiglu_limit``, then SwiGLU."""
+
+    limit = 0.75
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return self.act_fn(gate) * up
+
+
+class ClampedAfterSiLU(HFExperts):
+    """Step-3.7: the SiLU output clamped (max), the up half clamped both ways (``inf`` on unclamped layers)."""
+
+    limit = 0.5
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = self.act_fn(gate).clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * up
+
+
+class Fp32SwiGLU(HFExperts):
+    """Beam: SwiGLU in fp32, cast back before the down projection."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (self.act_fn(gate.float()) * up.float()).to(gate.dtype)
+
+
+class SoftcappedSwiGLU(HFExperts):
+    """Inkling-2: ``softcap(g) * sigmoid(g) * softcap(u)`` in fp32, ``softcap(v) = tanh(v / c) * c``."""
+
+    gate_cap, up_cap = 0.5, 0.8
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        dtype = gate.dtype
+        gate, up = gate.float(), up.float()
+        capped_gate = torch.tanh(gate / self.gate_cap) * self.gate_cap
+        return (capped_gate * torch.sigmoid(gate) * (torch.tanh(up / self.up_cap) * self.up_cap)).to(dtype)
+
+
+class AsymmetricClamp(ClampedSwiGLU):
+    """Look-alike: the up half clamped to ``[-L/2, L]`` (not one limit)."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act_fn(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit / 2, max=self.limit)
+
+
+class Fp64Up(Fp32SwiGLU):
+    """Look-alike: the up half upcast to fp64, not fp32 (another rounding of the product)."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return (self.act_fn(gate.float()) * up.double()).to(gate.dtype)
+
+
+class MiscappedSwiGLU(SoftcappedSwiGLU):
+    """Look-alike: ``tanh(g / c) * 2c`` (the scale is not the cap)."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        dtype = gate.dtype
+        gate, up = gate.float(), up.float()
+        capped_gate = torch.tanh(gate / self.gate_cap) * (2 * self.gate_cap)
+        return (capped_gate * torch.sigmoid(gate) * (torch.tanh(up / self.up_cap) * self.up_cap)).to(dtype)
+
+
+GATED = {"silu_clamp": ClampedSwiGLU, "silu_clamp_post": ClampedAfterSiLU, "silu_fp32": Fp32SwiGLU,
+         "softcap_fp32": SoftcappedSwiGLU}
+"""The gated activations of ``ep_fuse.ops.moe.ACTS`` besides plain SwiGLU, by name."""
+
+
+class RoutedBlock(torch.nn.Module):
+    """A MoE block around :class:`HFExperts`-style experts: softmax top-k router, then one of the layouts of
+    the 5.24 models: ``scaled`` (Beam / Laguna / Step-3.7: ``routed_scaling_factor`` on the experts' output,
+    then an RMSNorm), ``parallel`` (a dense SwiGLU MLP on the same normed input, summed with the MoE branch),
+    ``shared_bmm`` (Inkling: shared experts as 3-D ``[S, I, H]`` tensors run with ``bmm``, summed)."""
+
+    def __init__(self, experts: torch.nn.Module, hidden: int, layout: str, top_k: int = 2) -> None:
+        super().__init__()
+        dtype = experts.down_proj.dtype
+        g = torch.Generator().manual_seed(5)
+        self.experts, self.layout, self.top_k = experts, layout, top_k
+        self.router = torch.nn.Parameter(torch.randn(experts.num_experts, hidden, generator=g).to(dtype))
+        self.norm_w = torch.nn.Parameter(torch.ones(hidden, dtype=dtype))
+        self.scale = 2.5
+        s, i = 2, 16
+        self.dense = torch.nn.Parameter((torch.randn(3, i, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.shared_gate = torch.nn.Parameter((torch.randn(s, i, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.shared_up = torch.nn.Parameter((torch.randn(s, i, hidden, generator=g) / hidden**0.5).to(dtype))
+        self.shared_down = torch.nn.Parameter((torch.randn(s, hidden, i, generator=g) / i**0.5).to(dtype))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        v = x.float()
+        return self.norm_w * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = F.linear(x, self.router).float().softmax(-1).topk(self.top_k)
+        w = (w / w.sum(-1, keepdim=True)).to(x.dtype)
+        if self.layout == "scaled":
+            return self._norm(self.experts(x, ids, w) * self.scale)
+        if self.layout == "parallel":
+            h = self._norm(x)
+            dense = F.linear(F.silu(F.linear(h, self.dense[0])) * F.linear(h, self.dense[1]), self.dense[2].T)
+            return x + dense + self.experts(h, ids, w)
+        hs = x.reshape(1, -1, x.shape[-1]).expand(self.shared_gate.shape[0], -1, -1)
+        gate = torch.bmm(hs, self.shared_gate.transpose(1, 2))
+        up = torch.bmm(hs, self.shared_up.transpose(1, 2))
+        shared = torch.bmm(F.silu(gate) * up, self.shared_down.transpose(1, 2)).float().sum(0).to(x.dtype)
+        return self.experts(x, ids, w) + shared

@@ -33,7 +33,8 @@ against ``tests/support/npu_double.py``: ``docs/npu.md``):
   allows for this case ("支持weight转置") and which avoids holding the expert weights twice.
 * **SwiGLU** -- ``npu_swiglu(h, dim=-1)`` = silu(A)·B, A (gate) first: fp32 inside, rounded once;
   the HF/reference order rounds ``silu(gate)`` before the multiply, so results differ by about one
-  bf16/fp16 ulp.
+  bf16/fp16 ulp; for ``act="silu_fp32"`` (Beam) it is the reference's rounding. Other activations
+  (:data:`NPU_ACTS`: clamped, soft-capped) are declined.
 * **unpermute** -- ``npu_moe_finalize_routing(y, None, None, None, scales, src2dst_i32, None,
   drop_pad_mode=2)`` (row-major ``n*K+k``; modes 0/1 are column-major ``k*N+n``). Dropless modes
   document indices in ``[0, N*K-1]`` only, so invalid slots point at row ``S-1`` with scale 0
@@ -209,10 +210,20 @@ def gemm_supports(args: tuple[Any, ...]) -> str | None:
     return _gemm_reason(*args)
 
 
+NPU_ACTS = ("silu", "silu_fp32")
+"""The gated activations ``npu_swiglu`` computes: SwiGLU (fp32 inside, rounded once: about one ulp from the
+reference's rounded ``silu(gate)``) and Beam's fp32 SwiGLU, which rounds exactly so. The clamped forms have no
+torch_npu op that clamps the halves before (or the SiLU after) the product, and no torch_npu op soft-caps them:
+declined (the reference runs)."""
+
+
 def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
-    reason = _gemm_reason(*args)
+    reason = _gemm_reason(*args[:3])
     if reason is None and args[1].shape[1] % 2:
         reason = "odd gate|up width (npu_swiglu splits the last dim in two halves)"
+    act = args[3] if len(args) > 3 else "silu"
+    if reason is None and act not in NPU_ACTS:
+        reason = f"act={act}: npu_swiglu computes plain SwiGLU only (no clamp or soft cap of the halves)"
     return reason
 
 
@@ -227,7 +238,11 @@ def grouped_gemm_kernel(x: torch.Tensor, w: torch.Tensor, seg_indptr: torch.Tens
     return _zero_tail(_grouped_matmul(x, w, seg_indptr), seg_indptr)
 
 
-def grouped_gemm_swiglu_kernel(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_swiglu_kernel(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor, act: str = "silu",
+                               limit: float | None = None, gate_cap: float | None = None,
+                               up_cap: float | None = None) -> torch.Tensor:
+    if act not in NPU_ACTS:
+        raise ValueError(f"ep_fuse: npu grouped_gemm_swiglu: act={act} is declined (gemm_swiglu_supports)")
     h = _grouped_matmul(x, w13, seg_indptr)
     return _zero_tail(torch_npu().npu_swiglu(h, dim=-1), seg_indptr)  # mask the narrower [S, I] output
 

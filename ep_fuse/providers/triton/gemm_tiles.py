@@ -3,7 +3,8 @@
 A tile config (:class:`GemmConfig`), operand pointers, K-slice loads and the K loop
 (:func:`accumulate`) for ``dot(x, w.T)`` with unit-stride K (optionally swapped, ``dot(w, x.T)``, so
 weight rows fill the MMA's M dimension when there are few rows of x), bf16/fp16/fp32 or int8, and the
-SwiGLU epilogue rounded as the unfused model rounds.
+SwiGLU epilogue rounded as the unfused model rounds (and :func:`gated_rounded`, its clamped / fp32 / soft-capped
+variants).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ep_fuse.providers.triton.jit_helpers import round_as
 
@@ -41,6 +43,52 @@ def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr)
     u = round_as(acc_u, CODE, EMULATE_RTNE)
     act = round_as(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
     return round_as(act * u, CODE, EMULATE_RTNE)
+
+
+ACT_CODES = {"silu": 0, "silu_clamp": 1, "silu_clamp_post": 2, "silu_fp32": 3, "softcap_fp32": 4}
+"""The ``ACT`` constexpr of :func:`gated_rounded` for each activation of ``ep_fuse.ops.moe.ACTS``."""
+
+
+@triton.jit
+def _tanh(x, LIBDEVICE: tl.constexpr):
+    """fp32 tanh: libdevice on a GPU; ``1 - 2 / (exp(2x) + 1)`` under the interpreter (no libdevice there)."""
+    if LIBDEVICE:
+        return libdevice.tanh(x)
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def gated_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, ACT: tl.constexpr,
+                  LIMIT, CAP_G, CAP_U, LIBDEVICE: tl.constexpr):
+    """The gated activation ``ACT`` (:data:`ACT_CODES`) of fp32 GEMM accumulators, in the models' op order and
+    rounded where they round (``ep_fuse.ops.moe``): each GEMM output to the input dtype first; the clamped
+    forms round each clamp, silu and the product; the fp32 forms round once at the end. ``CAP_G`` / ``CAP_U``
+    <= 0: no soft cap on that half."""
+    g = round_as(acc_g, CODE, EMULATE_RTNE)
+    u = round_as(acc_u, CODE, EMULATE_RTNE)
+    if ACT == 0:
+        act = round_as(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
+        y = round_as(act * u, CODE, EMULATE_RTNE)
+    elif ACT == 1:
+        g = round_as(tl.minimum(g, LIMIT), CODE, EMULATE_RTNE)
+        u = round_as(tl.minimum(tl.maximum(u, -LIMIT), LIMIT), CODE, EMULATE_RTNE)
+        act = round_as(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
+        y = round_as(act * u, CODE, EMULATE_RTNE)
+    elif ACT == 2:
+        act = round_as(g / (1.0 + tl.exp(-g)), CODE, EMULATE_RTNE)
+        act = round_as(tl.minimum(act, LIMIT), CODE, EMULATE_RTNE)
+        u = round_as(tl.minimum(tl.maximum(u, -LIMIT), LIMIT), CODE, EMULATE_RTNE)
+        y = round_as(act * u, CODE, EMULATE_RTNE)
+    elif ACT == 3:
+        y = round_as(g / (1.0 + tl.exp(-g)) * u, CODE, EMULATE_RTNE)
+    else:
+        cg = tl.where(CAP_G > 0, CAP_G, 1.0)
+        cu = tl.where(CAP_U > 0, CAP_U, 1.0)
+        a = tl.where(CAP_G > 0, _tanh(g / cg, LIBDEVICE) * cg, g)
+        b = 1.0 / (1.0 + tl.exp(-g))
+        c = tl.where(CAP_U > 0, _tanh(u / cu, LIBDEVICE) * cu, u)
+        y = round_as(a * b * c, CODE, EMULATE_RTNE)
+    return y
 
 
 @triton.jit

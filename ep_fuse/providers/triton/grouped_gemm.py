@@ -81,44 +81,69 @@ def check_grouped_gemm_call(args: tuple[Any, ...]) -> str | None:
     return expert_weight_limits(w)
 
 
+def act_variant(act: tuple) -> str | None:
+    """The kernel variant name (:data:`~ep_fuse.providers.triton.unverified.UNVERIFIED_ON_GPU`) of a gated
+    activation other than plain SwiGLU (``act``: the call's trailing ``(name, limit, gate_cap, up_cap)``)."""
+    from ep_fuse.ops.moe import act_args, full_act  # ops: below the provider
+
+    rest = act_args(*full_act(act))
+    return f"grouped_gemm_swiglu:{rest[0]}" if rest else None
+
+
 def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
-    """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows)."""
-    reason = check_grouped_gemm_call(args)
+    """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows), with the call's
+    gated activation (a variant other than SwiGLU is declined on CUDA until its GPU check has run)."""
+    from ep_fuse.ops.moe import act_problem, full_act
+
+    reason = check_grouped_gemm_call(args[:3])
     if reason is None and not known(args[1].shape[1] % 2 == 0):
         return "w13 has an odd number of rows (not gate|up halves)"
+    act = full_act(tuple(args[3:]))
+    variant = act_variant(act)
+    if reason is None and variant is not None:
+        reason = act_problem(*act) or gpu_unverified(variant, args[0])
     return reason
 
 
-def tma_declined(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False) -> str | None:
-    """Why this call (``swiglu``: of ``grouped_gemm_swiglu``, ``w`` = [E, 2I, K]) does not take the TMA kernel
-    (``None``: it does)."""
+def tma_declined(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False,
+                 act: tuple = ()) -> str | None:
+    """Why this call (``swiglu``: of ``grouped_gemm_swiglu``, ``w`` = [E, 2I, K], with the gated activation
+    ``act``) does not take the TMA kernel (``None``: it does)."""
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import tma_unsupported  # imports triton
 
+    if act_variant(act) is not None:
+        return f"{act_variant(act)}: the TMA kernel's epilogue is plain SwiGLU"
     return (grouped_gemm_tma_rule(x, w, swiglu) or gpu_unverified(TMA_VARIANT, x)
             or tma_unsupported(x, w, traced))
 
 
-def kernel_variant(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False) -> str:
+def kernel_variant(x: torch.Tensor, w: torch.Tensor, traced: bool = False, swiglu: bool = False,
+                   act: tuple = ()) -> str:
     """``"tma"`` or ``"default"``: the kernel that runs this call."""
-    reason = tma_declined(x, w, traced, swiglu)
+    reason = tma_declined(x, w, traced, swiglu, act)
     if reason is not None:
         log.debug("grouped GEMM %s x %s: default kernel (%s)", tuple(x.shape), tuple(w.shape), reason)
         return "default"
     return "tma"
 
 
-def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor,
+def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, *act: Any,
                 wrap: Callable[[Any], Any] | None = None, variant: str | None = None,
                 config: Any = None) -> torch.Tensor:
     """Allocate the output and launch the grouped GEMM: ``variant`` (``None``: :func:`kernel_variant` chooses
-    from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``)."""
+    from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``); ``act``: the gated
+    activation's ``(name, limit, gate_cap, up_cap)`` (empty: SwiGLU)."""
+    from ep_fuse.ops.moe import full_act
+
+    act = full_act(tuple(act))
+    gated = act_variant(act) is not None
     n = w.shape[1] // 2 if swiglu else w.shape[1]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if known(x.shape[0] == 0) or known(n == 0):  # an unbacked 0 launches an empty grid
         return y
     if w.shape[0] == 0:  # no experts: every row is tail
         return y.zero_()
-    if (variant or kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu)) == "tma":
+    if (variant or kernel_variant(x, w, traced=wrap is not None, swiglu=swiglu, act=act)) == "tma" and not gated:
         # kernel modules import triton: on first launch
         from ep_fuse.providers.triton.grouped_gemm_tma_kernel import (
             launch_grouped_gemm_swiglu_tma,
@@ -130,18 +155,21 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
         from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm, launch_grouped_gemm_swiglu
 
         launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
-    launch(x, w, seg, y, config=config, wrap=wrap)
+    if gated:
+        launch(x, w, seg, y, config=config, wrap=wrap, act=act)
+    else:
+        launch(x, w, seg, y, config=config, wrap=wrap)
     return y
 
 
 def grouped_gemm_kernel(x, w, seg_indptr, wrap=None):
     """``ep_fuse_triton::grouped_gemm``."""
-    return run_grouped(False, x, w, seg_indptr, wrap)
+    return run_grouped(False, x, w, seg_indptr, wrap=wrap)
 
 
-def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, wrap=None):
+def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, act="silu", limit=None, gate_cap=None, up_cap=None, wrap=None):
     """``ep_fuse_triton::grouped_gemm_swiglu``."""
-    return run_grouped(True, x, w13, seg_indptr, wrap)
+    return run_grouped(True, x, w13, seg_indptr, act, limit, gate_cap, up_cap, wrap=wrap)
 
 
 GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = Threshold(

@@ -30,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ep_fuse.providers.triton.gemm_tiles import GemmConfig, accumulate, operand_ptrs, swiglu_rounded
+from ep_fuse.providers.triton.gemm_tiles import (
+    ACT_CODES,
+    GemmConfig,
+    accumulate,
+    gated_rounded,
+    operand_ptrs,
+    swiglu_rounded,
+)
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 MIN_BLOCK_E = 16
@@ -84,9 +91,11 @@ def _grouped_gemm_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BLOCK_E: tl.constexpr,
     SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SWIGLU: tl.constexpr, CODE: tl.constexpr,
     UPCAST_DOT: tl.constexpr, IEEE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+    ACT: tl.constexpr, LIMIT, CAP_G, CAP_U, LIBDEVICE: tl.constexpr,
 ):
     """``Y [M, N] = X @ W[e].T`` per segment; ``SWIGLU``: N is I, gate rows ``[n, n+BN)`` and up rows
-    ``[I+n, I+n+BN)`` of ``w13[e]`` share each ``X`` load and meet in the epilogue."""
+    ``[I+n, I+n+BN)`` of ``w13[e]`` share each ``X`` load and meet in the epilogue (``ACT``: the gated
+    activation, :data:`~ep_fuse.providers.triton.gemm_tiles.ACT_CODES`)."""
     tile, pid_n = work_item(M, N, E, BM, BN, GROUP_M)
     e, m_start, m_end, is_real = tile_rows(tile, SEG, M, E, BM, BLOCK_E)
     rm = m_start + tl.arange(0, BM)
@@ -98,7 +107,10 @@ def _grouped_gemm_kernel(
     num_k = tl.where(is_real, tl.cdiv(K, BK), 0)
     acc, acc_u = accumulate(xp, wp, up, rk, K, num_k, BM, BN, BK, SWAP_AB, EVEN_K, UPCAST_DOT, IEEE, SWIGLU, False)
     if SWIGLU:
-        y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+        if ACT == 0:
+            y = swiglu_rounded(acc, acc_u, CODE, EMULATE_RTNE)
+        else:
+            y = gated_rounded(acc, acc_u, CODE, EMULATE_RTNE, ACT, LIMIT, CAP_G, CAP_U, LIBDEVICE)
     else:
         y = round_as(acc, CODE, EMULATE_RTNE)
     mask = (rm < m_end)[:, None] & (rn < N)[None, :]
@@ -139,17 +151,20 @@ def block_e(e: int) -> int:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor, n: int, swiglu: bool,
-            cfg: GemmConfig, wrap: Callable[[Any], Any] | None) -> None:
+            cfg: GemmConfig, wrap: Callable[[Any], Any] | None, act: tuple = ()) -> None:
     m, k = x.shape
     e = w.shape[0]
     fn = wrap(_grouped_gemm_kernel) if wrap is not None else _grouped_gemm_kernel
     grid = (num_programs(m, n, e, cfg),)
+    name, limit, gate_cap, up_cap = act or ("silu", None, None, None)  # the gated activation (ep_fuse.ops.moe)
+    extra = dict(ACT=ACT_CODES[name], LIMIT=float(limit or 0.0), CAP_G=float(gate_cap or 0.0),
+                 CAP_U=float(up_cap or 0.0), LIBDEVICE=not INTERPRET)
     fn[grid](
         x, w, seg, y, m, n, k, e,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),
         BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m, BLOCK_E=block_e(e), SWAP_AB=cfg.swap_ab,
         EVEN_K=k % cfg.bk == 0, SWIGLU=swiglu, CODE=DTYPE_CODES[x.dtype], UPCAST_DOT=INTERPRET,
-        IEEE=x.dtype == torch.float32, EMULATE_RTNE=int(INTERPRET),
+        IEEE=x.dtype == torch.float32, EMULATE_RTNE=int(INTERPRET), **extra,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -165,9 +180,10 @@ def launch_grouped_gemm(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: 
 
 def launch_grouped_gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
                                config: GemmConfig | None = None,
-                               wrap: Callable[[Any], Any] | None = None) -> None:
-    """``y [M, I] = silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)`` per expert segment, zero tail."""
+                               wrap: Callable[[Any], Any] | None = None, act: tuple = ()) -> None:
+    """``y [M, I] = silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T)`` per expert segment, zero tail; ``act``
+    (``(name, limit, gate_cap, up_cap)``, empty for plain SwiGLU): another gated activation."""
     m, k = x.shape
     e, n = w13.shape[0], w13.shape[1] // 2
     cfg = config or config_for(m, n, k, e, swiglu=True)
-    _launch(x, w13, seg, y, n, True, cfg, wrap)
+    _launch(x, w13, seg, y, n, True, cfg, wrap, act)

@@ -25,6 +25,7 @@ from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.triton.grouped_gemm import (
     GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT,
     TMA_VARIANT,
+    act_variant,
     check_grouped_gemm_call,
     check_grouped_gemm_swiglu_call,
     grouped_gemm_kernel,
@@ -54,13 +55,13 @@ GROUPED_GEMM_MAX_ROWS_PER_EXPERT = Threshold(
 """Above this many rows per expert the provider declines under Inductor, unless the Hopper TMA kernel takes the call
 (:data:`~ep_fuse.providers.triton.grouped_gemm.GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT`)."""
 
-def _tma_takes(x: Any, w: Any, swiglu: bool = False) -> bool:
+def _tma_takes(x: Any, w: Any, swiglu: bool = False, act: tuple = ()) -> bool:
     """Whether a CUDA call on these (fake or real, static-size) tensors runs the TMA grouped GEMM."""
     from torch._subclasses.fake_tensor import is_fake  # private torch module: asked at use
 
     if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return False
-    return tma_declined(x, w, traced=is_fake(x), swiglu=swiglu) is None
+    return tma_declined(x, w, traced=is_fake(x), swiglu=swiglu, act=act) is None
 
 def _grouped_prefers(args: tuple[Any, ...], executor: str, swiglu: bool) -> str | AtRunTime | None:
     if executor != "inductor":  # eager torch._grouped_mm measured slower than the kernel at every size
@@ -71,7 +72,7 @@ def _grouped_prefers(args: tuple[Any, ...], executor: str, swiglu: bool) -> str 
         return AtRunTime(f"the kernel up to {GROUPED_GEMM_MAX_ROWS_PER_EXPERT} rows per expert (any size on the "
                          "TMA kernel), torch._grouped_mm above (bf16)")
     per_expert = rows / max(experts, 1)
-    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT and not _tma_takes(x, w, swiglu):
+    if per_expert > GROUPED_GEMM_MAX_ROWS_PER_EXPERT and not _tma_takes(x, w, swiglu, tuple(args[3:])):
         return (f"{per_expert:.0f} rows per expert: torch._grouped_mm measured faster above "
                 f"{GROUPED_GEMM_MAX_ROWS_PER_EXPERT} (0.82x at 205, 0.90x at 1536) and the TMA kernel does not "
                 "take this call")
@@ -87,7 +88,7 @@ def _grouped_at_run_time(args: tuple[Any, ...], swiglu: bool) -> str | None:
     x, w = args[0], args[1]
     per_expert = x.shape[0] / max(w.shape[0], 1)
     if (per_expert <= GROUPED_GEMM_MAX_ROWS_PER_EXPERT or not grouped_mm_supported(x, w)
-            or _tma_takes(x, w, swiglu)):
+            or _tma_takes(x, w, swiglu, tuple(args[3:]))):
         return None
     return f"{per_expert:.0f} rows per expert > {GROUPED_GEMM_MAX_ROWS_PER_EXPERT}: torch._grouped_mm"
 
@@ -112,17 +113,19 @@ def _grouped_reference(swiglu: bool) -> Run:
     ref = grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref
     return lambda args, wrap: ref(*args)
 
-def _grouped_tma_static(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> bool:
+def _grouped_tma_static(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple = ()) -> bool:
     """Whether the TMA kernel takes this call at every row count from its threshold on (static facts only:
-    dtype, GPU, strides, the column rule)."""
+    dtype, GPU, strides, the column rule, a plain SwiGLU epilogue)."""
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import tma_unsupported  # imports triton
 
-    return (grouped_gemm_tma_columns_rule(x, w, swiglu) is None and gpu_unverified(TMA_VARIANT, x) is None
+    return (act_variant(act) is None and grouped_gemm_tma_columns_rule(x, w, swiglu) is None
+            and gpu_unverified(TMA_VARIANT, x) is None
             and tma_unsupported(x, w, traced=True, rows_bounded=True) is None)
 
-def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> list[Branch]:
-    """The branches of ``grouped_gemm[_swiglu]_by_size`` on ``x`` [M, K] (symbolic M), ``w`` [E, N, K]: the
-    decisions of :func:`grouped_gemm_at_run_time` and of the kernel's
+def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple = ()) -> list[Branch]:
+    """The branches of ``grouped_gemm[_swiglu]_by_size`` on ``x`` [M, K] (symbolic M), ``w`` [E, N, K]
+    (``act``: the gated activation of a ``grouped_gemm_swiglu`` call): the decisions of
+    :func:`grouped_gemm_at_run_time` and of the kernel's
     ``config_for`` / :func:`~ep_fuse.providers.triton.grouped_gemm.kernel_variant`, as row bounds."""
     # kernel modules import triton: asked when a compile traces the branches
     from ep_fuse.providers.triton.grouped_gemm_kernel import DECODE_ROWS_PER_EXPERT, MID_ROWS_PER_EXPERT
@@ -136,11 +139,13 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool) -> list[Bra
     def kernel(rows: int) -> Run:
         return _grouped(swiglu, "default", default(rows, n, k, e, swiglu=swiglu))
 
+    if act_variant(act) is not None:  # one launch: cond's operands are tensors, the activation's are not
+        return [Branch("kernel (64-row tiles, gated activation)", None, kernel(mid))]
     branches = [Branch("kernel (decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, kernel(1)),
                 Branch("kernel (64-row tiles)", mid + 1, kernel(mid))]
     large = kernel(mid + 1)
     reference = Branch("torch._grouped_mm", None, _grouped_reference(swiglu))
-    if _grouped_tma_static(x, w, swiglu):
+    if _grouped_tma_static(x, w, swiglu, act):
         branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * e, large),
                      Branch("tma", ROWS_LIMIT, _grouped(swiglu, "tma", tma(0, n, k, e, swiglu=swiglu)))]
         branches.append(reference if grouped_mm_supported(x, w) else Branch("kernel (128-row tiles)", None, large))
@@ -158,4 +163,4 @@ register(ops.grouped_gemm, grouped_gemm_kernel, supports=check_grouped_gemm_call
          branches=(lambda x, w, seg: grouped_branches(x, w, False), lambda x: x.shape[0]))
 register(ops.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, supports=check_grouped_gemm_swiglu_call,
          prefers=grouped_gemm_swiglu_prefers, run_time=grouped_gemm_swiglu_at_run_time,
-         branches=(lambda x, w, seg: grouped_branches(x, w, True), lambda x: x.shape[0]))
+         branches=(lambda x, w, seg, *act: grouped_branches(x, w, True, tuple(act)), lambda x, *rest: x.shape[0]))

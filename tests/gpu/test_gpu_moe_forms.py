@@ -1,0 +1,69 @@
+"""GPU check of the grouped GEMM's gated-activation epilogues (``grouped_gemm_swiglu:<act>`` in
+``UNVERIFIED_ON_GPU``): the Triton kernel vs the canonical reference (``ep_fuse.ops.moe.grouped_gemm_swiglu_ref``)
+at decode and prefill sizes, bf16 and fp32, and each HF-style form compiled end to end (Inductor inlines the
+launch) vs eager. Passing clears the variants (remove them from ``UNVERIFIED_ON_GPU``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ACT_ARGS = {"silu_clamp": ("silu_clamp", 7.0, None, None), "silu_clamp_post": ("silu_clamp_post", 7.0, None, None),
+            "silu_fp32": ("silu_fp32", None, None, None), "softcap_fp32": ("softcap_fp32", None, 4.0, 25.0)}
+
+
+@pytest.fixture(autouse=True)
+def _cleared(monkeypatch):
+    monkeypatch.setenv("EP_FUSE_UNVERIFIED_KERNELS", "1")
+
+
+def _case(rows_per_expert: int, e: int, h: int, i: int, dtype: torch.dtype):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    counts = torch.full((e,), rows_per_expert, dtype=torch.int64, device="cuda")
+    counts[0] = 0  # an empty expert
+    seg = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    x = torch.randn(int(seg[-1]) + 5, h, generator=g, device="cuda").to(dtype)
+    w13 = (8 * torch.randn(e, 2 * i, h, generator=g, device="cuda") / h**0.5).to(dtype)
+    return x, w13, seg
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [2, 40, 200])
+@pytest.mark.parametrize("name", sorted(ACT_ARGS))
+def test_epilogue_matches_reference(name, rows, dtype):
+    from ep_fuse.ops.moe import grouped_gemm_swiglu_ref
+    from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_swiglu_kernel
+
+    x, w13, seg = _case(rows, 16, 512, 256, dtype)
+    out = grouped_gemm_swiglu_kernel(x, w13, seg, *ACT_ARGS[name])
+    ref = grouped_gemm_swiglu_ref(x.cpu(), w13.cpu(), seg.cpu(), *ACT_ARGS[name]).cuda()
+    end = int(seg[-1])
+    assert not out.isnan().any() and torch.equal(out[end:], torch.zeros_like(out[end:]))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("name", sorted(ACT_ARGS))
+def test_forms_compile_under_inductor(name, impl):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support.moe_modules import GATED
+
+    import ep_fuse
+
+    mod = GATED[name](8, 256, 128, impl=impl, scale=3.0).cuda()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 256, generator=g).bfloat16().cuda()
+    w, ids = torch.randn(64, 8, generator=g).softmax(-1).topk(2)
+    with torch.no_grad():
+        ref = mod(x, ids.cuda(), w.cuda())
+        out = torch.compile(mod, backend="ep_fuse")(x, ids.cuda(), w.cuda())
+    rep = ep_fuse.last_report()
+    assert rep.count("moe_experts") == 1
+    assert rep.matches[0].stages["grouped_gemm_swiglu"] == "triton"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())

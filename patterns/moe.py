@@ -42,7 +42,6 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ep_fuse import runtime
 from ep_fuse.fx_utils import tensor_val
 from ep_fuse.matching import Anchor, Cast, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
 from ep_fuse.matching.checks import (
@@ -372,8 +371,7 @@ def activation(m: Match) -> tuple[str, float | None, float | None, float | None]
 
 def activation_form(m: Match) -> str | None:
     """The clamp bounds are one limit (gate ``max=L``, up ``[-L, L]``), a soft cap multiplies by its own
-    divisor, the fp32 forms cast back to the activation dtype; and a non-SwiGLU activation is only fused
-    where no later pass rewrites the block without it (quant, EP)."""
+    divisor, the fp32 forms cast back to the activation dtype."""
     act, limit, gate_cap, up_cap = activation(m)
     x = tensor_val(m["x"])
     if "up_min" in m.bindings:
@@ -389,12 +387,6 @@ def activation_form(m: Match) -> str | None:
     if act in ("silu_fp32", "softcap_fp32") and m.get("act_dtype", torch.float32) != x.dtype:
         return (f"the fp32 activation is cast to {m.get('act_dtype', torch.float32)}, not back to the activation "
                 f"dtype {x.dtype}")
-    if act != "silu":
-        cfg = runtime.active_config()
-        if getattr(cfg, "quant", None) is not None:
-            return f"act={act}: the quant pass rewrites moe_experts with SwiGLU only"
-        if getattr(cfg, "ep_requested", False):
-            return f"act={act}: the EP pass rewrites moe_experts with SwiGLU only"
     return None
 
 

@@ -340,18 +340,22 @@ def test_gated_lookalikes_are_not_fused(cls_name, dtype, reason):
     assert torch.equal(out, ref)
 
 
-def test_gated_activation_is_not_fused_where_quant_would_drop_it():
+@pytest.mark.parametrize("quant", ["w8a8_int8", "fp8_block"])
+def test_gated_activation_stays_unquantized_under_quant(quant):
+    """The quantized expert blocks compute SwiGLU only: a clamped block is fused and kept in bf16, never rewritten
+    into a quantized block that would drop its clamp."""
     from support.moe_modules import ClampedSwiGLU
 
     mod = ClampedSwiGLU(4, 32, 16, scale=3.0)
     args = _gated_args(BF16)
     with torch.no_grad():
         ref = mod(*args)
-    out = compile_and_run(mod, *args, executor="eager", quant="w8a8_int8")
+    out = compile_and_run(mod, *args, executor="eager", quant=quant)
     rep = ep_fuse.last_report()
-    assert "moe_experts" not in rep.counts()
-    assert any("quant pass rewrites moe_experts with SwiGLU only" in m.explain() for m in rep.near_misses)
-    assert torch.equal(out, ref)
+    assert rep.counts().get("moe_experts") == 1, rep.summary()
+    stages = {s for m in rep.matches for s in m.stages}
+    assert not any("w8a8" in s or "fp8" in s for s in stages), stages
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
 
 
 # --------------------------------------------------------------------------- block layouts (transformers 5.24)

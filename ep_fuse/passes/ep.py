@@ -188,6 +188,7 @@ class ExpertParallel(GraphPass):
     def _rewrite(self, gm: fx.GraphModule, node: fx.Node, group: Any, world: int, ctx: PassContext) -> None:
         graph = gm.graph
         x, ids, w, w13, w2, out_dtype = (list(node.args) + [None] * 6)[:6]
+        activation = tuple(node.args[6:])  # (act, limit, gate_cap, up_cap) where not SwiGLU: kept as it is
         xv, idv, wv = val(x), val(ids), val(w)
         local = int(val(w13).shape[0])
         num_experts = world * local
@@ -202,7 +203,8 @@ class ExpertParallel(GraphPass):
             d = graph.call_function(ep_dispatch.op, (x, ids, w, *common))
             parts = [graph.call_function(operator.getitem, (d, i)) for i in range(4)]
             experts_dtype = out_dtype if layout == "rank" else xv.dtype
-            y = graph.call_function(moe_ops.moe_experts.op, (parts[0], parts[1], parts[2], w13, w2, experts_dtype))
+            y = graph.call_function(moe_ops.moe_experts.op,
+                                    (parts[0], parts[1], parts[2], w13, w2, experts_dtype, *activation))
             out = graph.call_function(ep_combine.op, (y, parts[3], ids, w, *common,
                                                       None if layout == "rank" else out_dtype))
         for n in (d, *parts, y, out):

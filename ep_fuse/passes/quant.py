@@ -69,7 +69,11 @@ class QuantizeExperts(GraphPass):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not block:
                 continue
-            x, ids, w, w13, w2, out_dtype = node.args
+            x, ids, w, w13, w2, out_dtype = node.args[:6]
+            if node.args[6:] and node.args[6] != "silu":  # the quantized blocks compute SwiGLU only
+                log.info("ep_fuse: quant=%s keeps the MoE block at %s unquantized: its activation is %r, the "
+                         "quantized experts compute SwiGLU only", ctx.config.quant, node.name, node.args[6])
+                continue
             with gm.graph.inserting_before(node):
                 if fp8:
                     align, align_block = fp8_layout(ctx, node, w13, w2)

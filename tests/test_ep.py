@@ -127,6 +127,26 @@ def sc_hf_mixtral_batched_mm(world):
     _hf_case("mixtral", torch.float32, impl="batched_mm")
 
 
+def sc_clamped_experts_keep_their_activation(world):
+    """A clamped-SwiGLU expert block (DeepSeek-V4 form) under EP: the local block keeps ``act`` and its limit."""
+    from support.moe_modules import ClampedSwiGLU, HFExperts
+
+    e = 2 * world
+    full = ClampedSwiGLU(e, 32, 16, dtype=torch.float32, scale=3.0)
+    x, ids, w = _routing(10, e, 2, seed=11 + dist.get_rank(), dtype=torch.float32)
+    with torch.no_grad():
+        ref = full(x, ids, w)
+        plain = HFExperts(e, 32, 16, dtype=torch.float32, scale=3.0)(x, ids, w)  # the same weights, no clamp
+    assert not torch.allclose(plain, ref, rtol=1e-3, atol=1e-3)  # the clamp matters on these inputs
+    model = ep_fuse.shard_experts(copy.deepcopy(full))
+    opts = ep_fuse.ep_options(model, backend="all_to_all", timeout_s=TIMEOUT_S)
+    with torch.no_grad():
+        out = _compile(model, **opts)(x, ids, w)
+    rep = ep_fuse.last_report()
+    assert len(_sites()) == 1 and rep.count("moe_experts") == 1, rep.summary()
+    _close(out, ref, 1e-4)
+
+
 def sc_hand_written_module(world):
     """tests/support/moe_modules.py ScatterAddCombine (matched by the pattern, not written as the canonical op)."""
     from support.moe_modules import ScatterAddCombine
@@ -526,7 +546,7 @@ def sc_fp8_dispatch_deepep(world):
         deepep.available.cache_clear()
 
 
-SCENARIOS_2 = [sc_fp8_dispatch, sc_fp8_dispatch_deepep, sc_structured_dispatch, sc_graph_shape,
+SCENARIOS_2 = [sc_clamped_experts_keep_their_activation, sc_fp8_dispatch, sc_fp8_dispatch_deepep, sc_structured_dispatch, sc_graph_shape,
                sc_block_data_dependent_and_capacity, sc_edge_routing,
                sc_hand_written_module, sc_hf_mixtral_bf16, sc_hf_qwen3_moe_fp32, sc_hf_deepseek_v3_fp32_capacity,
                sc_hf_mixtral_batched_mm, sc_opcheck, sc_deepep_double, sc_npu_double, sc_block_inductor, sc_errors,

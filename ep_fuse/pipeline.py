@@ -9,9 +9,10 @@ from typing import Any
 import torch.fx as fx
 
 from ep_fuse.catalog import all_pairs, all_patterns
-from ep_fuse.config import EpFuseConfig
+from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.dump import Dumper
 from ep_fuse.fx_utils import fake_mode_of, op_histogram
+from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.canonicalize import Canonicalize
@@ -56,6 +57,8 @@ def run_passes(
         ctx.current = None
         try:
             changes = p(gm, ctx)
+        except (EpError, ConfigError):  # what the user asked for cannot run: say so, as the docs promise
+            raise
         except Exception as exc:  # a failing pass must never break the compile: the graph as Dynamo gave it
             _restore(gm, backup, report, _where(p, ctx), exc)
             break

@@ -83,6 +83,19 @@ def test_a_failing_pass_leaves_the_dynamo_graph_and_warns_once(monkeypatch, capl
     assert len(warnings) == 1
 
 
+def test_a_configuration_error_still_raises(monkeypatch):
+    """An error that says what the user must change (EpError, ConfigError) is raised, not swallowed."""
+    from ep_fuse.ops.ep import EpError
+    from ep_fuse.passes.canonicalize import Canonicalize
+
+    def refuse(self, gm, ctx):
+        raise EpError("ep_fuse: the EP group cannot run this block")
+
+    monkeypatch.setattr(Canonicalize, "__call__", refuse)
+    with torch.no_grad(), pytest.raises(Exception, match="the EP group cannot run this block"):
+        torch.compile(Norm().eval(), backend="ep_fuse", options={"executor": "eager"})(torch.randn(3, 64))
+
+
 def test_a_graph_that_needs_gradients_says_why_nothing_is_fused(caplog):
     from ep_fuse import backend
 

@@ -12,7 +12,13 @@ from typing import Any
 
 from ep_fuse import runtime
 
-UNVERIFIED_ON_GPU: dict[str, str] = {}
+_NOT_ON_GPU = "not yet run on a GPU: tests/gpu/test_gpu_moe_gating_forms.py"
+UNVERIFIED_ON_GPU: dict[str, str] = {
+    "moe_gating:sqrt_softplus": _NOT_ON_GPU,  # DeepSeek-V4's sqrt(softplus) scores
+    "moe_gating:topk_bias": _NOT_ON_GPU,  # Kolibri-1: top-k of logits + bias, sigmoid of the chosen logits
+    "moe_gating:expert_scale": _NOT_ON_GPU,  # Gemma-4's per_expert_scale[ids]
+    "moe_gating:softmax_sum_top2_fill0": _NOT_ON_GPU,  # Mistral-4's group-limited softmax (groups > 1)
+}
 """``"<op>:<variant>" -> what it still lacks``. Cleared on 2026-11-30 after their ``tests/gpu/``
 checks passed on H200: the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``

@@ -31,6 +31,10 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.moe_gating` for its semantics)
 * ``topk_sigmoid`` (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``v, ids = topk(logits, K)``,
   ``sigmoid(v)`` in fp32, then the tail (``norm_topk_prob``: ``div(w, sum(w))``).
 
+* ``sigmoid_topk`` (Flint), ``sqrt_softplus_bias`` (DeepSeek-V4), ``softmax_group_sum_top2_fill0`` (Mistral-4;
+  one group becomes the ungrouped router), ``topk_bias_sigmoid`` (Kolibri-1); every tail also takes Gemma-4's
+  ``* per_expert_scale[ids]`` (canonical ``expert_scale``).
+
 The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
 in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
 tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no

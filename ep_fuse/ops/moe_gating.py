@@ -32,6 +32,15 @@ routers::
 | Ernie-4.5-MoE (renorm_clamp) | softmax | moe_statics bias | none | True | moe_norm_min | 1 | the activation dtype |
 | Granite-MoE, Cohere2-MoE | topk_softmax | - | none | False | 0 | 1 | the activation dtype |
 | Cohere2-MoE ``"sigmoid"`` | topk_sigmoid | - | none | norm_topk_prob | 0 | 1 | the activation dtype |
+| Kolibri-1 | topk_sigmoid | e_score_correction_bias | none | norm_topk_prob | 0 | 1 | None |
+| Flint | sigmoid | - | none | norm_topk_prob | 0 | 1 | None |
+| DeepSeek-V4 | sqrt_softplus | e_score_correction_bias | none | True | 1e-20 | routed_scaling_factor | None |
+| Mistral-4 / -Large-4 | softmax | - | sum_top2_fill0 (``none`` for one group) | True | 1e-20 | routed_scaling_factor | None |
+| Gemma-4 (+ ``expert_scale=per_expert_scale``) | softmax | - | none | True | 0 | 1 | None |
+
+``expert_scale`` (Gemma-4): ``weights * expert_scale[ids]`` after the renormalisation and ``scale``, before the cast
+(torch's promotion). ``topk_sigmoid`` with a bias (Kolibri-1): the top-k of ``logits + bias`` (torch's promotion),
+the sigmoid of the chosen *logits*.
 
 **``topk_sigmoid``** (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``values, ids = topk(logits, K)``,
 then ``sigmoid(values)`` (fp32 logits: the sigmoid must run in fp32), optionally renormalised. Sigmoid is

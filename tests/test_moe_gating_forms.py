@@ -627,3 +627,53 @@ def test_issue35_kernel_variants_are_checked_and_npu_declines(monkeypatch, torch
     rw, rids = moe_gating_stable_ref(*args)
     assert torch.equal(ids, rids)
     torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+
+
+HF_ROUTERS = {
+    # model: (config, router class, config kwargs, variant, fuses in a bf16 model)
+    "flint": ("FlintConfig", "FlintTopKRouter", dict(num_experts=8, num_experts_per_tok=2), "sigmoid_topk", True),
+    "kolibri1": ("Kolibri1Config", "Kolibri1TopKRouter", dict(num_experts=8, num_experts_per_tok=2),
+                 "topk_bias_sigmoid", True),
+    # V4's router GEMM runs in the model dtype: bf16 sqrt(softplus) scores are declined
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4TopKRouter", dict(num_local_experts=8, num_experts_per_tok=2),
+                    "sqrt_softplus_bias", False),
+    "mistral_large4": ("MistralLarge4TextConfig", "MistralLarge4TextTopkRouter",
+                       dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1),
+                       "softmax_group_sum_top2_fill0", True),
+    "gemma4": ("Gemma4TextConfig", "Gemma4TextRouter", dict(num_experts=8, top_k_experts=2), "softmax_topk", True),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_ROUTERS))
+def test_transformers_routers_fuse(name):
+    """The transformers 5.24 router classes themselves (router GEMM, and Gemma-4's norm·scale, inside the graph),
+    fp32 and bf16: one site each (bitwise the module through the reference provider), or the bf16 decline."""
+    import importlib
+
+    cfg_name, cls_name, kwargs, variant, bf16_fuses = HF_ROUTERS[name]
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    cfg = getattr(tf, cfg_name)(hidden_size=32, **kwargs)
+    router = getattr(module, cls_name)(cfg).eval()
+    with torch.no_grad():
+        for p in router.parameters():
+            p.normal_(0, 0.5) if p.dim() == 2 else p.copy_(torch.linspace(0.5, 1.5, p.numel()))
+
+    class Layer(nn.Module):  # the decoder layer keeps the weights and ids (Gemma-4 drops the probabilities)
+        def __init__(self):
+            super().__init__()
+            self.router = router
+
+        def forward(self, h):
+            out = self.router(h)
+            return out[-2], out[-1]
+
+    for dtype in (F32, BF16):
+        layer = Layer().to(dtype)
+        ref, out, rep = _run(layer, _logits(20, 32, seed=14, dtype=dtype, scale=1.0))
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        if dtype == BF16 and not bf16_fuses:
+            assert rep.count("moe_gating") == 0
+            text = "\n".join(m.explain() for m in rep.near_misses if "moe_gating" in m.explain())
+            assert "router scores computed in torch.bfloat16" in text, text
+        else:
+            assert rep.count("moe_gating", variant=variant) == 1, rep.summary()

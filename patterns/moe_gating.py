@@ -31,6 +31,10 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.moe_gating` for its semantics)
 * ``topk_sigmoid`` (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``v, ids = topk(logits, K)``,
   ``sigmoid(v)`` in fp32, then the tail (``norm_topk_prob``: ``div(w, sum(w))``).
 
+* ``sigmoid_topk`` (Flint), ``sqrt_softplus_bias`` (DeepSeek-V4), ``softmax_group_sum_top2_fill0`` (Mistral-4;
+  one group becomes the ungrouped router), ``topk_bias_sigmoid`` (Kolibri-1); every tail also takes Gemma-4's
+  ``* per_expert_scale[ids]`` (canonical ``expert_scale``).
+
 The ids are not on the weights' path in most forms (they are the other output of the same ``topk``);
 in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is the weights' and the ids'
 tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no
@@ -142,6 +146,8 @@ def _probs(kind: str) -> Any:
                       half_to_float=Lit(equals(True)), bind="probs"),
                    op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)),
                       bind="probs"))
+    if kind == "sqrt_softplus":  # DeepSeek-V4 ``scoring_func="sqrtsoftplus"``: softplus(beta=1, threshold=20)
+        return op(aten.sqrt.default, self=op(aten.softplus.default, self=logits), bind="probs")
     return op(aten.sigmoid.default, self=logits, bind="probs")
 
 
@@ -180,12 +186,20 @@ def _tail(w: Any) -> Any:
                 op(aten.clamp_min.default, self=total, min=Lit(is_number, bind="clamp_eps")), total)
     renormed = alt(op(aten.div.Tensor, self=w, other=denom, bind="renorm"), w)
     scaled = alt(op((aten.mul.Tensor, aten.mul.Scalar), self=renormed, other=Lit(is_number, bind="scale")), renormed)
+    # Gemma-4: ``w * per_expert_scale[ids]`` (the ids are checked to be the router's own: ``router_shapes``)
+    per_expert = op(aten.index.Tensor, self=Var("expert_scale", _bias_vector), indices=[Var("scale_ids", _int64_tensor)])
+    scaled = alt(op(aten.mul.Tensor, self=scaled, other=per_expert, commutative=("self", "other")), scaled)
     return Opt(Cast(scaled, dtype="weight_dtype"))
 
 
-def _softmax_topk() -> tuple[Any, Any]:
-    topk = _topk(_probs("softmax"), bind="topk")
+def _softmax_topk(kind: str = "softmax") -> tuple[Any, Any]:
+    topk = _topk(_probs(kind), bind="topk")
     return _tail(Item(topk, 0, bind="weights_raw")), Item(topk, 1)
+
+
+def _sigmoid_topk() -> tuple[Any, Any]:
+    """``w, ids = topk(sigmoid(logits), K)``, [renorm] (Flint: sigmoid scores, no bias)."""
+    return _softmax_topk("sigmoid")
 
 
 def _softmax_group_max() -> tuple[Any, Any]:
@@ -226,6 +240,16 @@ def _softmax_bias() -> tuple[Any, Any]:
     return _gathered("softmax", grouped=False)
 
 
+def _softmax_group_sum_top2_fill0() -> tuple[Any, Any]:
+    """Mistral-4 / Mistral-Large-4: softmax, group sum of top-2 (no bias), ``masked_fill(~mask, 0.0)``, gather."""
+    return _gathered("softmax", grouped=True, fill=_zero)
+
+
+def _sqrt_softplus_bias() -> tuple[Any, Any]:
+    """DeepSeek-V4: ``sqrt(softplus(logits))`` [+ bias], topk, gather, renorm, scale."""
+    return _gathered("sqrt_softplus", grouped=False)
+
+
 def _topk_softmax() -> tuple[Any, Any]:
     """``v, ids = topk(logits, K)``; ``[_to_copy](_softmax([_to_copy](v, f32), -1))`` (Granite-MoE, Cohere2-MoE)."""
     topk = _topk(Var("logits", _any_2d), bind="topk")
@@ -233,6 +257,18 @@ def _topk_softmax() -> tuple[Any, Any]:
     probs = op(aten._softmax.default, self=Opt(Cast(values, torch.float32)), dim=Lit(LAST_2D),
                half_to_float=Lit(equals(False)), bind="probs")
     return Opt(Cast(probs, dtype="weight_dtype")), Item(topk, 1)
+
+
+def _topk_bias_sigmoid() -> tuple[Any, Any]:
+    """Kolibri-1: ``ids = topk(logits + bias, K)[1]``, ``sigmoid(gather(logits, 1, ids))``, [renorm], [cast]."""
+    logits = Var("logits", _any_2d)
+    bias = alt(op(aten.unsqueeze.default, self=Var("bias", _bias_vector), dim=Lit(equals(0))),
+               Var("bias", _bias_vector))
+    sel = op(aten.add.Tensor, self=logits, other=bias, commutative=("self", "other"), bind="sel")
+    values = op(aten.gather.default, self=logits, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor),
+                bind="weights_raw")
+    probs = op(aten.sigmoid.default, self=Opt(Cast(values, torch.float32)), bind="probs")
+    return _tail(probs), Item(_topk(sel), 1)
 
 
 def _topk_sigmoid() -> tuple[Any, Any]:
@@ -272,6 +308,11 @@ def router_shapes(m: Match) -> str | tuple[Any, str] | None:
     w = tensor_val(m["weights_raw"])
     if w.dim() != 2 or not statically_known_true(w.shape[1] == k):
         return f"weights of shape {list(w.shape)} are not [T, {k}]"
+    if "expert_scale" in m.bindings:
+        if m["scale_ids"] is not m["ids"]:
+            return m["scale_ids"], "the per-expert scale is indexed by other ids than the router's top-k ids"
+        if not statically_known_true(tensor_val(m["expert_scale"]).shape[0] == e):
+            return m["expert_scale"], f"per-expert scale of shape {list(tensor_val(m['expert_scale']).shape)} is not [{e}]"
     return None
 
 
@@ -297,12 +338,16 @@ def whole_tail(m: Match) -> str | None:
     return None
 
 
+VARIANT_SCORES = {"topk_softmax": "topk_softmax", "topk_sigmoid": "topk_sigmoid", "topk_bias_sigmoid": "topk_sigmoid"}
+"""Variants whose canonical score is not read off the score node (a top-k of the logits first)."""
+
+
 def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
     """``topk_softmax``/``topk_sigmoid``: the score of the K values runs in fp32 (fp32 logits, or a cast first)."""
-    if m.pattern.variant not in TOPK_FIRST:
+    if m.pattern.variant not in VARIANT_SCORES:
         return None
     dtype = tensor_val(m["probs"]).dtype
-    fn = m.pattern.variant.removeprefix("topk_")
+    fn = VARIANT_SCORES[m.pattern.variant].removeprefix("topk_")
     if dtype != torch.float32:
         return m["probs"], (f"{fn} of the top-k values in {dtype}: eager rounds the weights to {dtype} inside "
                             f"the {fn}, which the fused providers (fp32 math) do not reproduce bitwise")
@@ -312,11 +357,12 @@ def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
 # --------------------------------------------------------------------------- replacement
 def _build(m: Match) -> Replacement:
     probs = m["probs"]
-    score = "softmax" if probs.target is aten._softmax.default else "sigmoid"
-    if m.pattern.variant in TOPK_FIRST:
-        score = m.pattern.variant
+    score = {aten._softmax.default: "softmax", aten.sqrt.default: "sqrt_softplus"}.get(probs.target, "sigmoid")
+    score = VARIANT_SCORES.get(m.pattern.variant, score)
     group_score, n_group, topk_group = "none", 1, 1
-    if "gscore" in m.bindings:
+    if "gscore" in m.bindings and int(m["group_view"][1]) > 1:
+        # one group (Mistral-Large-4, DeepSeek-V3 configs with n_group=1) keeps every expert: the mask is a no-op
+        # and the router is exactly the ungrouped one
         group_score = "sum_top2" if m["gscore"].target is aten.sum.dim_IntList else "max"
         if m.pattern.variant.endswith("_fill0"):
             group_score = "sum_top2_fill0"
@@ -325,8 +371,10 @@ def _build(m: Match) -> Replacement:
     args = (m["logits"], m.get("bias"), int(m["top_k"]), score, n_group, topk_group, group_score,
             "renorm" in m.bindings, float(m.get("clamp_eps" if clamp else "renorm_eps", 0.0)),
             float(m.get("scale", 1.0)), m.get("weight_dtype"))
-    if clamp:  # the schema's trailing ``renorm_clamp=False``: other calls keep their 11 arguments
-        args = (*args, True)
+    if clamp or "expert_scale" in m.bindings:  # the schema's trailing ``renorm_clamp=False, expert_scale=None``:
+        args = (*args, clamp)  # other calls keep their 11 arguments
+    if "expert_scale" in m.bindings:
+        args = (*args, m["expert_scale"])
     log.debug("ep_fuse: moe_gating%s at %s", args[2:], m.root.name)
     return Replacement(moe_gating_ops.moe_gating.op, args, ("root", "ids"))
 
@@ -360,8 +408,20 @@ def _topk_then_score(node: Any) -> bool:
     return False
 
 
+def _topk_of_biased_logits(node: Any) -> bool:
+    """A 2-D ``topk`` of ``logits + bias`` whose logits (or the sum: a look-alike) are also gathered into a
+    ``sigmoid`` (Kolibri-1)."""
+    sel = node.args[0]
+    if getattr(sel, "target", None) is not aten.add.Tensor or tensor_val(sel) is None or tensor_val(sel).dim() != 2:
+        return False
+    return any(g.target is aten.gather.default and any(u.target is aten.sigmoid.default or u.target in CAST_TARGETS
+                                                        for u in g.users)
+               for a in (sel, *sel.args) if hasattr(a, "users") for g in a.users)
+
+
 ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.default, _router_head),
-           Anchor(aten.topk.default, _topk_then_score))
+           Anchor(aten.sqrt.default, _router_head), Anchor(aten.topk.default, _topk_then_score),
+           Anchor(aten.topk.default, _topk_of_biased_logits))
 
 _FORMS = {
     "softmax_topk": (_softmax_topk, "softmax -> topk -> [renorm] [scale] [cast] (Mixtral, Qwen, DeepSeek-V2 greedy)"),
@@ -373,6 +433,12 @@ _FORMS = {
     "sigmoid_group_sum_top2_fill0": (_sigmoid_group_sum_top2_fill0,
                                      "as sigmoid_group_sum_top2 with masked_fill 0.0 (DeepSeek-V3 remote code)"),
     "topk_sigmoid": (_topk_sigmoid, "topk of the logits, sigmoid of the K values [renorm] (Cohere2-MoE sigmoid)"),
+    "sigmoid_topk": (_sigmoid_topk, "sigmoid -> topk -> [renorm] [scale] [cast] (Flint)"),
+    "sqrt_softplus_bias": (_sqrt_softplus_bias,
+                           "sqrt(softplus) [+ bias], topk, gather, renorm, scale (DeepSeek-V4, Inkling-2 sqrtsoftplus)"),
+    "softmax_group_sum_top2_fill0": (_softmax_group_sum_top2_fill0,
+                                     "softmax, group sum of top-2, masked_fill 0.0, topk, gather (Mistral-4)"),
+    "topk_bias_sigmoid": (_topk_bias_sigmoid, "topk of logits + bias, sigmoid of the chosen logits (Kolibri-1)"),
 }
 
 

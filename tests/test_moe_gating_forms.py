@@ -300,3 +300,380 @@ def test_new_kernel_variants_are_checked_and_npu_declines(monkeypatch):
     assert "0.0" in gating_supports((x, b, 2, "sigmoid", 4, 1, "sum_top2_fill0", True, 1e-20, 2.5, None))
     assert "clamp" in gating_supports((x, b, 2, "softmax", 1, 1, "none", True, 1e-12, 1.0, None, True))
     assert "score" in gating_supports((x, None, 2, "topk_sigmoid", 1, 1, "none", True, 0.0, 1.0, None))
+
+
+# --------------------------------------------------------------------------- issue 35: transformers 5.24 routers
+class SqrtSoftplusRouter(nn.Module):
+    """``DeepseekV4TopKRouter.forward`` after the router GEMM (``scoring_func="sqrtsoftplus"``; Inkling-2 with it).
+    ``beta2``: ``softplus(beta=2)``, a look-alike."""
+
+    def __init__(self, e=16, k=4, variant="ok"):
+        super().__init__()
+        self.e_score_correction_bias = nn.Buffer(torch.linspace(-0.05, 0.05, e))
+        self.k, self.variant = k, variant
+
+    def forward(self, logits):
+        scores = nn.functional.softplus(logits, beta=2.0 if self.variant == "beta2" else 1.0).sqrt()
+        indices = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * 1.5, indices
+
+
+class SigmoidTopkRouter(nn.Module):
+    """``FlintTopKRouter.forward`` after the router GEMM: sigmoid scores, no bias, top-k, ``norm_topk_prob``.
+    ``all_scores``: renormalised by the sum of every expert's score (a look-alike)."""
+
+    def __init__(self, k=2, norm=True, variant="ok"):
+        super().__init__()
+        self.k, self.norm, self.variant = k, norm, variant
+
+    def forward(self, router_logits):
+        scores = router_logits.sigmoid()
+        routing_weights, selected_experts = torch.topk(scores, self.k, dim=-1)
+        if self.variant == "all_scores":
+            routing_weights = routing_weights / scores.sum(dim=-1, keepdim=True)
+        elif self.norm:
+            routing_weights = routing_weights / routing_weights.sum(dim=-1, keepdim=True)
+        return router_logits, routing_weights, selected_experts
+
+
+class KolibriRouter(nn.Module):
+    """``Kolibri1TopKRouter.forward`` after the router GEMM: top-k of ``logits + bias``, sigmoid of the chosen
+    logits, optional ``norm_topk_prob``. ``biased_weights``: sigmoid of the chosen *biased* logits (a look-alike)."""
+
+    def __init__(self, e=8, k=2, norm=False, variant="ok"):
+        super().__init__()
+        self.e_score_correction_bias = nn.Buffer(torch.linspace(-0.5, 0.5, e))
+        self.k, self.norm, self.variant = k, norm, variant
+
+    def forward(self, router_logits):
+        biased = router_logits + self.e_score_correction_bias
+        router_indices = torch.topk(biased, self.k, dim=-1)[1]
+        src = biased if self.variant == "biased_weights" else router_logits
+        router_scores = src.gather(1, router_indices).sigmoid()
+        if self.norm:
+            router_scores = router_scores / router_scores.sum(dim=-1, keepdim=True)
+        return router_logits, router_scores, router_indices
+
+
+class MistralGroupRouter(nn.Module):
+    """``MistralLarge4TextTopkRouter.forward`` (= ``Mistral4TopkRouter`` with ``norm_topk_prob``) after the router
+    GEMM: softmax, group sum of top-2 with no bias, ``masked_fill(~mask, 0.0)``, top-k, gather, renorm, scale.
+    ``masked_weights``: weights gathered from the masked scores (a look-alike)."""
+
+    def __init__(self, e=16, n_group=1, topk_group=1, k=4, variant="ok"):
+        super().__init__()
+        self.num_experts, self.num_group, self.topk_group, self.top_k = e, n_group, topk_group, k
+        self.variant = variant
+
+    def forward(self, router_logits):
+        scores = router_logits.softmax(-1)
+        group_scores = (
+            scores.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(dim=-1)
+        )
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1)
+            .expand(-1, self.num_group, self.num_experts // self.num_group)
+            .reshape(-1, self.num_experts)
+        )
+        scores_for_choice = scores.masked_fill(~score_mask.bool(), 0.0)
+        topk_indices = torch.topk(scores_for_choice, k=self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = (scores_for_choice if self.variant == "masked_weights" else scores).gather(1, topk_indices)
+        denominator = topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+        topk_weights /= denominator
+        topk_weights = topk_weights * 2.83
+        return router_logits, topk_weights, topk_indices
+
+
+class GemmaRouter(nn.Module):
+    """``Gemma4TextRouter.forward`` (and DiffusionGemma's) after the norm·scale and the router GEMM: softmax in
+    fp32, top-k, renormalise, ``* per_expert_scale[top_k_index]``. ``other_ids``: the scale indexed by the ids in
+    reverse slot order (a look-alike)."""
+
+    def __init__(self, e=8, k=2, variant="ok"):
+        super().__init__()
+        self.per_expert_scale = nn.Parameter(torch.linspace(0.5, 1.5, e))
+        self.k, self.variant = k, variant
+
+    def forward(self, expert_scores):
+        router_probabilities = nn.functional.softmax(expert_scores, dim=-1, dtype=torch.float32)
+        top_k_weights, top_k_index = torch.topk(router_probabilities, k=self.k, dim=-1)
+        top_k_weights /= top_k_weights.sum(dim=-1, keepdim=True)
+        index = top_k_index.flip(-1) if self.variant == "other_ids" else top_k_index
+        top_k_weights = top_k_weights * self.per_expert_scale[index]
+        # the decoder layer drops the probabilities (``_, top_k_weights, top_k_index = self.router(...)``)
+        return expert_scores, top_k_weights, top_k_index
+
+
+UNSORTED = {"sqrt_softplus_bias", "softmax_group_sum_top2_fill0"}
+"""``topk(sorted=False)`` routers: the slots follow ``sorted=True`` (``ops/moe_gating.py``), so for K > 2 the
+renormalising sum runs in another order than the model's (weights within an ulp)."""
+
+
+def _route_equal(out, ref, exact=True, dtype=F32):
+    """(logits|probs, weights, ids): same ids per token as a set; weights bitwise (``exact``) or within tolerance."""
+    (_, w, ids), (_, rw, rids) = out, ref
+    o, ro = ids.argsort(-1), rids.argsort(-1)
+    assert torch.equal(ids.gather(1, o), rids.gather(1, ro))
+    assert w.dtype == rw.dtype and w.shape == rw.shape and w.stride() == rw.stride()
+    if exact == "ulp":
+        torch.testing.assert_close(w.gather(1, o), rw.gather(1, ro), rtol=1e-6, atol=0)
+    elif exact:
+        assert torch.equal(w.gather(1, o), rw.gather(1, ro))
+    else:
+        torch.testing.assert_close(w.gather(1, o).float(), rw.gather(1, ro).float(),
+                                   rtol=1e-6 if dtype == F32 else 8e-3, atol=1e-6)
+
+
+NEW_FORMS = {
+    # name: (module, logits [T, E] dtype, expected variant, canonical arguments after logits / before the tail)
+    "deepseek_v4": (lambda: SqrtSoftplusRouter(), 16, "sqrt_softplus_bias", "sqrt_softplus"),
+    "flint": (lambda: SigmoidTopkRouter(), 8, "sigmoid_topk", "sigmoid"),
+    "flint_no_norm": (lambda: SigmoidTopkRouter(norm=False), 8, "sigmoid_topk", "sigmoid"),
+    "kolibri": (lambda: KolibriRouter(), 8, "topk_bias_sigmoid", "topk_sigmoid"),
+    "kolibri_norm": (lambda: KolibriRouter(norm=True), 8, "topk_bias_sigmoid", "topk_sigmoid"),
+    "mistral_large4_one_group": (lambda: MistralGroupRouter(), 16, "softmax_group_sum_top2_fill0", "softmax"),
+    "mistral4_groups": (lambda: MistralGroupRouter(n_group=4, topk_group=2), 16, "softmax_group_sum_top2_fill0",
+                        "softmax"),
+    "gemma4": (lambda: GemmaRouter(), 8, "softmax_topk", "softmax"),
+}
+
+
+def _canonical_call(rep):
+    (m,) = _gating(rep)
+    return m
+
+
+@pytest.mark.parametrize("name", list(NEW_FORMS))
+def test_new_router_forms_fuse_exactly(name):
+    """Each transformers 5.24 router form: one ``moe_gating`` site, the reference provider bitwise the eager module
+    (weights, ids, dtype, strides), the Triton kernel (interpreter) the same experts and weights within fp32 ulps."""
+    make, e, variant, _score = NEW_FORMS[name]
+    mod = make()
+    x = _logits(40, e, seed=11)
+    ref, out, rep = _run(mod, x)
+    assert rep.count("moe_gating") == 1 and rep.count("moe_gating", variant=variant) == 1, rep.summary()
+    assert not [n for n in rep.near_misses if "moe_gating" in n.explain()], rep.summary()
+    assert torch.equal(out[0], ref[0])
+    _route_equal(out, ref, exact="ulp" if variant in UNSORTED else True)
+    torch._dynamo.reset()
+    _, kout, rep = _run(mod, x, **TRITON)
+    assert rep.count("moe_gating", provider="triton") == 1, rep.summary()
+    _route_equal(kout, ref, exact=False)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v4", "flint", "mistral_large4_one_group", "gemma4"])
+def test_new_router_forms_bf16_models(name):
+    """bf16 logits upcast before the score (the HF code's ``.float()`` / ``softmax(dtype=float32)``): the same
+    site, ids equal to eager, weights at bf16 tolerance. (Kolibri-1 computes fp32 logits in every model dtype;
+    a sigmoid of bf16 logits is a look-alike below.)"""
+    make, e, variant, _score = NEW_FORMS[name]
+    mod = make()
+    x = _logits(40, e, seed=12).to(BF16)
+    if name == "gemma4":
+        mod = mod.to(BF16)  # the per-expert scale in the model dtype: fp32 weights x bf16 scale -> fp32
+        fn = mod
+    else:
+        class Up(nn.Module):  # the upcast the HF routers write after their router GEMM
+            def __init__(self):
+                super().__init__()
+                self.inner = mod
+
+            def forward(self, logits):
+                return self.inner(logits.float())
+        fn = Up()
+    ref, out, rep = _run(fn, x)
+    assert rep.count("moe_gating", variant=variant) == 1, rep.summary()
+    _route_equal(out, ref, exact="ulp" if variant in UNSORTED else True)
+    torch._dynamo.reset()
+    _, kout, rep = _run(fn, x, **TRITON)
+    assert rep.count("moe_gating", provider="triton") == 1, rep.summary()
+    _route_equal(kout, ref, exact=False, dtype=BF16)
+
+
+def test_one_group_is_the_ungrouped_router(caplog):
+    """One group keeps every expert (the mask is a no-op): the call becomes the ungrouped router (the verified kernel
+    path, and one the NPU provider takes); with 4 groups the 0.0-filled group mask stays."""
+    import logging
+
+    calls = {}
+    for g, tg in ((1, 1), (4, 2)):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="ep_fuse.patterns"):
+            _run(MistralGroupRouter(n_group=g, topk_group=tg), _logits(8, 16, seed=1))
+        calls[g] = [r.getMessage() for r in caplog.records if "moe_gating(" in r.getMessage()]
+    assert calls[1] == ["ep_fuse: moe_gating(4, 'softmax', 1, 1, 'none', True, 1e-20, 2.83, None) at mul"], calls
+    assert calls[4] == ["ep_fuse: moe_gating(4, 'softmax', 4, 2, 'sum_top2_fill0', True, 1e-20, 2.83, None) at mul"]
+    x, b = _logits(64, 16, seed=2), torch.linspace(-0.1, 0.1, 16)
+    for score, bias in (("softmax", None), ("sigmoid", b)):
+        one = moe_gating_ref(x, bias, 4, score, 1, 1, "sum_top2", True, 1e-20, 2.83, None)
+        none = moe_gating_ref(x, bias, 4, score, 1, 1, "none", True, 1e-20, 2.83, None)
+        assert all(torch.equal(a, c) for a, c in zip(one, none))
+
+
+@pytest.mark.parametrize("mod, e, dtype, why", [
+    (SqrtSoftplusRouter(variant="beta2"), 16, F32,
+     "moe_gating[sqrt_softplus_bias]: failed at softplus: argument beta=2.0 differs from the default 1"),
+    (SigmoidTopkRouter(variant="all_scores"), 8, F32,
+     "moe_gating[sigmoid_topk]: failed at sigmoid: must be the same node as 'getitem' (weights_raw)"),
+    (KolibriRouter(variant="biased_weights"), 8, F32, "moe_gating[topk_bias_sigmoid]: failed at"),
+    (KolibriRouter(), 8, BF16, "moe_gating[topk_bias_sigmoid]: failed at sigmoid: guard softmax_in_fp32: sigmoid of "
+                               "the top-k values in torch.bfloat16"),
+    (MistralGroupRouter(n_group=4, topk_group=2, variant="masked_weights"), 16, F32,
+     "moe_gating[softmax_group_sum_top2_fill0]: failed at masked_fill: expected aten._softmax.default, "
+     "got aten.masked_fill.Scalar"),
+], ids=["softplus_beta2", "sigmoid_all_scores", "kolibri_biased_weights", "kolibri_bf16_logits",
+        "mistral_masked_weights"])
+def test_new_router_look_alikes_are_near_misses(mod, e, dtype, why):
+    ref, out, rep = _run(mod, _logits(12, e, seed=13, dtype=dtype))
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    assert rep.count("moe_gating") == 0, rep.summary()
+    text = "\n".join(m.explain() for m in rep.near_misses if "moe_gating" in m.explain())
+    assert why in text, text
+
+
+def test_gemma_scale_by_other_ids_stays_outside():
+    """``per_expert_scale`` indexed by other ids than the router's (guard ``router_shapes``): the router fuses up to
+    the renormalisation and the multiply by the scale stays an ATen op (bitwise the model)."""
+    ref, out, rep = _run(GemmaRouter(variant="other_ids"), _logits(12, 8, seed=13))
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    (m,) = _gating(rep)
+    assert m.variant == "softmax_topk" and m.root == "div" and not any(n.startswith("index") for n in m.nodes)
+    _, _, rep = _run(GemmaRouter(), _logits(12, 8, seed=13))
+    (m,) = _gating(rep)
+    assert any(n.startswith("index") for n in m.nodes), m.nodes
+
+
+@settings(max_examples=40, deadline=None)
+@given(t=st.integers(1, 24), form=st.sampled_from(["sqrt_softplus", "topk_bias", "expert_scale", "softmax_fill0"]),
+       ties=st.booleans(), renorm=st.booleans(), weight_dtype=st.sampled_from([None, BF16]),
+       seed=st.integers(0, 2**16))
+def test_triton_issue35_forms_match_the_stable_reference(t, form, ties, renorm, weight_dtype, seed):
+    """The new kernel variants (``unverified.py``) against the stable reference, exact ties included."""
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # few distinct logits and quarter biases: exact ties of the selection scores
+        x = torch.randint(-2, 3, (t, 16), generator=g).float() * 0.5
+        b = torch.randint(-2, 2, (16,), generator=g).float() * 0.25
+    else:
+        x = torch.randn(t, 16, generator=g) * 2
+        b = torch.randn(16, generator=g) * 0.1
+    s = torch.rand(16, generator=g) + 0.5
+    args = {"sqrt_softplus": (x, b, 3, "sqrt_softplus", 1, 1, "none", renorm, 1e-20, 1.5, weight_dtype),
+            "topk_bias": (x, b, 3, "topk_sigmoid", 1, 1, "none", renorm, 0.0, 1.0, weight_dtype),
+            "expert_scale": (x, None, 3, "softmax", 1, 1, "none", renorm, 0.0, 1.0, weight_dtype, False, s),
+            "softmax_fill0": (x, None, 3, "softmax", 4, 2, "sum_top2_fill0", renorm, 1e-20, 2.83, weight_dtype)}[form]
+    if form == "sqrt_softplus" and ties:
+        # exact ties only where the scores are exact in every implementation: logits 0 or 40 (softplus(40) = 40)
+        args = ((x > 0).float() * 40, *args[1:])
+    assert check_gating_call(args) is None
+    w, ids = moe_gating_kernel(*args)
+    rw, rids = moe_gating_stable_ref(*args)
+    assert torch.equal(ids, rids), "identical ids, exact ties included (lowest index first)"
+    torch.testing.assert_close(w.float(), rw.float(), rtol=2e-6 if weight_dtype is None else 8e-3, atol=1e-7)
+
+
+def test_sqrt_softplus_kernel_score_across_the_range():
+    """The kernel's ``sqrt(log1p(exp(x)))`` (and ``x`` above 20) against torch's softplus, from -80 to 60: the
+    scores that select and weigh, within a few fp32 ulps even where ``exp(x)`` is tiny."""
+    x = torch.linspace(-80, 60, 4096).view(256, 16)
+    w, ids = moe_gating_kernel(x, None, 16, "sqrt_softplus", 1, 1, "none", False, 0.0, 1.0, None)
+    ref = torch.nn.functional.softplus(x).sqrt().gather(1, ids)
+    torch.testing.assert_close(w, ref, rtol=4e-7, atol=0)
+
+
+def test_opcheck_issue35_arguments():
+    x, b, s = _logits(9, 16, seed=8), torch.linspace(-0.5, 0.2, 16), torch.linspace(0.5, 1.5, 16)
+    for args in [(x, b, 4, "sqrt_softplus", 1, 1, "none", True, 1e-20, 1.5, None),
+                 (x, b, 2, "topk_sigmoid", 1, 1, "none", False, 0.0, 1.0, None),
+                 (x, None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None, False, s.to(BF16)),
+                 (x, None, 4, "softmax", 4, 2, "sum_top2_fill0", True, 1e-20, 2.83, None)]:
+        torch.library.opcheck(torch.ops.ep_fuse.moe_gating.default, args)
+        torch.library.opcheck(torch.ops.ep_fuse_triton.moe_gating.default, args)
+
+
+def test_issue35_kernel_variants_are_checked_and_npu_declines(monkeypatch, torch_npu_double):
+    """Triton asks :func:`gpu_unverified` about each new variant (off on CUDA until
+    ``tests/gpu/test_gpu_moe_gating_forms.py`` has run); NPU takes the per-expert scale (a multiply after the op)
+    and declines what ``npu_moe_gating_top_k`` has no mode for: sqrt(softplus), a top-k of biased logits."""
+    import ep_fuse.providers.triton.moe_gating as triton_router
+    from ep_fuse.ops import choose
+    from ep_fuse.ops import moe_gating as moe_gating_ops
+    from ep_fuse.providers.npu import moe_gating as npu_router
+
+    asked = []
+    monkeypatch.setattr(triton_router, "gpu_unverified", lambda v, _t: asked.append(v))
+    x, b, s = _logits(33, 16, seed=1), torch.linspace(-0.2, 0.2, 16), torch.linspace(0.5, 1.5, 16)
+    calls = {"moe_gating:sqrt_softplus": (x, b, 2, "sqrt_softplus", 1, 1, "none", True, 1e-20, 1.5, None),
+             "moe_gating:topk_bias": (x, b, 2, "topk_sigmoid", 1, 1, "none", False, 0.0, 1.0, None),
+             "moe_gating:expert_scale": (x, None, 2, "softmax", 1, 1, "none", True, 0.0, 1.0, None, False, s),
+             "moe_gating:softmax_sum_top2_fill0": (x, None, 4, "softmax", 4, 2, "sum_top2_fill0", True, 1e-20, 2.83,
+                                                   None)}
+    for variant, args in calls.items():
+        asked.clear()
+        assert check_gating_call(args) is None and variant in asked, (variant, asked)
+    assert "bias rounds in torch.bfloat16" in check_gating_call((x.to(BF16), b.to(BF16), *calls[
+        "moe_gating:topk_bias"][2:]))
+    sup = npu_router.gating_supports
+    assert "no sqrt_softplus score" in sup(calls["moe_gating:sqrt_softplus"])
+    assert "no topk_sigmoid score" in sup(calls["moe_gating:topk_bias"])
+    assert "0.0" in sup(calls["moe_gating:softmax_sum_top2_fill0"])
+    args = calls["moe_gating:expert_scale"]
+    assert choose(moe_gating_ops.moe_gating, args, "npu").provider == "npu"
+    w, ids = npu_router.moe_gating_kernel(*args)
+    rw, rids = moe_gating_stable_ref(*args)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+
+
+HF_ROUTERS = {
+    # model: (config, router class, config kwargs, variant, fuses in a bf16 model)
+    "flint": ("FlintConfig", "FlintTopKRouter", dict(num_experts=8, num_experts_per_tok=2), "sigmoid_topk", True),
+    "kolibri1": ("Kolibri1Config", "Kolibri1TopKRouter", dict(num_experts=8, num_experts_per_tok=2),
+                 "topk_bias_sigmoid", True),
+    # V4's router GEMM runs in the model dtype: bf16 sqrt(softplus) scores are declined
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4TopKRouter", dict(num_local_experts=8, num_experts_per_tok=2),
+                    "sqrt_softplus_bias", False),
+    "mistral_large4": ("MistralLarge4TextConfig", "MistralLarge4TextTopkRouter",
+                       dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1),
+                       "softmax_group_sum_top2_fill0", True),
+    "gemma4": ("Gemma4TextConfig", "Gemma4TextRouter", dict(num_experts=8, top_k_experts=2), "softmax_topk", True),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_ROUTERS))
+def test_transformers_routers_fuse(name):
+    """The transformers 5.24 router classes themselves (router GEMM, and Gemma-4's norm·scale, inside the graph),
+    fp32 and bf16: one site each (bitwise the module through the reference provider), or the bf16 decline."""
+    import importlib
+
+    cfg_name, cls_name, kwargs, variant, bf16_fuses = HF_ROUTERS[name]
+    module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    cfg = getattr(tf, cfg_name)(hidden_size=32, **kwargs)
+    router = getattr(module, cls_name)(cfg).eval()
+    with torch.no_grad():
+        for p in router.parameters():
+            p.normal_(0, 0.5) if p.dim() == 2 else p.copy_(torch.linspace(0.5, 1.5, p.numel()))
+
+    class Layer(nn.Module):  # the decoder layer keeps the weights and ids (Gemma-4 drops the probabilities)
+        def __init__(self):
+            super().__init__()
+            self.router = router
+
+        def forward(self, h):
+            out = self.router(h)
+            return out[-2], out[-1]
+
+    for dtype in (F32, BF16):
+        layer = Layer().to(dtype)
+        ref, out, rep = _run(layer, _logits(20, 32, seed=14, dtype=dtype, scale=1.0))
+        assert all(torch.equal(a, b) for a, b in zip(out, ref))
+        if dtype == BF16 and not bf16_fuses:
+            assert rep.count("moe_gating") == 0
+            text = "\n".join(m.explain() for m in rep.near_misses if "moe_gating" in m.explain())
+            assert "router scores computed in torch.bfloat16" in text, text
+        else:
+            assert rep.count("moe_gating", variant=variant) == 1, rep.summary()

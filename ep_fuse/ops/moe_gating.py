@@ -32,6 +32,15 @@ routers::
 | Ernie-4.5-MoE (renorm_clamp) | softmax | moe_statics bias | none | True | moe_norm_min | 1 | the activation dtype |
 | Granite-MoE, Cohere2-MoE | topk_softmax | - | none | False | 0 | 1 | the activation dtype |
 | Cohere2-MoE ``"sigmoid"`` | topk_sigmoid | - | none | norm_topk_prob | 0 | 1 | the activation dtype |
+| Kolibri-1 | topk_sigmoid | e_score_correction_bias | none | norm_topk_prob | 0 | 1 | None |
+| Flint | sigmoid | - | none | norm_topk_prob | 0 | 1 | None |
+| DeepSeek-V4 | sqrt_softplus | e_score_correction_bias | none | True | 1e-20 | routed_scaling_factor | None |
+| Mistral-4 / -Large-4 | softmax | - | sum_top2_fill0 (``none`` for one group) | True | 1e-20 | routed_scaling_factor | None |
+| Gemma-4 (+ ``expert_scale=per_expert_scale``) | softmax | - | none | True | 0 | 1 | None |
+
+``expert_scale`` (Gemma-4): ``weights * expert_scale[ids]`` after the renormalisation and ``scale``, before the cast
+(torch's promotion). ``topk_sigmoid`` with a bias (Kolibri-1): the top-k of ``logits + bias`` (torch's promotion),
+the sigmoid of the chosen *logits*.
 
 **``topk_sigmoid``** (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``values, ids = topk(logits, K)``,
 then ``sigmoid(values)`` (fp32 logits: the sigmoid must run in fp32), optionally renormalised. Sigmoid is
@@ -88,7 +97,7 @@ import torch
 
 from ep_fuse.ops.registry import define_canonical
 
-SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
+SCORES = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid", "sqrt_softplus")
 GROUP_SCORES = ("none", "max", "sum_top2", "sum_top2_fill0")
 TOPK_FIRST = ("topk_softmax", "topk_sigmoid")
 """Scores computed on the K values the top-k of the logits selected."""
@@ -102,6 +111,7 @@ def check_gating_args(
     n_group: int,
     topk_group: int,
     group_score: str,
+    expert_scale: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` for arguments outside the op's contract."""
     if logits.dim() != 2:
@@ -122,14 +132,16 @@ def check_gating_args(
                              f"of which {topk_group} are kept")
         if group_score.startswith("sum_top2") and e // n_group < 2:
             raise ValueError("ep_fuse moe_gating: sum_top2 needs at least 2 experts per group")
-    if score in TOPK_FIRST and (bias is not None or group_score != "none"):
+    if score in TOPK_FIRST and (group_score != "none" or (bias is not None and score != "topk_sigmoid")):
         raise ValueError(f"ep_fuse moe_gating: score {score!r} (top-k of the logits, then the score of the K "
-                         f"values) takes no selection bias and no groups")
+                         f"values) takes no groups and, but for topk_sigmoid (Kolibri-1), no selection bias")
     if bias is not None and group_score == "max":
         raise ValueError("ep_fuse moe_gating: a selection bias with group_score='max' is not supported "
                          "(DeepSeek-V2's group-max router has none; masked experts would compete at 0.0)")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != e):
         raise ValueError(f"ep_fuse moe_gating: bias must be [E={e}], got {list(bias.shape)}")
+    if expert_scale is not None and (expert_scale.dim() != 1 or expert_scale.shape[0] != e):
+        raise ValueError(f"ep_fuse moe_gating: expert_scale must be [E={e}], got {list(expert_scale.shape)}")
 
 
 def stable_topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -171,21 +183,25 @@ def _gating(
     scale: float,
     weight_dtype: torch.dtype | None,
     renorm_clamp: bool,
+    expert_scale: torch.Tensor | None,
     stable: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+    check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale)
     if score in TOPK_FIRST:
-        # select on the logits in their own dtype, as the model does (an upcast is exact and keeps the order)
-        if stable:
-            ids = stable_topk_ids(logits, top_k)
+        # select on the logits in their own dtype, as the model does (an upcast is exact and keeps the order);
+        # with a bias (Kolibri-1) on ``logits + bias`` (torch's promotion), the values gathered from the logits
+        sel = logits if bias is None else logits + bias
+        if stable or bias is not None:
+            ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
             values = logits.gather(1, ids)
         else:
             values, ids = torch.topk(logits, top_k, dim=-1)
         values = values.to(torch.float32)
         weights = torch.softmax(values, dim=-1) if score == "topk_softmax" else torch.sigmoid(values)
-        return finish_weights(weights, renormalize, renorm_eps, scale, weight_dtype, renorm_clamp), ids
+        return finish_weights(weights, renormalize, renorm_eps, scale, weight_dtype, renorm_clamp,
+                              expert_scale, ids), ids
     x = logits.to(torch.float32)
-    probs = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
+    probs = scores_of(x, score)
     sel = probs + bias if bias is not None else probs
     src = probs
     if group_score != "none":
@@ -196,15 +212,25 @@ def _gating(
         else:  # DeepSeek-V3's remote code fills 0.0 (masked experts compete at 0.0), transformers 5 -inf
             sel = sel.masked_fill(~keep, 0.0 if group_score == "sum_top2_fill0" else float("-inf"))
     ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
-    return finish_weights(src.gather(1, ids), renormalize, renorm_eps, scale, weight_dtype, renorm_clamp), ids
+    return finish_weights(src.gather(1, ids), renormalize, renorm_eps, scale, weight_dtype, renorm_clamp,
+                          expert_scale, ids), ids
+
+
+def scores_of(x: torch.Tensor, score: str) -> torch.Tensor:
+    """The dense [T, E] score of fp32 logits: ``softmax``, ``sigmoid`` or ``sqrt(softplus(x))`` (DeepSeek-V4)."""
+    if score == "softmax":
+        return torch.softmax(x, dim=-1)
+    if score == "sqrt_softplus":
+        return torch.nn.functional.softplus(x).sqrt()
+    return torch.sigmoid(x)
 
 
 def finish_weights(
     weights: torch.Tensor, renormalize: bool, renorm_eps: float, scale: float, weight_dtype: torch.dtype | None,
-    renorm_clamp: bool = False,
+    renorm_clamp: bool = False, expert_scale: torch.Tensor | None = None, ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routers' tail in their op order: ``w / (sum(w) [+ eps])`` (``renorm_clamp``: ``w / clamp(sum(w),
-    min=eps)``), ``* scale``, one cast."""
+    min=eps)``), ``* scale``, ``* expert_scale[ids]`` (Gemma-4, torch's promotion), one cast."""
     if renormalize:
         denom = weights.sum(dim=-1, keepdim=True)
         if renorm_clamp:
@@ -214,6 +240,8 @@ def finish_weights(
         weights = weights / denom
     if scale != 1.0:
         weights = weights * scale
+    if expert_scale is not None:
+        weights = weights * expert_scale[ids]
     if weight_dtype is not None and weight_dtype != weights.dtype:
         weights = weights.to(weight_dtype)
     return weights
@@ -232,10 +260,11 @@ def moe_gating_ref(
     scale: float,
     weight_dtype: torch.dtype | None,
     renorm_clamp: bool = False,
+    expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, K], ids [T, K] int64)`` selected with ``torch.topk`` (the model's ties)."""
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                   scale, weight_dtype, renorm_clamp, stable=False)
+                   scale, weight_dtype, renorm_clamp, expert_scale, stable=False)
 
 
 def moe_gating_stable_ref(
@@ -251,17 +280,20 @@ def moe_gating_stable_ref(
     scale: float,
     weight_dtype: torch.dtype | None,
     renorm_clamp: bool = False,
+    expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused providers' contract: as :func:`moe_gating_ref` with stable, lowest-index-first ties."""
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                   scale, weight_dtype, renorm_clamp, stable=True)
+                   scale, weight_dtype, renorm_clamp, expert_scale, stable=True)
 
 
 MOE_GATING_SCHEMA = (
     "(Tensor logits, Tensor? bias, int top_k, str score, int n_group, int topk_group, str group_score, "
-    "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype, bool renorm_clamp=False) "
+    "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype, bool renorm_clamp=False, "
+    "Tensor? expert_scale=None) "
     "-> (Tensor, Tensor)"
 )
-"""``renorm_clamp`` (Ernie-4.5-MoE) is passed only when true: calls keep the 11 arguments otherwise."""
+"""``renorm_clamp`` (Ernie-4.5-MoE) and ``expert_scale`` (Gemma-4) are passed only when set: calls keep the 11
+arguments otherwise."""
 moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, moe_gating_ref)
 """``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.moe_gating`."""

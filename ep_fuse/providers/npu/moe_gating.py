@@ -40,14 +40,17 @@ NORM_TYPES = {"softmax": 0, "sigmoid": 1}
 def gating_supports(args: tuple[Any, ...]) -> str | None:
     """``None`` when ``npu_moe_gating_top_k`` (plus a division for softmax renorm) computes this call."""
     logits, bias, top_k, score, n_group, topk_group, group_score, renorm, _eps, _scale, weight_dtype = args[:11]
+    expert_scale = args[12] if len(args) > 12 else None
     if len(args) > 11 and args[11]:
         return "npu_moe_gating_top_k renormalises by sum + eps, not by clamp(sum, min=eps)"
     if group_score not in GROUP_SELECT_MODES:
         return f"npu_moe_gating_top_k has no {group_score} group mask (masked experts at 0.0, not -inf)"
-    if score not in NORM_TYPES:
+    if score in ops.TOPK_FIRST:
         return f"npu_moe_gating_top_k has no {score} score (a score of the K values a top-k of the logits selected)"
+    if score not in NORM_TYPES:
+        return f"npu_moe_gating_top_k has no {score} score (norm_type is softmax or sigmoid only)"
     try:
-        check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+        check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale)
     except ValueError as exc:
         return str(exc)
     e = concrete_int(logits.shape[1])
@@ -69,7 +72,7 @@ def gating_supports(args: tuple[Any, ...]) -> str | None:
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                      scale, weight_dtype, renorm_clamp=False):  # noqa: ANN001, ANN201 - schema-typed
+                      scale, weight_dtype, renorm_clamp=False, expert_scale=None):  # noqa: ANN001, ANN201
     """``ep_fuse_npu::moe_gating``."""
     divide_after = score == "softmax" and renormalize
     y, ids, _norm = torch_npu().npu_moe_gating_top_k(
@@ -77,9 +80,12 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
         k_group=int(topk_group), group_count=int(n_group), group_select_mode=GROUP_SELECT_MODES[group_score],
         renorm=0, norm_type=NORM_TYPES[score], out_flag=False,
         routed_scaling_factor=1.0 if divide_after else float(scale), eps=float(renorm_eps))
-    # softmax + renormalise: the op cannot renormalise softmax (renorm=0 only), so the tail runs here
-    y = finish_weights(y.to(torch.float32), divide_after, renorm_eps, scale if divide_after else 1.0, weight_dtype)
-    return y, ids.to(torch.int64)
+    # softmax + renormalise: the op cannot renormalise softmax (renorm=0 only), so the tail runs here, and
+    # Gemma-4's ``* per_expert_scale[ids]`` after it (the op's y is renormalised and scaled by then)
+    ids = ids.to(torch.int64)
+    y = finish_weights(y.to(torch.float32), divide_after, renorm_eps, scale if divide_after else 1.0, weight_dtype,
+                       expert_scale=expert_scale, ids=ids)
+    return y, ids
 
 
 register_provider(ops.moe_gating, "npu", moe_gating_kernel, devices=devices, available=available,

@@ -34,8 +34,9 @@ MAX_GROUPS = 64
 def check_gating_call(args: tuple[Any, ...]) -> str | None:
     """``None`` when the Triton kernel can run these ``moe_gating`` arguments, else why not."""
     logits, bias, top_k, score, n_group, topk_group, group_score, _renorm, _eps, _scale, weight_dtype = args[:11]
+    expert_scale = args[12] if len(args) > 12 else None
     try:
-        check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score)
+        check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale)
     except ValueError as exc:
         return str(exc)
     if logits.dtype not in LOGIT_DTYPES:
@@ -49,9 +50,18 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
         return "expert logits are not unit-stride"
     if bias is not None and (bias.dtype not in LOGIT_DTYPES or not statically_known_true(bias.stride(0) == 1)):
         return "bias is not a unit-stride floating vector"
+    if bias is not None and score in ops.TOPK_FIRST and torch.promote_types(logits.dtype, bias.dtype) != torch.float32:
+        return (f"selection on {logits.dtype} logits + {bias.dtype} bias rounds in "
+                f"{torch.promote_types(logits.dtype, bias.dtype)} (the kernel adds in fp32)")
+    if expert_scale is not None and (expert_scale.dtype not in LOGIT_DTYPES
+                                     or not statically_known_true(expert_scale.stride(0) == 1)):
+        return "expert_scale is not a unit-stride floating vector"
     if weight_dtype not in WEIGHT_DTYPES:
         return f"weight dtype {weight_dtype}"
-    variants = (score, group_score, *(("renorm_clamp",) if len(args) > 11 and args[11] else ()))
+    variants = (score, group_score, *(("renorm_clamp",) if len(args) > 11 and args[11] else ()),
+                *(("expert_scale",) if expert_scale is not None else ()),
+                *(("topk_bias",) if bias is not None and score in ops.TOPK_FIRST else ()),
+                *((f"{score}_{group_score}",) if score == "softmax" and group_score == "sum_top2_fill0" else ()))
     for variant in variants:  # each is a kernel variant of its own (unverified.py)
         reason = gpu_unverified(f"moe_gating:{variant}", logits)
         if reason is not None:
@@ -60,7 +70,8 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                      scale, weight_dtype, renorm_clamp=False, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
+                      scale, weight_dtype, renorm_clamp=False, expert_scale=None,
+                      wrap=None):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_triton::moe_gating``: ``(weights [T, K], ids [T, K] int64)``."""
     from ep_fuse.providers.triton.moe_gating_kernel import launch  # imports triton: on first launch
 
@@ -70,7 +81,7 @@ def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_sco
     if isinstance(t, int) and t == 0:
         return weights, ids
     launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize,
-           renorm_eps, scale, renorm_clamp=renorm_clamp, wrap=wrap)
+           renorm_eps, scale, renorm_clamp=renorm_clamp, expert_scale=expert_scale, wrap=wrap)
     return weights, ids
 
 

@@ -1,5 +1,6 @@
-"""Triton kernel for router gating: softmax/sigmoid/top-k-then-softmax/sigmoid, selection bias, group-limited top-k
-(masked experts at -inf or 0.0), renorm (``+ eps`` or ``clamp(min=eps)``), scale.
+"""Triton kernel for router gating: softmax/sigmoid/sqrt(softplus)/top-k-then-softmax/sigmoid, selection bias,
+group-limited top-k (masked experts at -inf or 0.0), renorm (``+ eps`` or ``clamp(min=eps)``), scale, per-expert
+scale.
 
 One program handles ``BLOCK_T`` tokens; a token's ``E`` logits sit in registers (``BLOCK_E`` =
 next power of two), are upcast to fp32 right after the load, and never leave the chip until the
@@ -17,7 +18,7 @@ import triton.language as tl
 
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store
 
-SCORES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sigmoid": 3}
+SCORES = {"softmax": 0, "sigmoid": 1, "topk_softmax": 2, "topk_sigmoid": 3, "sqrt_softplus": 4}
 GROUP_SCORES = {"none": 0, "max": 1, "sum_top2": 2, "sum_top2_fill0": 3}
 
 
@@ -31,12 +32,22 @@ def _argmax_lowest(vals, taken, cols, BIG: tl.constexpr):
 
 
 @triton.jit
+def _sqrt_softplus(x):
+    """``sqrt(softplus(x))`` as torch computes softplus (``x`` above 20, else ``log1p(exp(x))``); ``log1p`` by
+    Goldberg's ``u * log(1 + u) / ((1 + u) - 1)``, exact to a few ulps where ``1 + u`` rounds."""
+    u = tl.exp(tl.minimum(x, 20.0))
+    v = 1.0 + u
+    lp = tl.where(v == 1.0, u, tl.log(v) * (u / tl.where(v == 1.0, 1.0, v - 1.0)))
+    return tl.sqrt(tl.where(x > 20.0, x, lp))
+
+
+@triton.jit
 def _gating_kernel(
-    L, B, W, I, T, E, stride_l, eps, scale,
+    L, B, S, W, I, T, E, stride_l, eps, scale,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     SCORE: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr, N_GROUP: tl.constexpr,
     GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    RENORM: tl.constexpr, HAS_EPS: tl.constexpr, CLAMP: tl.constexpr, HAS_SCALE: tl.constexpr,
+    RENORM: tl.constexpr, HAS_EPS: tl.constexpr, CLAMP: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_ESCALE: tl.constexpr,
     OUT_CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -52,6 +63,8 @@ def _gating_kernel(
         p = ex / tl.sum(ex, axis=1)[:, None]
     elif SCORE == 1:
         p = 1.0 / (1.0 + tl.exp(-x))
+    elif SCORE == 4:
+        p = _sqrt_softplus(x)
     else:  # topk_softmax / topk_sigmoid: select on the logits, the score of the K values follows the top-k
         p = x
     sel = p
@@ -121,14 +134,16 @@ def _gating_kernel(
         w = w / total[:, None]
     if HAS_SCALE:
         w = w * scale
-    out = rows[:, None].to(tl.int64) * K + kcols
     omask = rmask[:, None] & (kcols < K)
+    if HAS_ESCALE:  # Gemma-4's ``per_expert_scale[ids]``, after the renormalisation and the scale
+        w = w * tl.load(S + ids, mask=omask, other=0.0).to(tl.float32)
+    out = rows[:, None].to(tl.int64) * K + kcols
     tl.store(W + out, for_store(w, OUT_CODE, EMULATE_RTNE), mask=omask)
     tl.store(I + out, ids, mask=omask)
 
 
 def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-           scale, renorm_clamp=False, wrap=None) -> None:  # noqa: ANN001 - tensors and schema scalars
+           scale, renorm_clamp=False, expert_scale=None, wrap=None) -> None:  # noqa: ANN001 - tensors, schema scalars
     """Launch the gating kernel writing ``weights`` and ``ids`` (both contiguous [T, K])."""
     t, e = logits.shape
     block_e = triton.next_power_of_2(int(e))
@@ -136,7 +151,8 @@ def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_
     kernel = wrap(_gating_kernel) if wrap is not None else _gating_kernel
     grouped = group_score != "none"
     kernel[(triton.cdiv(t, block_t),)](
-        logits, bias if bias is not None else logits, weights, ids, t, e, logits.stride(0),
+        logits, bias if bias is not None else logits, expert_scale if expert_scale is not None else logits,
+        weights, ids, t, e, logits.stride(0),
         float(renorm_eps), float(scale),
         K=int(top_k), BLOCK_K=triton.next_power_of_2(int(top_k)), BLOCK_T=block_t, BLOCK_E=block_e,
         SCORE=SCORES[score], HAS_BIAS=bias is not None, GROUP=GROUP_SCORES[group_score],
@@ -144,5 +160,6 @@ def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_
         TOPK_GROUP=int(topk_group) if grouped else 1,
         BLOCK_G=triton.next_power_of_2(int(n_group)) if grouped else 1,
         RENORM=bool(renormalize), HAS_EPS=float(renorm_eps) != 0.0, CLAMP=bool(renorm_clamp), HAS_SCALE=float(scale) != 1.0,
+        HAS_ESCALE=expert_scale is not None,
         OUT_CODE=DTYPE_CODES[weights.dtype], EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,
     )

@@ -69,7 +69,8 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
 }
 
 FAST = ('afmoe', 'dbrx', 'deepseek_v3', 'gpt_oss', 'inkling2_loop', 'jetmoe', 'mixtral', 'qwen3_moe', 'qwen3_next', 'zaya')
-"""Run by default (about 1.5 minutes on 2 CPU cores); the other families are ``-m slow``."""
+"""Run by default (52 s of sweep time measured on 2 shared CPU cores, plus start-up); the other families are
+``-m slow`` (deselect with ``-m "not slow"``)."""
 
 KNOWN_CRASHES = {"inkling2_loop": "Cannot view a tensor with shape"}
 """Families that crash under ``executor="inductor"`` (bf16): family -> a substring of the error. inkling2_loop: an

@@ -265,10 +265,22 @@ def build_tiny(family: str, dtype: torch.dtype, seed: int = 0) -> tuple[torch.nn
         except (ValueError, ImportError) as exc:  # no SDPA for this family
             last = exc
             continue
+        _randomize_zero_weights(model, seed)
         prepare(model)
         return model.eval(), attn
     assert last is not None
     raise last
+
+
+def _randomize_zero_weights(model: torch.nn.Module, seed: int) -> None:
+    """Give random values to the matrices a family's init leaves at zero (router gates: afmoe), so that routing is
+    not an exact tie everywhere: the order of tied experts is unspecified (``torch.topk`` and the stable kernels
+    break ties differently), which would make every family's comparison a coin toss instead of a check."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for _name, p in model.named_parameters():
+            if p.dim() >= 2 and p.is_floating_point() and not p.any():
+                p.copy_((torch.randn(p.shape, generator=g) / max(p.shape[-1], 1) ** 0.5).to(p.dtype))
 
 
 def example_inputs(batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, Any]:

@@ -397,15 +397,12 @@ def test_unverified_kernel_variants_decline_on_cuda_only(monkeypatch):
 
     cuda, cpu = SimpleNamespace(device=torch.device("cuda")), SimpleNamespace(device=torch.device("cpu"))
     monkeypatch.delenv(ENV, raising=False)
-    # every earlier variant passed its tests/gpu check on H200 (2026-11-30); the TMA kernels were also measured
-    # faster than what they replace (torch._grouped_mm; the one-tile-per-program FP8 kernel). Issue 35's router
-    # variants wait for tests/gpu/test_gpu_moe_gating_forms.py
-    assert {v for v in UNVERIFIED_ON_GPU if v.startswith("moe_gating:")} == {"moe_gating:sqrt_softplus", "moe_gating:topk_bias", "moe_gating:expert_scale",
-                                      "moe_gating:softmax_sum_top2_fill0"}
-    for variant in UNVERIFIED_ON_GPU:
-        assert "not cleared for GPUs" in gpu_unverified(variant, cuda) and gpu_unverified(variant, cpu) is None
+    # every variant passed its tests/gpu check (docs/benchmarks.md); the TMA kernels were also measured
+    # faster than what they replace (torch._grouped_mm; the one-tile-per-program FP8 kernel)
+    assert set(UNVERIFIED_ON_GPU) == set()
     for variant in ("moe_gating:softmax", "moe_gating:topk_softmax", "rope:rotate_pairs", "fp8:triton",
-                    "grouped_gemm:tma", "ep:fp8_dispatch", "fp8:tma"):
+                    "grouped_gemm:tma", "ep:fp8_dispatch", "fp8:tma", "moe_gating:sqrt_softplus",
+                    "rope:rotate_pairs_fp32", "grouped_gemm_swiglu:silu_clamp"):
         assert gpu_unverified(variant, cuda) is None
     # the mechanism, on a variant added to the list
     monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "op:new", "not run on a GPU")

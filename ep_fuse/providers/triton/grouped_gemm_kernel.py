@@ -23,6 +23,8 @@ product rounded again. Under the interpreter the dot operands are upcast (bf16 d
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 from typing import Any
 
@@ -154,6 +156,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor
             cfg: GemmConfig, wrap: Callable[[Any], Any] | None, act: tuple = ()) -> None:
     m, k = x.shape
     e = w.shape[0]
+    if x.element_size() == 4 and cfg.num_stages > 3 and not INTERPRET:
+        # fp32 operands: 4 stages of the 64-row tiles (3 buffered) need 240 KiB of shared memory, over the 227 KiB
+        # an SM has (OutOfResources on the GPU); 3 stages fit
+        cfg = dataclasses.replace(cfg, num_stages=3)
     fn = wrap(_grouped_gemm_kernel) if wrap is not None else _grouped_gemm_kernel
     grid = (num_programs(m, n, e, cfg),)
     name, limit, gate_cap, up_cap = act or ("silu", None, None, None)  # the gated activation (ep_fuse.ops.moe)

@@ -12,14 +12,7 @@ from typing import Any
 
 from ep_fuse import runtime
 
-UNVERIFIED_ON_GPU: dict[str, str] = {
-    "rope:rotate_pairs_fp32": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU",
-    **{f"grouped_gemm_swiglu:{act}": "tests/gpu/test_gpu_moe_forms.py has not run on a GPU"
-       for act in ("silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32")},
-    # the router forms of the MoE decoders transformers 5.24 added
-    **{f"moe_gating:{form}": "tests/gpu/test_gpu_moe_gating_forms.py has not run on a GPU"
-       for form in ("sqrt_softplus", "topk_bias", "expert_scale", "softmax_sum_top2_fill0")},
-}
+UNVERIFIED_ON_GPU: dict[str, str] = {}
 """``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
 (``docs/benchmarks.md`` says when and where): the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
@@ -29,7 +22,11 @@ measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma
 (``tests/gpu/test_gpu_fp8.py``, then measured faster than the one-tile-per-program FP8 kernel by
 ``bench/bench_fp8.py --tma``), ``fp8:deepgemm`` (the DeepGEMM provider,
 ``tests/gpu/test_gpu_deepgemm.py``, then measured faster than the Triton FP8 kernels from 64 rows per
-expert by ``bench/bench_fp8.py --deepgemm``). A new variant is added here until its GPU check has run."""
+expert by ``bench/bench_fp8.py --deepgemm``), and the forms of the MoE decoders transformers 5.24 added:
+``rope:rotate_pairs_fp32`` (``tests/gpu/test_gpu_norm_rope_forms.py``), ``moe_gating:sqrt_softplus/topk_bias/
+expert_scale/softmax_sum_top2_fill0`` (``tests/gpu/test_gpu_moe_gating_forms.py``) and
+``grouped_gemm_swiglu:silu_clamp/silu_clamp_post/silu_fp32/softcap_fp32`` (``tests/gpu/test_gpu_moe_forms.py``).
+A new variant is added here until its GPU check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
 """The environment variable that sets the default of the config's ``unverified_kernels``."""

@@ -151,10 +151,10 @@ def test_tma_kernel_lifts_the_grouped_mm_threshold(monkeypatch):
     w = torch.empty(4, 16, 8, dtype=BF16)
     x = torch.empty(triton_moe.GROUPED_GEMM_MAX_ROWS_PER_EXPERT * 4 + 4, 8, dtype=BF16)
     assert not triton_moe._tma_takes(x, w), "CPU tensors: the rule is about CUDA"
-    monkeypatch.setattr(triton_moe, "_tma_takes", lambda x, w, swiglu=False: True)
+    monkeypatch.setattr(triton_moe, "_tma_takes", lambda x, w, swiglu=False, act=(): True)
     assert triton_moe.grouped_gemm_at_run_time((x, w)) is None
     assert triton_moe.grouped_gemm_prefers((x, w, None), "inductor") is None
-    monkeypatch.setattr(triton_moe, "_tma_takes", lambda x, w, swiglu=False: False)
+    monkeypatch.setattr(triton_moe, "_tma_takes", lambda x, w, swiglu=False, act=(): False)
     assert "torch._grouped_mm" in triton_moe.grouped_gemm_at_run_time((x, w))
     assert "TMA kernel does not take" in triton_moe.grouped_gemm_prefers((x, w, None), "inductor")
 

@@ -8,6 +8,7 @@ import torch
 
 from ep_fuse.ops.registry import define_canonical
 
+
 def gemm_swiglu_ref(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
     """``silu(x @ w_gate.T) * (x @ w_up.T)`` over the last dim of ``x``; weights are ``[I, H]``.
 

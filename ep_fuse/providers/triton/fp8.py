@@ -194,6 +194,7 @@ FP8_TMA_MIN_ROWS_PER_EXPERT = Threshold(
 """From this many rows per expert the FP8 grouped GEMMs take the persistent TMA kernel
 (:mod:`~ep_fuse.providers.triton.fp8_tma_kernel`); below it the other kernel keeps those sizes."""
 
+
 def fp8_tma_rule(xq: Any, wq: Any) -> str | None:
     """Per call (static sizes): why not the FP8 TMA variant on these sizes (``None``: take it)."""
     per_expert = xq.shape[0] / max(wq.shape[0], 1)
@@ -208,6 +209,7 @@ FP8_BLOCK_MAX_ROWS_PER_EXPERT = Threshold(
              "128 (T4096) and 0.90x at 512 (T16384)")
 """``quant="fp8_block"`` on bf16 weights: above this many rows per expert (unmeasured up to 512) the block stays
 bf16."""
+
 
 def fp8_block_quant_rule(x: Any, top_k: int, experts: int, deepgemm: bool = False) -> str | None:
     """Why ``quant="fp8_block"`` keeps a block (tokens ``x`` [T, H]) with bf16 weights in bf16 on CUDA (``None``:

@@ -94,9 +94,11 @@ GEMM_SWIGLU_TMA_MIN_I = Threshold(
              "at 1024-4096 (1.00x at 8192); the one-tile-per-program kernel 0.72-0.89x at every one of these sizes")
 """...and the TMA kernel is kept under ``perf_guard`` for MLPs at least this wide (narrower MLPs keep cuBLAS)."""
 
+
 def dense_tma_size_wins(rows: int, inter: int | None) -> bool:
     """Whether ``rows`` x ``[inter, H]`` gate/up weights is a measured win of the dense TMA kernel."""
     return rows >= GEMM_SWIGLU_TMA_MIN_ROWS and inter is not None and inter >= GEMM_SWIGLU_TMA_MIN_I
+
 
 def _dense_tma_wins(x: Any, w_gate: Any, w_up: Any, rows: int) -> bool:
     """The measured TMA win (:data:`GEMM_SWIGLU_TMA_MIN_I`, :data:`GEMM_SWIGLU_TMA_MIN_ROWS`) on a CUDA call the
@@ -115,6 +117,7 @@ def _dense_tma_wins(x: Any, w_gate: Any, w_up: Any, rows: int) -> bool:
     x2 = x.as_strided((rows, x.shape[-1]), (rs, 1)) if x.dim() != 2 else x  # what the provider launches on
     return dense_tma_unsupported(x2, w_gate, w_up, traced=is_fake(x)) is None
 
+
 def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
     x, w_gate, w_up = args
     rows = static_rows(x)
@@ -126,6 +129,7 @@ def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime
                 f"measured faster above {GEMM_SWIGLU_MAX_ROWS} rows (the TMA kernel only from "
                 f"{GEMM_SWIGLU_TMA_MIN_ROWS} rows at I >= {GEMM_SWIGLU_TMA_MIN_I}, on Hopper)")
     return None
+
 
 def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
     """Per call of ``gemm_swiglu_by_size`` (real tensors): the kernel up to 32 rows or on a TMA win."""
@@ -141,8 +145,10 @@ def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
 def _dense_rows(x: torch.Tensor) -> Any:
     return x.numel() // max(int(x.shape[-1]), 1)
 
+
 def _dense(variant: str, config: Any) -> Run:
     return lambda args, wrap: run_dense(*args, wrap=wrap, variant=variant, config=config)
+
 
 def gemm_swiglu_branches(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> list[Branch]:
     """The branches of ``gemm_swiglu_by_size``: the kernel's decode tiles up to

@@ -182,6 +182,7 @@ GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = Threshold(
 (:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size, where the GEMM's output
 columns fill its column tiles (:func:`grouped_gemm_tma_rule`); below it the other kernel keeps those sizes."""
 
+
 def grouped_gemm_tma_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
     """Per call (static sizes): why not the TMA variant on these sizes (``None``: take it). The GEMM's output
     columns (``I`` for gate|up + SwiGLU, ``w.shape[1]`` otherwise) must fill the config's column tiles: on an
@@ -191,6 +192,7 @@ def grouped_gemm_tma_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
     if per_expert < GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT:
         return f"{per_expert:.0f} rows per expert < {GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT}"
     return grouped_gemm_tma_columns_rule(x, w, swiglu)
+
 
 def grouped_gemm_tma_columns_rule(x: Any, w: Any, swiglu: bool = False) -> str | None:
     """The row-count-free part of :func:`grouped_gemm_tma_rule` (``x``'s rows are not read)."""

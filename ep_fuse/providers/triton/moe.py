@@ -55,6 +55,7 @@ GROUPED_GEMM_MAX_ROWS_PER_EXPERT = Threshold(
 """Above this many rows per expert the provider declines under Inductor, unless the Hopper TMA kernel takes the call
 (:data:`~ep_fuse.providers.triton.grouped_gemm.GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT`)."""
 
+
 def _tma_takes(x: Any, w: Any, swiglu: bool = False, act: tuple = ()) -> bool:
     """Whether a CUDA call on these (fake or real, static-size) tensors runs the TMA grouped GEMM."""
     from torch._subclasses.fake_tensor import is_fake  # private torch module: asked at use
@@ -62,6 +63,7 @@ def _tma_takes(x: Any, w: Any, swiglu: bool = False, act: tuple = ()) -> bool:
     if not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return False
     return tma_declined(x, w, traced=is_fake(x), swiglu=swiglu, act=act) is None
+
 
 def _grouped_prefers(args: tuple[Any, ...], executor: str, swiglu: bool) -> str | AtRunTime | None:
     if executor != "inductor":  # eager torch._grouped_mm measured slower than the kernel at every size
@@ -78,11 +80,14 @@ def _grouped_prefers(args: tuple[Any, ...], executor: str, swiglu: bool) -> str 
                 "take this call")
     return None
 
+
 def grouped_gemm_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
     return _grouped_prefers(args, executor, swiglu=False)
 
+
 def grouped_gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
     return _grouped_prefers(args, executor, swiglu=True)
+
 
 def _grouped_at_run_time(args: tuple[Any, ...], swiglu: bool) -> str | None:
     x, w = args[0], args[1]
@@ -92,11 +97,13 @@ def _grouped_at_run_time(args: tuple[Any, ...], swiglu: bool) -> str | None:
         return None
     return f"{per_expert:.0f} rows per expert > {GROUPED_GEMM_MAX_ROWS_PER_EXPERT}: torch._grouped_mm"
 
+
 def grouped_gemm_at_run_time(args: tuple[Any, ...]) -> str | None:
     """Per call of ``grouped_gemm_by_size`` (real tensors): the TMA kernel where it takes the call, else the
     kernel up to :data:`GROUPED_GEMM_MAX_ROWS_PER_EXPERT` rows per expert, then the reference
     (``torch._grouped_mm``) where it runs."""
     return _grouped_at_run_time(args, swiglu=False)
+
 
 def grouped_gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
     """As :func:`grouped_gemm_at_run_time`, for ``grouped_gemm_swiglu_by_size``."""
@@ -109,9 +116,11 @@ def _grouped(swiglu: bool, variant: str, config: Any) -> Run:
     """The provider's launch with its kernel ``variant`` and tile ``config`` fixed (static sizes picked them)."""
     return lambda args, wrap: run_grouped(swiglu, *args, wrap=wrap, variant=variant, config=config)
 
+
 def _grouped_reference(swiglu: bool) -> Run:
     ref = grouped_gemm_swiglu_ref if swiglu else grouped_gemm_ref
     return lambda args, wrap: ref(*args)
+
 
 def _grouped_tma_static(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple = ()) -> bool:
     """Whether the TMA kernel takes this call at every row count from its threshold on (static facts only:
@@ -121,6 +130,7 @@ def _grouped_tma_static(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tup
     return (act_variant(act) is None and grouped_gemm_tma_columns_rule(x, w, swiglu) is None
             and gpu_unverified(TMA_VARIANT, x) is None
             and tma_unsupported(x, w, traced=True, rows_bounded=True) is None)
+
 
 def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple = ()) -> list[Branch]:
     """The branches of ``grouped_gemm[_swiglu]_by_size`` on ``x`` [M, K] (symbolic M), ``w`` [E, N, K]

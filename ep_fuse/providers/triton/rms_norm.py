@@ -81,6 +81,7 @@ def add_rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
         return None
     return f"{rows}x{width}: Inductor's fused kernel measured as fast at this size"
 
+
 def rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     if executor != "inductor":
         return None

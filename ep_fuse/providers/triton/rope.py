@@ -321,9 +321,11 @@ def _rope_rule(x: Any, form: str, executor: str) -> str | None:
         return f"RoPE on {x.dtype} heads: Inductor's kernel measured faster (0.81-0.89x)"
     return None
 
+
 def rope_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     """``rope(x, cos, sin, form, ...)`` / ``rope_qk(q, k, cos, sin, form, ...)``: see :func:`_rope_rule`."""
     return _rope_rule(args[0], args[-3], executor)
+
 
 def rope_cache_prefers(args: tuple[Any, ...], executor: str) -> str | None:
     """``rope_cache(x, cache, positions, form, rot)`` / ``rope_qk_cache(q, k, ...)``: see :func:`_rope_rule`."""

@@ -1,8 +1,7 @@
 """The ``torch.compile`` backend: Dynamo graph -> AOT ATen graph -> ep_fuse passes -> executor.
 
-Matching happens on the functionalized ATen graph *before* any decomposition (``traced-graphs.md``
-§5: Inductor's own custom-pass hooks only see decomposed forms such as ``silu`` ->
-``neg/exp/add/div``). The rewritten graph then goes to an executor:
+Matching happens on the functionalized ATen graph *before* any decomposition (``docs/architecture.md``:
+Inductor's own custom-pass hooks only see decomposed forms such as ``silu`` -> ``neg/exp/add/div``). The rewritten graph then goes to an executor:
 
 * ``inductor``: ``compile_fx`` on the rewritten ATen graph. Inductor re-traces it with its own
   decompositions; ep_fuse ops are opaque custom ops and survive. Dynamo's input metadata is copied

@@ -1,4 +1,4 @@
-"""DeepEP provider (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; ``op-contracts.md`` §8.2-§8.10).
+"""DeepEP provider (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; contract: ``docs/ep.md``).
 
 Run for real on 2 GPUs (``tests/gpu/``, ``bench/bench_ep.py``; build: ``tools/build_deepep.sh``) and
 on CPU against ``tests/support/deepep_double.py``, a double of the same contract.

@@ -22,7 +22,7 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
     """Make an HF transformers MoE model traceable as one graph; returns the model (changed in place).
 
     * transformers 5.x models: the default per-expert loop (``experts_implementation="eager"``) breaks
-      the graph 10+ times and hides the expert GEMMs from any backend (``traced-graphs.md`` §0);
+      the graph 10+ times and hides the expert GEMMs from any backend;
       ``grouped_mm`` (default) or ``batched_mm`` trace to one graph.
     * MoE blocks that hold their experts as an ``nn.ModuleList`` of SwiGLU MLPs and loop over them in
       Python (remote code such as DeepSeek-V3's ``modeling_deepseek.py``, Mixtral / Qwen2-MoE of

@@ -7,7 +7,7 @@ whose weights hold this rank's ``E_r`` experts (``ep_fuse.shard_experts``) and w
     y   = moe_experts(recv_x, recv_ids, recv_w, w13, w2, dt')     # local ids, -1 = elsewhere / padding
     out = ep_combine(y, handle, ids, w, E, group, backend, layout, C, timeout, dt'')
 
-Routing weights are applied exactly once (``op-contracts.md`` §8.1): ``rank`` layout (all_to_all,
+Routing weights are applied exactly once (``docs/ep.md``): ``rank`` layout (all_to_all,
 DeepEP normal) in the local unpermute (non-local slots carry weight 0 / id -1) and combine sums
 unweighted; ``expert`` layout (DeepEP low-latency, Ascend) runs the experts with unit weights and
 combine weights on the source rank. The provider is chosen here, once, identically on every rank.

@@ -12,15 +12,18 @@ Inductor's own custom-pass hooks only see decomposed forms such as ``silu`` -> `
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+import ep_fuse
 import ep_fuse.catalog  # noqa: F401  (every op, provider, engine and pattern)
 from ep_fuse import runtime
 from ep_fuse.config import ConfigError, EpFuseConfig, default_config
@@ -258,10 +261,6 @@ def _warn_once_per_process(message: str, kind: str = "autograd") -> None:
 @functools.lru_cache(maxsize=1)
 def _source_tag() -> str:
     """``ep_fuse-<version>-<hash of its sources>``."""
-    import hashlib
-    from pathlib import Path
-
-    import ep_fuse
     import ep_fuse.patterns as patterns  # the package's own modules, read as files
 
     digest = hashlib.sha256()

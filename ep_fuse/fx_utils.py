@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from ep_fuse.symbolic import concrete_int
 
 MISSING = object()
 
@@ -73,8 +74,6 @@ def literal_value(arg: Any) -> Any:
     if isinstance(arg, fx.Node):
         v = val(arg)
         if isinstance(v, torch.SymInt):
-            from ep_fuse.symbolic import concrete_int
-
             c = concrete_int(v)
             return v if c is None else c  # a size Dynamo specialised is a plain int
         if isinstance(v, SYM_SCALARS) or (isinstance(v, (int, float)) and not isinstance(v, bool)):

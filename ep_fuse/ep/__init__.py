@@ -14,7 +14,7 @@ from ep_fuse.ep.shard import ep_options, shard_experts
 def release_buffers() -> None:
     """Release the communication buffers EP providers keep per process group (DeepEP ``Buffer``s,
     symmetric-memory workspaces). Collective: call on every rank, before ``destroy_process_group``."""
-    from ep_fuse.ep import deepep, symm_mem
+    from ep_fuse.ep import deepep, symm_mem  # engines load through the catalog; asked only here, at release
 
     try:
         deepep.destroy_buffers()

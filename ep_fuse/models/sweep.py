@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+import ep_fuse
 from ep_fuse.models.prepare import prepare
 
 log = logging.getLogger("ep_fuse")
@@ -300,8 +301,6 @@ def _logits(out: Any) -> torch.Tensor:
 def compile_once(model: torch.nn.Module, inputs: dict[str, Any], ref: torch.Tensor, backend: str, dtype: str,
                  executor: str) -> Run:
     """Compile ``model`` with ``backend`` (fresh Dynamo state), run it once and compare with ``ref``."""
-    import ep_fuse
-
     run = Run(backend=backend if backend == "inductor" else f"ep_fuse/{executor}", dtype=dtype)
     torch._dynamo.reset()
     ep_fuse.reset_reports()

@@ -156,7 +156,7 @@ def gemm_swiglu_branches(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     the reference (two cuBLAS GEMMs and the SwiGLU) elsewhere."""
     # kernel modules import triton: asked when a compile traces the branches
     from ep_fuse.providers.triton import grouped_gemm_tma_kernel as tma
-    from ep_fuse.providers.triton.gemm_swiglu_kernel import gemm_config
+    from ep_fuse.providers.triton.gemm_swiglu_kernel import gemm_config  # imports triton
 
     n, k = int(w_gate.shape[0]), int(w_gate.shape[1])
     reference = Branch("reference", None, lambda args, wrap: gemm_swiglu_ref(*args))

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ep_fuse.ops.moe import act_problem, full_act
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.tensor_checks import KERNEL_DTYPES
 from ep_fuse.providers.triton.unverified import gpu_unverified
@@ -93,8 +94,6 @@ def act_variant(act: tuple) -> str | None:
 def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows), with the call's
     gated activation (a variant other than SwiGLU is declined on CUDA until its GPU check has run)."""
-    from ep_fuse.ops.moe import act_problem, full_act
-
     reason = check_grouped_gemm_call(args[:3])
     if reason is None and not known(args[1].shape[1] % 2 == 0):
         return "w13 has an odd number of rows (not gate|up halves)"
@@ -133,8 +132,6 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
     """Allocate the output and launch the grouped GEMM: ``variant`` (``None``: :func:`kernel_variant` chooses
     from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``); ``act``: the gated
     activation's ``(name, limit, gate_cap, up_cap)`` (empty: SwiGLU)."""
-    from ep_fuse.ops.moe import full_act
-
     act = full_act(tuple(act))
     gated = act_variant(act) is not None
     n = w.shape[1] // 2 if swiglu else w.shape[1]
@@ -152,7 +149,10 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
 
         launch = launch_grouped_gemm_swiglu_tma if swiglu else launch_grouped_gemm_tma
     else:
-        from ep_fuse.providers.triton.grouped_gemm_kernel import launch_grouped_gemm, launch_grouped_gemm_swiglu
+        from ep_fuse.providers.triton.grouped_gemm_kernel import (  # kernel modules import triton
+            launch_grouped_gemm,
+            launch_grouped_gemm_swiglu,
+        )
 
         launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
     if gated:

@@ -139,8 +139,8 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
     ``config_for`` / :func:`~ep_fuse.providers.triton.grouped_gemm.kernel_variant`, as row bounds."""
     # kernel modules import triton: asked when a compile traces the branches
     from ep_fuse.providers.triton.grouped_gemm_kernel import DECODE_ROWS_PER_EXPERT, MID_ROWS_PER_EXPERT
-    from ep_fuse.providers.triton.grouped_gemm_kernel import config_for as default
-    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for as tma
+    from ep_fuse.providers.triton.grouped_gemm_kernel import config_for as default  # imports triton
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for as tma  # imports triton
 
     e, k = max(int(w.shape[0]), 1), int(w.shape[2])
     n = int(w.shape[1]) // 2 if swiglu else int(w.shape[1])

@@ -185,7 +185,7 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
 
     # kernel modules import triton: on first launch
     from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET
-    from ep_fuse.providers.triton.rope_kernel import FORMS, rope_jit, rows_per_program, warps_for
+    from ep_fuse.providers.triton.rope_kernel import FORMS, rope_jit, rows_per_program, warps_for  # triton
 
     d = q.shape[-1]
     fp32_math = form == "rotate_pairs_fp32"  # fp32 products and sum (CODE fp32: no rounding), rounded at the store

@@ -141,7 +141,6 @@ def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
 
 
 # --------------------------------------------------------------------------- size branches
-# --------------------------------------------------------------------------- dense GEMM + SwiGLU
 def _dense_rows(x: torch.Tensor) -> Any:
     return x.numel() // max(int(x.shape[-1]), 1)
 

@@ -111,7 +111,6 @@ def grouped_gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
 
 
 # --------------------------------------------------------------------------- size branches
-# --------------------------------------------------------------------------- grouped GEMMs
 def _grouped(swiglu: bool, variant: str, config: Any) -> Run:
     """The provider's launch with its kernel ``variant`` and tile ``config`` fixed (static sizes picked them)."""
     return lambda args, wrap: run_grouped(swiglu, *args, wrap=wrap, variant=variant, config=config)

@@ -19,7 +19,8 @@
 # deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
 # (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: tools/profile_grouped_gemm_tma.py
 # with $NCU_GG_ARGS), all (bench/run.py: every bench family at its default size, $RUN_ARGS, results in
-# $OUT/run). Bench scripts are under bench/, diagnostics and build scripts under tools/.
+# $OUT/run), sweep (tools/sweep_models.py on CUDA in bf16 against backend="inductor", $SWEEP_SHARDS processes). Wheels
+# in .whl/ are installed first (--no-deps). Bench scripts are under bench/, diagnostics and build scripts under tools/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # a fresh Inductor cache per call: a warm machine keeps the last call's, and Inductor's FX cache keys on the
@@ -33,6 +34,11 @@ export OUT=$RESULTS
 mkdir -p "$OUT"
 if [ -z "${SKIP_INSTALL:-}" ]; then
   python3 -m pip install -q --no-index --no-deps --no-build-isolation . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+fi
+# wheels the machine lacks (it is offline), carried in .whl/: e.g. a newer pure-Python transformers
+#   pip download --no-deps -d .whl transformers==5.24.0     (then carry=[".whl"] in the device call)
+if ls "$repo"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps "$repo"/.whl/*.whl >"$OUT/wheels.log" 2>&1 || tail -5 "$OUT/wheels.log"
 fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 echo "GPUs: $ngpu; $(python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)')"
@@ -141,6 +147,21 @@ for s in "$@"; do
       var=DYN_ARGS${tag:+_$tag}
       [ -f "$repo/tools/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
         python3 "$repo/tools/check_dynamic.py" ${!var:-} ;;
+    sweep)  # the generality sweep on the GPU, bf16, ep_fuse (inductor executor) vs backend="inductor",
+      # $SWEEP_SHARDS processes side by side (Inductor's compile is CPU-bound); JSON per shard in $OUT
+      fams=$(python3 -c 'from ep_fuse.models import sweep; print(" ".join(sweep.discover()))')
+      n=${SWEEP_SHARDS:-8}; i=0; pids=()
+      for sh in $(seq 0 $((n - 1))); do
+        only=$(echo $fams | tr ' ' '\n' | awk -v n=$n -v k=$sh 'NR % n == k' | paste -sd, -)
+        [ -n "$only" ] || continue
+        ( cd /tmp && timeout ${SWEEP_TIMEOUT:-540} python3 "$repo/tools/sweep_models.py" --device cuda --only "$only" \
+            --dtype ${SWEEP_DTYPE:-bf16} --executor inductor --inductor --json "$OUT/sweep_$sh.json" \
+            >"$OUT/sweep_$sh.log" 2>&1 ) &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait $p || status=1; done
+      grep -h "blocks=" "$OUT"/sweep_*.log
+      mkdir -p "$final_out" && tar czf "$final_out/results-latest.tgz" -C "$OUT" . 2>/dev/null ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", help="fp32, bf16 or fp32,bf16")
     ap.add_argument("--executor", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--inductor", action="store_true", help='also compile with backend="inductor" (slow)')
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the tiny models are built on the CPU, then moved)")
     ap.add_argument("--json", help="write the results as JSON here")
     ap.add_argument("--md", help="write the markdown table here")
     args = ap.parse_args(argv)
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     t0 = time.perf_counter()
     for fam in families:
-        res = sweep.sweep_family(fam, dtypes, args.executor, args.inductor)
+        res = sweep.sweep_family(fam, dtypes, args.executor, args.inductor, args.device)
         results.append(res)
         runs = "; ".join(f"{r.backend} {r.dtype}: {r.counts} graphs={r.graphs} max|d|={sweep._fmt(r.max_abs)}"
                          + (f" ERROR {r.error[:200]}" if r.error else "") for r in res.runs)

@@ -332,14 +332,16 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def sweep_family(family: str, dtypes: tuple[str, ...] = ("fp32",), executor: str = "eager",
-                 inductor: bool = False) -> FamilyResult:
-    """Build ``family`` tiny in each dtype, compile it with ep_fuse (and Inductor) and compare with eager."""
+                 inductor: bool = False, device: str = "cpu") -> FamilyResult:
+    """Build ``family`` tiny in each dtype on ``device``, compile it with ep_fuse (and Inductor) and compare with
+    eager."""
     res = FamilyResult(family)
     t0 = time.perf_counter()
-    inputs = example_inputs()
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example_inputs().items()}
     for dt in dtypes:
         try:
             model, res.attn = build_tiny(family, DTYPES[dt])
+            model = model.to(device)
             res.moe_blocks = len(routed_expert_modules(model))
             res.params = sum(p.numel() for p in model.parameters())
             with torch.no_grad():

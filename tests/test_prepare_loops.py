@@ -169,3 +169,74 @@ def test_models_without_loops_are_untouched(caplog):
     with caplog.at_level(logging.INFO, logger="ep_fuse"):
         ep_fuse.prepare(torch.nn.Linear(2, 2), strict=True)
     assert "no per-expert loops; unchanged" in caplog.text
+
+
+# --------------------------------------------------------------------------- recognised by dataflow
+DATAFLOW_SITES = {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}  # + the shared experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_method_on_a_raw_weight_converts_by_dataflow(dtype, caplog):
+    """No gate module, no ``moe_infer``: the trace finds ``route`` (the top-k ids the experts follow), the
+    weighted combine and ``shared_experts``; the router's code is kept, so ``moe_gating`` still matches it."""
+    model = L.build(L.RemoteRoutedMoE, dtype=dtype)
+    x = _tokens(dtype=dtype)
+    ref = _eager(model, x)
+    keys = list(model.state_dict())
+    with caplog.at_level(logging.DEBUG, logger="ep_fuse"):
+        ep_fuse.prepare(model)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    converted = [r.getMessage() for r in caplog.records if "stacked into" in r.getMessage()]
+    assert len(converted) == 2 and all("recognised by dataflow" in m for m in converted), caplog.text
+    assert "router self.route(), shared experts shared_experts" in caplog.text
+    assert all(isinstance(layer.experts, StackedExperts) for layer in model.layers)
+    assert all(vars(layer)["_ep_fuse_loop_plan"].router == "route" for layer in model.layers)
+    assert list(model.state_dict()) == keys
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(_eager(model, x), ref, **tol)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="ep_fuse", options=REFERENCE)(x.clone())
+    assert len(ep_fuse.reports()) == 1, "the model is one graph"
+    rep = ep_fuse.last_report()
+    assert rep.counts() == DATAFLOW_SITES, rep.summary()
+    assert [m.module_path for m in rep.matches if m.pattern == "moe_experts"] == ["layers.0.experts",
+                                                                                  "layers.1.experts"]
+    torch.testing.assert_close(out, ref, **tol)
+
+
+def test_dataflow_conversion_is_one_graph():
+    model = L.build(L.RemoteRoutedMoE, layers=1)
+    assert torch._dynamo.explain(model)(_tokens()).graph_break_count > 0
+    ep_fuse.prepare(model)
+    torch._dynamo.reset()
+    after = torch._dynamo.explain(model)(_tokens())
+    assert (after.graph_count, after.graph_break_count) == (1, 0)
+
+
+DATAFLOW_REFUSED = {
+    "unweighted": (L.UnweightedRemoteMoE, "outputs are not multiplied by the top-k weights of route"),
+    "early_exit": (L.EarlyExitRemoteMoE, "the top-k ids send it (a loop that skips or repeats experts"),
+    "inline_router": (L.InlineRouterMoE, "routing computed inline in forward is not reused"),
+}
+
+
+@pytest.mark.parametrize("name", list(DATAFLOW_REFUSED))
+def test_dataflow_look_alikes_are_refused_with_the_reason(name, caplog):
+    block, reason = DATAFLOW_REFUSED[name]
+    model = L.build(block, layers=1)
+    x = _tokens()
+    ref = _eager(model, x)
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        ep_fuse.prepare(model)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and reason in warnings[0] and "unknown forward structure" in warnings[0], caplog.text
+    layer = model.layers[0]
+    assert type(layer.experts) is torch.nn.ModuleList
+    assert not {"forward", "route", "loop", "_ep_fuse_loop_plan"} & set(vars(layer)), "the trace's wrappers are gone"
+    assert not layer._forward_hooks and not layer.shared_experts._forward_pre_hooks
+    assert torch.equal(_eager(model, x), ref)
+    with pytest.raises(ValueError, match="strict=True") as err:
+        ep_fuse.prepare(model, strict=True)
+    assert reason in str(err.value)

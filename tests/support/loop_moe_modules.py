@@ -12,6 +12,13 @@ of the code people load with ``trust_remote_code=True`` or from transformers 4.x
 * ``Qwen2MoeSparseMoeBlock``: the same loop with ``norm_topk_prob`` and a shared expert scaled by
   ``sigmoid(shared_expert_gate(x))``.
 
+* ``RemoteRoutedMoE``: DeepSeek-style remote code with no gate module: the routing is a method of the block
+  (``route``: sigmoid of a raw ``weight`` parameter, ``e_score_correction_bias``, group-limited top-k), the
+  argsort / ``tokens_per_expert.cpu().tolist()`` loop in a plain method (``loop``), shared experts added; its
+  look-alikes ``UnweightedRemoteMoE`` (expert outputs averaged, not weighted), ``EarlyExitRemoteMoE``
+  (the loop stops at the first expert without tokens) and ``InlineRouterMoE`` (routing inline in
+  ``forward``).
+
 ``LoopModel`` stacks blocks as residual layers (``x = x + block(norm(x))``), like a decoder without attention.
 Sizes are tiny; all parameters are seeded.
 """
@@ -133,6 +140,89 @@ class DeepseekV3MoE(nn.Module):
         new_x[idxs] = outs
         return (new_x.view(*topk_ids.shape, -1).type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1))
                 .sum(dim=1).type(new_x.dtype))
+
+
+# --------------------------------------------------------------------------- routing in a method, raw weight
+class RemoteRoutedMoE(nn.Module):
+    """Routing in ``route`` from the block's own ``weight``; the per-expert loop in ``loop`` (no ``moe_infer``)."""
+
+    UNWEIGHTED = False  # look-alike: average the experts' outputs instead of weighting them
+    EARLY_EXIT = False  # look-alike: stop at the first expert that gets no tokens
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.n_routed_experts = cfg.num_experts_per_tok, cfg.n_routed_experts
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor, self.norm_topk_prob = cfg.routed_scaling_factor, cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.randn(self.n_routed_experts, cfg.hidden_size) / cfg.hidden_size**0.5)
+        self.e_score_correction_bias = nn.Parameter(0.1 * torch.randn(self.n_routed_experts))
+        self.experts = nn.ModuleList([DeepseekV3MLP(cfg, intermediate_size=cfg.moe_intermediate_size)
+                                      for _ in range(self.n_routed_experts)])
+        self.shared_experts = DeepseekV3MLP(cfg, intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def route(self, hidden_states):
+        tokens = hidden_states.view(-1, hidden_states.shape[-1])
+        n = tokens.shape[0]
+        scores = F.linear(tokens.type(torch.float32), self.weight.type(torch.float32)).sigmoid()
+        choice = scores.view(n, -1) + self.e_score_correction_bias.unsqueeze(0)
+        group_scores = choice.view(n, self.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(n, self.n_group, self.n_routed_experts // self.n_group)
+        masked = choice.masked_fill(~score_mask.reshape(n, -1).bool(), 0.0)
+        _, topk_idx = torch.topk(masked, k=self.top_k, dim=-1, sorted=False)
+        topk_weight = scores.gather(1, topk_idx)
+        if self.top_k > 1 and self.norm_topk_prob:
+            topk_weight = topk_weight / (topk_weight.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_idx, topk_weight * self.routed_scaling_factor
+
+    def forward(self, hidden_states):
+        identity, orig_shape = hidden_states, hidden_states.shape
+        topk_idx, topk_weight = self.route(hidden_states)
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        return self.loop(x, topk_idx, topk_weight).view(*orig_shape) + self.shared_experts(identity)
+
+    def loop(self, x, topk_idx, topk_weight):
+        cnts = topk_idx.new_zeros((topk_idx.shape[0], len(self.experts)))
+        cnts.scatter_(1, topk_idx, 1)
+        idxs = topk_idx.view(-1).argsort()
+        sorted_tokens = x[idxs // topk_idx.shape[1]]
+        tokens_per_expert = cnts.sum(dim=0).cpu().tolist()
+        outputs, start = [], 0
+        for i, num_tokens in enumerate(tokens_per_expert):
+            if num_tokens == 0:
+                if self.EARLY_EXIT:
+                    break
+                continue
+            outputs.append(self.experts[i](sorted_tokens[start:start + num_tokens]))
+            start += num_tokens
+        outs = torch.cat(outputs, dim=0)
+        new_x = torch.zeros(idxs.shape[0], x.shape[-1], dtype=outs.dtype, device=outs.device)
+        new_x[idxs[:outs.shape[0]]] = outs
+        per_slot = new_x.view(*topk_idx.shape, -1)
+        if self.UNWEIGHTED:
+            return per_slot.mean(dim=1)
+        return per_slot.type(topk_weight.dtype).mul_(topk_weight.unsqueeze(dim=-1)).sum(dim=1).type(x.dtype)
+
+
+class UnweightedRemoteMoE(RemoteRoutedMoE):
+    UNWEIGHTED = True
+
+
+class EarlyExitRemoteMoE(RemoteRoutedMoE):
+    EARLY_EXIT = True
+
+
+class InlineRouterMoE(RemoteRoutedMoE):
+    """The same routing written inline in ``forward`` (no method or submodule returns the top-k)."""
+
+    def forward(self, hidden_states):
+        orig_shape = hidden_states.shape
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        scores = F.linear(x.float(), self.weight.float()).softmax(dim=-1)
+        topk_weight, topk_idx = torch.topk(scores, self.top_k, dim=-1)
+        return self.loop(x, topk_idx, topk_weight).view(*orig_shape) + self.shared_experts(hidden_states)
 
 
 # --------------------------------------------------------------------------- Mixtral / Qwen2-MoE (4.x)

@@ -173,13 +173,25 @@ def test_models_without_loops_are_untouched(caplog):
 
 # --------------------------------------------------------------------------- recognised by dataflow
 DATAFLOW_SITES = {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}  # + the shared experts
+DATAFLOW = {  # name: block, dtype, what the trace finds, fused sites of the 2-layer model
+    "raw_weight_method": (L.RemoteRoutedMoE, torch.float32, "router self.route(), shared experts shared_experts",
+                          DATAFLOW_SITES),
+    "raw_weight_method_bf16": (L.RemoteRoutedMoE, torch.bfloat16, "router self.route(), shared experts "
+                               "shared_experts", DATAFLOW_SITES),
+    "gate_module": (L.GateModuleLoopMoE, torch.float32, "router self.gate, shared experts shared_experts",
+                    DATAFLOW_SITES),
+    "softmax_method": (L.SoftmaxMethodMoE, torch.float32, "router self.select(), shared experts none",
+                       {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_routing_method_on_a_raw_weight_converts_by_dataflow(dtype, caplog):
-    """No gate module, no ``moe_infer``: the trace finds ``route`` (the top-k ids the experts follow), the
-    weighted combine and ``shared_experts``; the router's code is kept, so ``moe_gating`` still matches it."""
-    model = L.build(L.RemoteRoutedMoE, dtype=dtype)
+@pytest.mark.parametrize("name", list(DATAFLOW))
+def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
+    """No known layout (routing in a method or a gate module, no ``moe_infer``): the trace finds the router (the
+    top-k ids the experts follow), the weighted combine and the shared experts; the router's code is kept, so
+    ``moe_gating`` still matches it."""
+    block, dtype, found, sites = DATAFLOW[name]
+    model = L.build(block, dtype=dtype)
     x = _tokens(dtype=dtype)
     ref = _eager(model, x)
     keys = list(model.state_dict())
@@ -188,9 +200,8 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(dtype, caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     converted = [r.getMessage() for r in caplog.records if "stacked into" in r.getMessage()]
     assert len(converted) == 2 and all("recognised by dataflow" in m for m in converted), caplog.text
-    assert "router self.route(), shared experts shared_experts" in caplog.text
+    assert caplog.text.count(found) == 2, caplog.text
     assert all(isinstance(layer.experts, StackedExperts) for layer in model.layers)
-    assert all(vars(layer)["_ep_fuse_loop_plan"].router == "route" for layer in model.layers)
     assert list(model.state_dict()) == keys
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(_eager(model, x), ref, **tol)
@@ -200,7 +211,7 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(dtype, caplog):
         out = torch.compile(model, backend="ep_fuse", options=REFERENCE)(x.clone())
     assert len(ep_fuse.reports()) == 1, "the model is one graph"
     rep = ep_fuse.last_report()
-    assert rep.counts() == DATAFLOW_SITES, rep.summary()
+    assert rep.counts() == sites, rep.summary()
     assert [m.module_path for m in rep.matches if m.pattern == "moe_experts"] == ["layers.0.experts",
                                                                                   "layers.1.experts"]
     torch.testing.assert_close(out, ref, **tol)

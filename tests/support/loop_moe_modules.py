@@ -15,6 +15,8 @@ of the code people load with ``trust_remote_code=True`` or from transformers 4.x
 * ``RemoteRoutedMoE``: DeepSeek-style remote code with no gate module: the routing is a method of the block
   (``route``: sigmoid of a raw ``weight`` parameter, ``e_score_correction_bias``, group-limited top-k), the
   argsort / ``tokens_per_expert.cpu().tolist()`` loop in a plain method (``loop``), shared experts added; its
+  variants ``GateModuleLoopMoE`` (DeepSeek's ``MoEGate`` as the router module) and ``SoftmaxMethodMoE``
+  (softmax top-k in a method returning ``(weights, ids)``, Mixtral's ``index_add_`` loop inline); its
   look-alikes ``UnweightedRemoteMoE`` (expert outputs averaged, not weighted), ``EarlyExitRemoteMoE``
   (the loop stops at the first expert without tokens) and ``InlineRouterMoE`` (routing inline in
   ``forward``).
@@ -225,6 +227,47 @@ class InlineRouterMoE(RemoteRoutedMoE):
         return self.loop(x, topk_idx, topk_weight).view(*orig_shape) + self.shared_experts(hidden_states)
 
 
+class GateModuleLoopMoE(RemoteRoutedMoE):
+    """DeepSeek's ``MoEGate`` as a child module (no ``moe_infer``): the router is that module's call."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        del self.weight, self.e_score_correction_bias
+        self.gate = MoEGate(cfg)
+
+    def forward(self, hidden_states):
+        topk_idx, topk_weight = self.gate(hidden_states)
+        x = hidden_states.view(-1, hidden_states.shape[-1])
+        return self.loop(x, topk_idx, topk_weight).view(*hidden_states.shape) + self.shared_experts(hidden_states)
+
+
+class SoftmaxMethodMoE(nn.Module):
+    """Mixtral's routing in a method from a raw ``router_weight`` returning ``(weights, ids)``; the one_hot /
+    ``where`` / ``index_add_`` loop inline in ``forward``; no shared expert; rows ``[T, H]`` in and out."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.top_k, self.num_experts = cfg.num_experts_per_tok, cfg.num_local_experts
+        self.router_weight = nn.Parameter(torch.randn(self.num_experts, cfg.hidden_size) / cfg.hidden_size**0.5)
+        self.experts = nn.ModuleList([MixtralBlockSparseTop2MLP(cfg) for _ in range(self.num_experts)])
+
+    def select(self, rows):
+        probs = F.softmax(F.linear(rows, self.router_weight), dim=1, dtype=torch.float)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(rows.dtype), ids
+
+    def forward(self, hidden_states):
+        rows = hidden_states.view(-1, hidden_states.shape[-1])
+        routing_weights, selected_experts = self.select(rows)
+        final = torch.zeros_like(rows)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current = self.experts[expert_idx](rows[top_x]) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, current.to(rows.dtype))
+        return final
+
+
 # --------------------------------------------------------------------------- Mixtral / Qwen2-MoE (4.x)
 class MixtralBlockSparseTop2MLP(nn.Module):
     def __init__(self, cfg):
@@ -352,7 +395,7 @@ class RMSNorm(nn.Module):
 
 
 class LoopModel(nn.Module):
-    """``x = x + block(norm(x))`` per layer (the first output of blocks that return a tuple)."""
+    """``x = x + block(norm(x))`` per layer (the first output of blocks that return a tuple, as ``x``'s shape)."""
 
     def __init__(self, block_cls, cfg, layers=2):
         super().__init__()
@@ -362,7 +405,7 @@ class LoopModel(nn.Module):
     def forward(self, x):
         for norm, layer in zip(self.norms, self.layers):
             out = layer(norm(x))
-            x = x + (out[0] if isinstance(out, tuple) else out)
+            x = x + (out[0] if isinstance(out, tuple) else out).reshape(x.shape)  # rows [T, H] or [B, S, H]
         return x
 
 

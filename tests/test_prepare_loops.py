@@ -173,16 +173,17 @@ def test_models_without_loops_are_untouched(caplog):
 
 # --------------------------------------------------------------------------- recognised by dataflow
 DATAFLOW_SITES = {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}  # + the shared experts
+ROUTE = "router self.route(), shared experts shared_experts"
 DATAFLOW = {  # name: block, dtype, what the trace finds, fused sites of the 2-layer model
-    "raw_weight_method": (L.RemoteRoutedMoE, torch.float32, "router self.route(), shared experts shared_experts",
-                          DATAFLOW_SITES),
-    "raw_weight_method_bf16": (L.RemoteRoutedMoE, torch.bfloat16, "router self.route(), shared experts "
-                               "shared_experts", DATAFLOW_SITES),
-    "gate_module": (L.GateModuleLoopMoE, torch.float32, "router self.gate, shared experts shared_experts",
-                    DATAFLOW_SITES),
-    "softmax_method": (L.SoftmaxMethodMoE, torch.float32, "router self.select(), shared experts none",
-                       {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+    "raw_weight_method": (L.RemoteRoutedMoE, torch.float32, f"experts self.experts, {ROUTE}", DATAFLOW_SITES),
+    "raw_weight_method_bf16": (L.RemoteRoutedMoE, torch.bfloat16, f"experts self.experts, {ROUTE}", DATAFLOW_SITES),
+    "gate_module": (L.GateModuleLoopMoE, torch.float32,
+                    "experts self.experts, router self.gate, shared experts shared_experts", DATAFLOW_SITES),
+    "renamed_list": (L.RenamedListMoE, torch.float32, f"experts self.mlps, {ROUTE}", DATAFLOW_SITES),
+    "softmax_method": (L.SoftmaxMethodMoE, torch.float32, "experts self.experts, router self.select(), shared "
+                       "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
 }
+GATING = {"softmax_method": "softmax_topk"}  # the moe_gating variant; else DeepSeek's remote-code router
 
 
 @pytest.mark.parametrize("name", list(DATAFLOW))
@@ -202,7 +203,7 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
     assert len(converted) == 2 and all("recognised by dataflow" in m for m in converted), caplog.text
     assert caplog.text.count(found) == 2, caplog.text
     assert all(isinstance(layer.experts, StackedExperts) for layer in model.layers)
-    assert list(model.state_dict()) == keys
+    assert list(model.state_dict()) == keys, "the per-expert keys, under the list's own name"
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(_eager(model, x), ref, **tol)
 
@@ -212,18 +213,12 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
     assert len(ep_fuse.reports()) == 1, "the model is one graph"
     rep = ep_fuse.last_report()
     assert rep.counts() == sites, rep.summary()
-    assert [m.module_path for m in rep.matches if m.pattern == "moe_experts"] == ["layers.0.experts",
-                                                                                  "layers.1.experts"]
+    assert {m.variant for m in rep.matches if m.pattern == "moe_gating"} == \
+        {GATING.get(name, "sigmoid_group_sum_top2_fill0")}, "the block's own router is matched"
+    list_name = found.split(",")[0].removeprefix("experts self.")
+    assert [m.module_path for m in rep.matches if m.pattern == "moe_experts"] == [f"layers.0.{list_name}",
+                                                                                  f"layers.1.{list_name}"]
     torch.testing.assert_close(out, ref, **tol)
-
-
-def test_dataflow_conversion_is_one_graph():
-    model = L.build(L.RemoteRoutedMoE, layers=1)
-    assert torch._dynamo.explain(model)(_tokens()).graph_break_count > 0
-    ep_fuse.prepare(model)
-    torch._dynamo.reset()
-    after = torch._dynamo.explain(model)(_tokens())
-    assert (after.graph_count, after.graph_break_count) == (1, 0)
 
 
 DATAFLOW_REFUSED = {
@@ -251,3 +246,16 @@ def test_dataflow_look_alikes_are_refused_with_the_reason(name, caplog):
     with pytest.raises(ValueError, match="strict=True") as err:
         ep_fuse.prepare(model, strict=True)
     assert reason in str(err.value)
+
+
+def test_mlp_lists_that_are_not_routed_are_left_quietly(caplog):
+    """A list of MLPs that each see every token is no expert loop: no conversion, no warning."""
+    model = L.build(L.DenseBranches, layers=1)
+    x = _tokens()
+    ref = _eager(model, x)
+    with caplog.at_level(logging.DEBUG, logger="ep_fuse"):
+        ep_fuse.prepare(model, strict=True)
+    assert "does not run them on routed subsets of tokens" in caplog.text
+    assert "no per-expert loops; unchanged" in caplog.text
+    assert type(model.layers[0].branches) is torch.nn.ModuleList and not model.layers[0]._forward_hooks
+    assert torch.equal(_eager(model, x), ref)

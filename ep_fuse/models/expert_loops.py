@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_fuse.models.loop_dataflow import LoopNotRecognised, dataflow_forward, recognise_loop
+from ep_fuse.models.loop_dataflow import LoopNotRecognised, dataflow_forward, recognise_loop, routed_expert_lists
 
 log = logging.getLogger("ep_fuse")
 
@@ -421,13 +421,14 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
 
 
 def expert_loop_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``."""
+    """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``: named
+    ``experts``, or under another name when a trace shows its MLPs run on routed subsets of tokens."""
     found = []
     for path, module in model.named_modules():
         for name in EXPERT_LIST_NAMES:
             if isinstance(module.__dict__.get("_modules", {}).get(name), nn.ModuleList):
                 found.append((path, module, name))
-    return found
+    return found + routed_expert_lists(model, {id(module) for _, module, _ in found})
 
 
 _REPLACED = {"moe_infer": "moe_infer", "softmax_topk": "forward (softmax top-k)",

@@ -69,7 +69,7 @@ class LoopPlan:
     def describe(self) -> str:
         router = f"self.{self.router}{'()' if self.router_is_method else ''}"
         shared = ", ".join(name for name, _ in self.shared) or "none"
-        return f"router {router}, shared experts {shared}"
+        return f"experts self.{self.experts}, router {router}, shared experts {shared}"
 
 
 def dataflow_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -385,10 +385,70 @@ def _analyse(block: nn.Module, list_name: str, record: _Record) -> LoopPlan:
     return LoopPlan(list_name, router.name, router.kind == "method", arg, ids_at, weights_at, tuple(shared), output)
 
 
+# --------------------------------------------------------------------------- lists of experts under other names
+def _mlp_like(module: nn.Module) -> bool:
+    """2-3 ``nn.Linear`` children and otherwise only parameter-free ones (activations): an expert MLP's shape."""
+    children = list(module.children())
+    linears = [c for c in children if type(c) is nn.Linear]
+    return 2 <= len(linears) <= 3 and all(type(c) is nn.Linear or not any(True for _ in c.parameters())
+                                          for c in children)
+
+
+def _candidate_lists(model: nn.Module, skip: set[int]) -> Iterator[tuple[str, nn.Module, str]]:
+    for path, module in model.named_modules():
+        if id(module) in skip:
+            continue
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) >= 2 and \
+                    len({type(e) for e in child}) == 1 and all(_mlp_like(e) for e in child):
+                yield path, module, name
+
+
+def _runs_routed(block: nn.Module, list_name: str) -> bool:
+    """Whether, traced on random tokens in eval mode, the list's elements run on some but not all token rows."""
+    experts = getattr(block, list_name)
+    weight = next(experts[0].parameters())
+    flags = [(m, m.training) for m in block.modules()]
+    block.eval()
+    try:
+        for hidden in sorted({c.in_features for c in experts[0].children() if type(c) is nn.Linear}):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(2, 8, hidden, generator=g).to(device=weight.device, dtype=weight.dtype)
+            try:
+                seen = _routed_tokens(_trace(block, list_name, x), len(experts))
+            except LoopNotRecognised:
+                continue
+            tokens = x.numel() // hidden
+            if any(seen.values()) and any(len(set(rows)) < tokens for rows in seen.values()):
+                return True
+    finally:
+        for m, training in flags:
+            m.training = training
+    return False
+
+
+def routed_expert_lists(model: nn.Module, skip: set[int]) -> list[tuple[str, nn.Module, str]]:
+    """(path, block, list name) of ``nn.ModuleList`` children, under any name, of modules not in ``skip`` (ids)
+    whose elements are MLP-shaped and, traced once, each run on a gathered subset of the block's tokens.
+    Lists that run densely, or whose parent does not run on tokens ``[B, S, H]`` alone, are not returned."""
+    found = []
+    for path, block, name in _candidate_lists(model, skip):
+        if _runs_routed(block, name):
+            found.append((path, block, name))
+        else:
+            log.debug("ep_fuse.prepare: %s.%s holds MLPs but does not run them on routed subsets of tokens",
+                      path, name)
+    return found
+
+
 def recognise_loop(block: nn.Module, list_name: str, x: torch.Tensor) -> LoopPlan:
     """Trace ``block`` on ``x`` (and on single-token probes) and return its :class:`LoopPlan`.
 
     Raises :class:`LoopNotRecognised` with the reason when the record shows no routed per-expert loop."""
+    others = list(inspect.signature(block.forward).parameters)[1:]
+    if others:
+        raise LoopNotRecognised(f"its forward takes more than the tokens ({', '.join(others)}), which the "
+                                "rebuilt forward would drop")
     plan = _analyse(block, list_name, _trace(block, list_name, x))
     num_experts = len(getattr(block, list_name))
     for batch, seq, seed in PROBE_TOKENS:

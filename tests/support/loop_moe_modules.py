@@ -16,7 +16,8 @@ of the code people load with ``trust_remote_code=True`` or from transformers 4.x
   (``route``: sigmoid of a raw ``weight`` parameter, ``e_score_correction_bias``, group-limited top-k), the
   argsort / ``tokens_per_expert.cpu().tolist()`` loop in a plain method (``loop``), shared experts added; its
   variants ``GateModuleLoopMoE`` (DeepSeek's ``MoEGate`` as the router module) and ``SoftmaxMethodMoE``
-  (softmax top-k in a method returning ``(weights, ids)``, Mixtral's ``index_add_`` loop inline); its
+  (softmax top-k in a method returning ``(weights, ids)``, Mixtral's ``index_add_`` loop inline) and
+  ``RenamedListMoE`` (the expert list named ``mlps``); ``DenseBranches``, MLPs run on all tokens; its
   look-alikes ``UnweightedRemoteMoE`` (expert outputs averaged, not weighted), ``EarlyExitRemoteMoE``
   (the loop stops at the first expert without tokens) and ``InlineRouterMoE`` (routing inline in
   ``forward``).
@@ -239,6 +240,29 @@ class GateModuleLoopMoE(RemoteRoutedMoE):
         topk_idx, topk_weight = self.gate(hidden_states)
         x = hidden_states.view(-1, hidden_states.shape[-1])
         return self.loop(x, topk_idx, topk_weight).view(*hidden_states.shape) + self.shared_experts(hidden_states)
+
+
+class RenamedListMoE(RemoteRoutedMoE):
+    """The experts registered as ``mlps`` (found by the trace, not by the name ``experts``)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.mlps = self._modules.pop("experts")
+
+    @property
+    def experts(self):
+        return self.mlps
+
+
+class DenseBranches(nn.Module):
+    """Look-alike: a list of MLPs each run on every token and averaged (no routing)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.branches = nn.ModuleList([DeepseekV3MLP(cfg) for _ in range(3)])
+
+    def forward(self, hidden_states):
+        return sum(branch(hidden_states) for branch in self.branches) / len(self.branches)
 
 
 class SoftmaxMethodMoE(nn.Module):

@@ -12,6 +12,7 @@ import torch
 
 import ep_fuse
 from ep_fuse.models.expert_loops import StackedExperts
+from ep_fuse.models.loop_dataflow import LoopPlan, recognise_loop
 
 pytestmark = pytest.mark.hf  # the stacked experts run transformers' grouped_mm function
 
@@ -197,7 +198,7 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
     ref = _eager(model, x)
     keys = list(model.state_dict())
     with caplog.at_level(logging.DEBUG, logger="ep_fuse"):
-        ep_fuse.prepare(model)
+        ep_fuse.prepare(model, strict=True)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     converted = [r.getMessage() for r in caplog.records if "stacked into" in r.getMessage()]
     assert len(converted) == 2 and all("recognised by dataflow" in m for m in converted), caplog.text
@@ -221,10 +222,22 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
     torch.testing.assert_close(out, ref, **tol)
 
 
+@pytest.mark.parametrize("block, plan", [
+    (L.RemoteRoutedMoE, LoopPlan("experts", "route", True, "input", 0, 1, (("shared_experts", "input"),), "input")),
+    (L.GateModuleLoopMoE, LoopPlan("experts", "gate", False, "input", 0, 1, (("shared_experts", "input"),), "input")),
+    (L.SoftmaxMethodMoE, LoopPlan("experts", "select", True, "rows", 1, 0, (), "rows")),
+])
+def test_the_trace_places_router_outputs_and_shapes(block, plan):
+    layer = L.build(block, layers=1).layers[0]
+    assert recognise_loop(layer, "experts", _tokens(batch=2, seq=16)) == plan
+    assert not layer._forward_hooks and not layer.experts[0]._forward_pre_hooks and "route" not in vars(layer)
+
+
 DATAFLOW_REFUSED = {
     "unweighted": (L.UnweightedRemoteMoE, "outputs are not multiplied by the top-k weights of route"),
     "early_exit": (L.EarlyExitRemoteMoE, "the top-k ids send it (a loop that skips or repeats experts"),
     "inline_router": (L.InlineRouterMoE, "routing computed inline in forward is not reused"),
+    "normed_output": (L.NormedOutputMoE, "post_norm (RMSNorm) runs outside the router and is not a shared expert"),
 }
 
 

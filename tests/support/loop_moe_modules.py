@@ -19,8 +19,8 @@ of the code people load with ``trust_remote_code=True`` or from transformers 4.x
   (softmax top-k in a method returning ``(weights, ids)``, Mixtral's ``index_add_`` loop inline) and
   ``RenamedListMoE`` (the expert list named ``mlps``); ``DenseBranches``, MLPs run on all tokens; its
   look-alikes ``UnweightedRemoteMoE`` (expert outputs averaged, not weighted), ``EarlyExitRemoteMoE``
-  (the loop stops at the first expert without tokens) and ``InlineRouterMoE`` (routing inline in
-  ``forward``).
+  (the loop stops at the first expert without tokens), ``InlineRouterMoE`` (routing inline in
+  ``forward``) and ``NormedOutputMoE`` (an RMSNorm on the output).
 
 ``LoopModel`` stacks blocks as residual layers (``x = x + block(norm(x))``), like a decoder without attention.
 Sizes are tiny; all parameters are seeded.
@@ -215,6 +215,17 @@ class UnweightedRemoteMoE(RemoteRoutedMoE):
 
 class EarlyExitRemoteMoE(RemoteRoutedMoE):
     EARLY_EXIT = True
+
+
+class NormedOutputMoE(RemoteRoutedMoE):
+    """Look-alike: an RMSNorm on the block's output (a child of a role the trace does not place)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.post_norm = RMSNorm(cfg.hidden_size)
+
+    def forward(self, hidden_states):
+        return self.post_norm(super().forward(hidden_states))
 
 
 class InlineRouterMoE(RemoteRoutedMoE):

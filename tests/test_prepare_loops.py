@@ -185,9 +185,10 @@ DATAFLOW = {  # name: block, dtype, what the trace finds, fused sites of the 2-l
                        "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
 }
 GATING = {"softmax_method": "softmax_topk"}  # the moe_gating variant; else DeepSeek's remote-code router
+SLOW = {"gate_module", "renamed_list"}  # the router form of raw_weight_method again
 
 
-@pytest.mark.parametrize("name", list(DATAFLOW))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in DATAFLOW])
 def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
     """No known layout (routing in a method or a gate module, no ``moe_infer``): the trace finds the router (the
     top-k ids the experts follow), the weighted combine and the shared experts; the router's code is kept, so

@@ -14,7 +14,10 @@ swaps the loop for a call of it:
   only ``moe_infer(x, topk_ids, topk_weight)`` is replaced;
 * softmax top-k blocks (Mixtral / Qwen2-MoE style: an ``nn.Linear`` gate, ``top_k``, optional
   ``norm_topk_prob``, optional ``shared_expert`` with a sigmoid ``shared_expert_gate``): ``forward``
-  is replaced by one computing the same routing in the same order.
+  is replaced by one computing the same routing in the same order;
+* any other layout (routing in a method of the block or a gate module of any kind, the list under
+  another name): recognised by a trace of what it computes (:mod:`ep_fuse.models.loop_dataflow`);
+  ``forward`` becomes the block's own router, the stacked experts and the shared experts added.
 
 Every conversion is checked before it is kept: expert 0 must compute ``down(silu(gate(x)) * up(x))``
 and the converted block must reproduce the loop on random tokens (eval mode); otherwise the block is
@@ -370,6 +373,8 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
     try:
         form, unknown = _form(block, len(experts)), None
     except LoopRefused as e:  # not a known layout: recognised by dataflow below, or refused with both reasons
+        if callable(getattr(block, "moe_infer", None)):
+            raise  # a moe_infer block refused for what it is (expert-parallel remote code, no gate)
         form, unknown = "dataflow", e
     stacked = stack_experts(experts, layout, implementation)
     flags = _training_flags(block)

@@ -408,6 +408,8 @@ def _runs_routed(block: nn.Module, list_name: str) -> bool:
     """Whether, traced on random tokens in eval mode, the list's elements run on some but not all token rows."""
     experts = getattr(block, list_name)
     weight = next(experts[0].parameters())
+    if weight.device.type == "meta":
+        return False
     flags = [(m, m.training) for m in block.modules()]
     block.eval()
     try:
@@ -416,7 +418,9 @@ def _runs_routed(block: nn.Module, list_name: str) -> bool:
             x = torch.randn(2, 8, hidden, generator=g).to(device=weight.device, dtype=weight.dtype)
             try:
                 seen = _routed_tokens(_trace(block, list_name, x), len(experts))
-            except LoopNotRecognised:
+            except (LoopNotRecognised, RuntimeError) as e:
+                log.debug("ep_fuse.prepare: %s.%s not traced on [2, 8, %d] tokens: %s", type(block).__name__,
+                          list_name, hidden, e)
                 continue
             tokens = x.numel() // hidden
             if any(seen.values()) and any(len(set(rows)) < tokens for rows in seen.values()):

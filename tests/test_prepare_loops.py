@@ -29,6 +29,8 @@ CASES = {
                   {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared expert
     "fused_gate_up": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.FusedGateUpMLP),
                       ("softmax_topk", "gate_up_proj/down_proj"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+    "roles_by_computation": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.WiWoMLP),
+                             ("softmax_topk", "wi_0/wi_1/wo"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
 }
 
 
@@ -142,6 +144,8 @@ REFUSED = {
     "gelu": (functools.partial(L.MixtralSparseMoeBlock), {"hidden_act": "gelu"}, "activation act_fn=GELU is not SiLU"),
     "bias": (L.DeepseekV3MoE, {"mlp_bias": True}, "experts[0].gate_proj has a bias"),
     "unnormalised": (L.UnnormalisedMixtral, {}, "differs from the loop on random tokens"),
+    "roles_not_swiglu": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.WiWoReluMLP), {},
+                         "or others computing down(silu(gate(x)) * up(x))"),
     "up_first": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.UpFirstFusedMLP), {},
                  "experts[0] does not compute down(silu(gate(x)) * up(x))"),
 }

@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_fuse.models.loop_dataflow import LoopNotRecognised, dataflow_forward, recognise_loop, routed_expert_lists
+from ep_fuse.models.loop_dataflow import (LoopNotRecognised, dataflow_forward, infer_layout, recognise_loop,
+                                         routed_expert_lists)
 
 log = logging.getLogger("ep_fuse")
 
@@ -185,8 +186,12 @@ def _find_layout(expert: nn.Module) -> tuple[str, ...]:
     for layout in LAYOUTS:
         if all(isinstance(getattr(expert, name, None), nn.Module) for name in layout):
             return layout
+    inferred = infer_layout(expert)  # other names: the Linears' roles found by what the expert computes
+    if inferred is not None:
+        return inferred
     raise LoopRefused(f"experts are {type(expert).__name__} without gate/up/down Linears "
-                      f"({', '.join('/'.join(names) for names in LAYOUTS)})")
+                      f"({', '.join('/'.join(names) for names in LAYOUTS)}, or others computing "
+                      "down(silu(gate(x)) * up(x)))")
 
 
 _ACT_NAMES = ("act_fn", "activation_fn", "act", "activation")

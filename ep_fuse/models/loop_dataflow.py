@@ -22,12 +22,14 @@ of the routed experts), plus hooks on the children and wrappers on the block's m
 from __future__ import annotations
 
 import inspect
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -383,6 +385,38 @@ def _analyse(block: nn.Module, list_name: str, record: _Record) -> LoopPlan:
                                     "router and is not a shared expert on all tokens added to the output")
         shared.append((call.name, kind))
     return LoopPlan(list_name, router.name, router.kind == "method", arg, ids_at, weights_at, tuple(shared), output)
+
+
+# --------------------------------------------------------------------------- an expert's Linears by role
+def infer_layout(expert: nn.Module) -> tuple[str, ...] | None:
+    """The names of an MLP's bias-free Linear children as (gate, up, down) or (gate|up, down), found by what
+    it computes: the assignment, among those the shapes allow, under which ``down(silu(gate(x)) * up(x))``
+    reproduces ``expert(x)`` on random rows. None when no assignment does (or the expert does not run)."""
+    linears = {name: c for name, c in expert.named_children() if type(c) is nn.Linear}
+    if len(linears) not in (2, 3) or any(c.bias is not None for c in linears.values()):
+        return None
+    weight = next(iter(linears.values())).weight
+    if weight.device.type == "meta":
+        return None
+    tol = 1e-4 if weight.dtype in (torch.float32, torch.float64) else 3e-2
+    for names in itertools.permutations(linears):
+        ws = [linears[n].weight for n in names]
+        hidden, inter = ws[-1].shape
+        if any(w.shape != ((2 if len(ws) == 2 else 1) * inter, hidden) for w in ws[:-1]):
+            continue
+        x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(0)).to(device=weight.device,
+                                                                               dtype=weight.dtype)
+        with torch.no_grad():
+            try:
+                ref = expert(x)
+            except Exception:  # noqa: BLE001 - an MLP that does not run on rows [T, H] has no layout here
+                return None
+            gate, up = F.linear(x, torch.cat(ws[:-1])).chunk(2, dim=-1)
+            got = F.linear(F.silu(gate) * up, ws[-1])
+        if isinstance(ref, torch.Tensor) and ref.shape == got.shape and \
+                float((got - ref).abs().max()) <= tol * max(float(ref.abs().max()), 1e-6):
+            return names
+    return None
 
 
 # --------------------------------------------------------------------------- lists of experts under other names

@@ -399,6 +399,28 @@ class FusedGateUpMLP(nn.Module):
         return self.down_proj(self.activation_fn(gate) * up)
 
 
+class WiWoMLP(nn.Module):
+    """T5-style gated expert names (``wi_1`` up registered before ``wi_0`` gate, ``wo`` down): the roles are
+    found by what it computes, not by the names."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.wi_1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.wi_0 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.wo(self.act(self.wi_0(x)) * self.wi_1(x))
+
+
+class WiWoReluMLP(WiWoMLP):
+    """Look-alike: the same Linears under a ReLU gate (no assignment of roles gives SwiGLU)."""
+
+    def forward(self, x):
+        return self.wo(torch.relu(self.wi_0(x)) * self.wi_1(x))
+
+
 class UpFirstFusedMLP(FusedGateUpMLP):
     """The fused Linear's halves in the other order (``up, gate``): not the gate|up layout."""
 

@@ -14,6 +14,10 @@ of the routed experts), plus hooks on the children and wrappers on the block's m
 * **combine**: an expert output must be multiplied by that floating tensor (the routing weights);
 * **shared experts**: the other submodules run on all tokens whose output reaches the block output.
 
+Also here: :func:`routed_expert_lists` (lists of MLPs under names other than ``experts``, kept when a trace
+runs them on routed subsets of tokens) and :func:`infer_layout` (an expert's gate/up/down Linears by what
+the expert computes, when they have other names).
+
 :func:`recognise_loop` returns a :class:`LoopPlan`; :func:`dataflow_forward` is the replacement ``forward``
 (router, stacked experts, shared experts added). What the record cannot place raises
 :class:`LoopNotRecognised` with the reason; the caller checks the converted block against the loop.

@@ -187,9 +187,11 @@ DATAFLOW = {  # name: block, dtype, what the trace finds, fused sites of the 2-l
     "renamed_list": (L.RenamedListMoE, torch.float32, f"experts self.mlps, {ROUTE}", DATAFLOW_SITES),
     "softmax_method": (L.SoftmaxMethodMoE, torch.float32, "experts self.experts, router self.select(), shared "
                        "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+    "returns_logits": (L.LogitsReturningMoE, torch.float32, "experts self.experts, router self.select(), shared "
+                       "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
 }
-GATING = {"softmax_method": "softmax_topk"}  # the moe_gating variant; else DeepSeek's remote-code router
-SLOW = {"gate_module", "renamed_list"}  # the router form of raw_weight_method again
+GATING = {"softmax_method": "softmax_topk", "returns_logits": "softmax_topk"}  # the moe_gating variant; else DeepSeek's remote-code router
+SLOW = {"gate_module", "renamed_list", "returns_logits"}  # router forms of the cases before them again
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in DATAFLOW])
@@ -231,6 +233,7 @@ def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
     (L.RemoteRoutedMoE, LoopPlan("experts", "route", True, "input", 0, 1, (("shared_experts", "input"),), "input")),
     (L.GateModuleLoopMoE, LoopPlan("experts", "gate", False, "input", 0, 1, (("shared_experts", "input"),), "input")),
     (L.SoftmaxMethodMoE, LoopPlan("experts", "select", True, "rows", 1, 0, (), "rows")),
+    (L.LogitsReturningMoE, LoopPlan("experts", "select", True, "rows", 1, 0, (), "input", (2,))),
 ])
 def test_the_trace_places_router_outputs_and_shapes(block, plan):
     layer = L.build(block, layers=1).layers[0]

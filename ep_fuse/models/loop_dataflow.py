@@ -61,7 +61,8 @@ class LoopPlan:
     ``router`` is a method (``router_is_method``) or child module called on the block input
     (``router_arg="input"``) or on its rows ``[T, H]`` (``"rows"``); ``ids_at``/``weights_at`` index its
     outputs; ``shared`` lists (child, argument) pairs added to the routed output; ``output`` is the shape
-    returned, the input's (``"input"``) or rows (``"rows"``)."""
+    returned, the input's (``"input"``) or rows (``"rows"``); ``extra`` the router outputs returned after it
+    (a tuple ``(out, *extra)``, e.g. the router logits), None for a plain tensor."""
 
     experts: str
     router: str
@@ -71,6 +72,7 @@ class LoopPlan:
     weights_at: int
     shared: tuple[tuple[str, str], ...] = ()
     output: str = "input"
+    extra: tuple[int, ...] | None = None
 
     def describe(self) -> str:
         router = f"self.{self.router}{'()' if self.router_is_method else ''}"
@@ -87,7 +89,8 @@ def dataflow_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
     out = getattr(self, plan.experts)(rows, routed[plan.ids_at], routed[plan.weights_at])
     for name, arg in plan.shared:
         out = out + getattr(self, name)(hidden_states if arg == "input" else rows).reshape(out.shape)
-    return out.reshape(shape) if plan.output == "input" else out
+    out = out.reshape(shape) if plan.output == "input" else out
+    return out if plan.extra is None else (out, *(routed[i] for i in plan.extra))
 
 
 # --------------------------------------------------------------------------- the recorder
@@ -359,16 +362,17 @@ def _analyse(block: nn.Module, list_name: str, record: _Record) -> LoopPlan:
     num_experts = len(getattr(block, list_name))
     if not any(c.kind == "expert" for c in record.calls):
         raise LoopNotRecognised(f"no element of {list_name} ran on the sample tokens")
-    if not isinstance(record.output, torch.Tensor):
-        raise LoopNotRecognised(f"the block returns {type(record.output).__name__}, not one tensor")
+    result = record.output[0] if isinstance(record.output, tuple) and record.output else record.output
+    if not isinstance(result, torch.Tensor):
+        raise LoopNotRecognised(f"the block returns {type(record.output).__name__}, not a tensor or a tuple of them")
     rows_shape = (record.x.numel() // record.x.shape[-1], record.x.shape[-1])
-    if record.output.shape == record.x.shape:
+    if result.shape == record.x.shape:
         output = "input"
-    elif tuple(record.output.shape) == rows_shape:
+    elif tuple(result.shape) == rows_shape:
         output = "rows"
     else:
-        raise LoopNotRecognised(f"the block output {list(record.output.shape)} is neither its input's shape nor rows")
-    out_tags = record.tags(record.output)
+        raise LoopNotRecognised(f"the block output {list(result.shape)} is neither its input's shape nor rows")
+    out_tags = record.tags(result)
     if not out_tags & EXPERT:
         raise LoopNotRecognised("the routed experts' outputs do not reach the block output")
     seen = _routed_tokens(record, num_experts)
@@ -388,7 +392,22 @@ def _analyse(block: nn.Module, list_name: str, record: _Record) -> LoopPlan:
             raise LoopNotRecognised(f"{call.name} ({type(getattr(block, call.name)).__name__}) runs outside the "
                                     "router and is not a shared expert on all tokens added to the output")
         shared.append((call.name, kind))
-    return LoopPlan(list_name, router.name, router.kind == "method", arg, ids_at, weights_at, tuple(shared), output)
+    return LoopPlan(list_name, router.name, router.kind == "method", arg, ids_at, weights_at, tuple(shared), output,
+                    _extra_outputs(record.output, router))
+
+
+def _extra_outputs(output: Any, router: _Call) -> tuple[int, ...] | None:
+    """Which router outputs a tuple-returning block returns after its result; refuses anything else."""
+    if not isinstance(output, tuple):
+        return None
+    outs = router.outputs()
+    extra = []
+    for i, value in enumerate(output[1:], start=1):
+        at = [j for j, out in enumerate(outs) if out is value]
+        if not at:
+            raise LoopNotRecognised(f"the block returns a tuple whose element {i} is not an output of the router")
+        extra.append(at[0])
+    return tuple(extra)
 
 
 # --------------------------------------------------------------------------- an expert's Linears by role

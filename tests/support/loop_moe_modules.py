@@ -14,13 +14,16 @@ of the code people load with ``trust_remote_code=True`` or from transformers 4.x
 
 * ``RemoteRoutedMoE``: DeepSeek-style remote code with no gate module: the routing is a method of the block
   (``route``: sigmoid of a raw ``weight`` parameter, ``e_score_correction_bias``, group-limited top-k), the
-  argsort / ``tokens_per_expert.cpu().tolist()`` loop in a plain method (``loop``), shared experts added; its
-  variants ``GateModuleLoopMoE`` (DeepSeek's ``MoEGate`` as the router module) and ``SoftmaxMethodMoE``
-  (softmax top-k in a method returning ``(weights, ids)``, Mixtral's ``index_add_`` loop inline) and
-  ``RenamedListMoE`` (the expert list named ``mlps``); ``DenseBranches``, MLPs run on all tokens; its
-  look-alikes ``UnweightedRemoteMoE`` (expert outputs averaged, not weighted), ``EarlyExitRemoteMoE``
-  (the loop stops at the first expert without tokens), ``InlineRouterMoE`` (routing inline in
-  ``forward``) and ``NormedOutputMoE`` (an RMSNorm on the output).
+  argsort / ``tokens_per_expert.cpu().tolist()`` loop in a plain method (``loop``), shared experts added.
+  Variants: ``GateModuleLoopMoE`` (DeepSeek's ``MoEGate`` as the router module), ``SoftmaxMethodMoE``
+  (softmax top-k in a method returning ``(weights, ids)``, Mixtral's ``index_add_`` loop inline),
+  ``RenamedListMoE`` (the expert list named ``mlps``), ``LogitsReturningMoE`` (returns ``(out,
+  router_logits)``). Look-alikes: ``UnweightedRemoteMoE`` (expert outputs averaged, not weighted),
+  ``EarlyExitRemoteMoE`` (the loop stops at the first expert without tokens), ``InlineRouterMoE`` (routing
+  inline in ``forward``), ``NormedOutputMoE`` (an RMSNorm on the output), ``DenseBranches`` (MLPs run on
+  all tokens, no routing);
+* expert MLPs ``WiWoMLP`` (``wi_0``/``wi_1``/``wo``: roles found by computation) and its look-alike
+  ``WiWoReluMLP``.
 
 ``LoopModel`` stacks blocks as residual layers (``x = x + block(norm(x))``), like a decoder without attention.
 Sizes are tiny; all parameters are seeded.
@@ -301,6 +304,25 @@ class SoftmaxMethodMoE(nn.Module):
             current = self.experts[expert_idx](rows[top_x]) * routing_weights[top_x, idx, None]
             final.index_add_(0, top_x, current.to(rows.dtype))
         return final
+
+
+class LogitsReturningMoE(SoftmaxMethodMoE):
+    """``select`` also returns the router logits, which the block returns after its output (4.x style)."""
+
+    def select(self, rows):
+        logits = F.linear(rows, self.router_weight)
+        weights, ids = torch.topk(F.softmax(logits, dim=1, dtype=torch.float), self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(rows.dtype), ids, logits
+
+    def forward(self, hidden_states):
+        rows = hidden_states.view(-1, hidden_states.shape[-1])
+        routing_weights, selected_experts, router_logits = self.select(rows)
+        final = torch.zeros_like(rows)
+        for expert_idx in range(self.num_experts):
+            top_x, idx = torch.where(selected_experts == expert_idx)
+            current = self.experts[expert_idx](rows[top_x]) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, current.to(rows.dtype))
+        return final.view(hidden_states.shape), router_logits
 
 
 # --------------------------------------------------------------------------- Mixtral / Qwen2-MoE (4.x)

@@ -190,7 +190,8 @@ DATAFLOW = {  # name: block, dtype, what the trace finds, fused sites of the 2-l
     "returns_logits": (L.LogitsReturningMoE, torch.float32, "experts self.experts, router self.select(), shared "
                        "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
 }
-GATING = {"softmax_method": "softmax_topk", "returns_logits": "softmax_topk"}  # the moe_gating variant; else DeepSeek's remote-code router
+# the moe_gating variant of each case; the others: DeepSeek's remote-code router
+GATING = {"softmax_method": "softmax_topk", "returns_logits": "softmax_topk"}
 SLOW = {"gate_module", "renamed_list", "returns_logits"}  # router forms of the cases before them again
 
 

@@ -12,6 +12,7 @@ import torch
 
 import ep_fuse
 from ep_fuse.models.expert_loops import StackedExperts
+from ep_fuse.models.loop_dataflow import LoopPlan, recognise_loop
 
 pytestmark = pytest.mark.hf  # the stacked experts run transformers' grouped_mm function
 
@@ -28,6 +29,8 @@ CASES = {
                   {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}),  # + the shared expert
     "fused_gate_up": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.FusedGateUpMLP),
                       ("softmax_topk", "gate_up_proj/down_proj"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+    "roles_by_computation": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.WiWoMLP),
+                             ("softmax_topk", "wi_0/wi_1/wo"), {"moe_experts": 2, "moe_gating": 2, **NORMS}),
 }
 
 
@@ -141,6 +144,8 @@ REFUSED = {
     "gelu": (functools.partial(L.MixtralSparseMoeBlock), {"hidden_act": "gelu"}, "activation act_fn=GELU is not SiLU"),
     "bias": (L.DeepseekV3MoE, {"mlp_bias": True}, "experts[0].gate_proj has a bias"),
     "unnormalised": (L.UnnormalisedMixtral, {}, "differs from the loop on random tokens"),
+    "roles_not_swiglu": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.WiWoReluMLP), {},
+                         "or others computing down(silu(gate(x)) * up(x))"),
     "up_first": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.UpFirstFusedMLP), {},
                  "experts[0] does not compute down(silu(gate(x)) * up(x))"),
 }
@@ -169,3 +174,110 @@ def test_models_without_loops_are_untouched(caplog):
     with caplog.at_level(logging.INFO, logger="ep_fuse"):
         ep_fuse.prepare(torch.nn.Linear(2, 2), strict=True)
     assert "no per-expert loops; unchanged" in caplog.text
+
+
+# --------------------------------------------------------------------------- recognised by dataflow
+DATAFLOW_SITES = {"moe_experts": 2, "moe_gating": 2, "gemm_swiglu": 2, **NORMS}  # + the shared experts
+ROUTE = "router self.route(), shared experts shared_experts"
+DATAFLOW = {  # name: block, dtype, what the trace finds, fused sites of the 2-layer model
+    "raw_weight_method": (L.RemoteRoutedMoE, torch.float32, f"experts self.experts, {ROUTE}", DATAFLOW_SITES),
+    "raw_weight_method_bf16": (L.RemoteRoutedMoE, torch.bfloat16, f"experts self.experts, {ROUTE}", DATAFLOW_SITES),
+    "gate_module": (L.GateModuleLoopMoE, torch.float32,
+                    "experts self.experts, router self.gate, shared experts shared_experts", DATAFLOW_SITES),
+    "renamed_list": (L.RenamedListMoE, torch.float32, f"experts self.mlps, {ROUTE}", DATAFLOW_SITES),
+    "softmax_method": (L.SoftmaxMethodMoE, torch.float32, "experts self.experts, router self.select(), shared "
+                       "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+    "returns_logits": (L.LogitsReturningMoE, torch.float32, "experts self.experts, router self.select(), shared "
+                       "experts none", {"moe_experts": 2, "moe_gating": 2, **NORMS}),
+}
+# the moe_gating variant of each case; the others: DeepSeek's remote-code router
+GATING = {"softmax_method": "softmax_topk", "returns_logits": "softmax_topk"}
+SLOW = {"gate_module", "renamed_list", "returns_logits"}  # router forms of the cases before them again
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in DATAFLOW])
+def test_routing_method_on_a_raw_weight_converts_by_dataflow(name, caplog):
+    """No known layout (routing in a method or a gate module, no ``moe_infer``): the trace finds the router (the
+    top-k ids the experts follow), the weighted combine and the shared experts; the router's code is kept, so
+    ``moe_gating`` still matches it."""
+    block, dtype, found, sites = DATAFLOW[name]
+    model = L.build(block, dtype=dtype)
+    x = _tokens(dtype=dtype)
+    ref = _eager(model, x)
+    keys = list(model.state_dict())
+    with caplog.at_level(logging.DEBUG, logger="ep_fuse"):
+        ep_fuse.prepare(model, strict=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    converted = [r.getMessage() for r in caplog.records if "stacked into" in r.getMessage()]
+    assert len(converted) == 2 and all("recognised by dataflow" in m for m in converted), caplog.text
+    assert caplog.text.count(found) == 2, caplog.text
+    assert all(isinstance(layer.experts, StackedExperts) for layer in model.layers)
+    assert list(model.state_dict()) == keys, "the per-expert keys, under the list's own name"
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(_eager(model, x), ref, **tol)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="ep_fuse", options=REFERENCE)(x.clone())
+    assert len(ep_fuse.reports()) == 1, "the model is one graph"
+    rep = ep_fuse.last_report()
+    assert rep.counts() == sites, rep.summary()
+    assert {m.variant for m in rep.matches if m.pattern == "moe_gating"} == \
+        {GATING.get(name, "sigmoid_group_sum_top2_fill0")}, "the block's own router is matched"
+    list_name = found.split(",")[0].removeprefix("experts self.")
+    assert [m.module_path for m in rep.matches if m.pattern == "moe_experts"] == [f"layers.0.{list_name}",
+                                                                                  f"layers.1.{list_name}"]
+    torch.testing.assert_close(out, ref, **tol)
+
+
+@pytest.mark.parametrize("block, plan", [
+    (L.RemoteRoutedMoE, LoopPlan("experts", "route", True, "input", 0, 1, (("shared_experts", "input"),), "input")),
+    (L.GateModuleLoopMoE, LoopPlan("experts", "gate", False, "input", 0, 1, (("shared_experts", "input"),), "input")),
+    (L.SoftmaxMethodMoE, LoopPlan("experts", "select", True, "rows", 1, 0, (), "rows")),
+    (L.LogitsReturningMoE, LoopPlan("experts", "select", True, "rows", 1, 0, (), "input", (2,))),
+])
+def test_the_trace_places_router_outputs_and_shapes(block, plan):
+    layer = L.build(block, layers=1).layers[0]
+    assert recognise_loop(layer, "experts", _tokens(batch=2, seq=16)) == plan
+    assert not layer._forward_hooks and not layer.experts[0]._forward_pre_hooks and "route" not in vars(layer)
+
+
+DATAFLOW_REFUSED = {
+    "unweighted": (L.UnweightedRemoteMoE, "outputs are not multiplied by the top-k weights of route"),
+    "early_exit": (L.EarlyExitRemoteMoE, "the top-k ids send it (a loop that skips or repeats experts"),
+    "inline_router": (L.InlineRouterMoE, "routing computed inline in forward is not reused"),
+    "normed_output": (L.NormedOutputMoE, "post_norm (RMSNorm) runs outside the router and is not a shared expert"),
+}
+
+
+@pytest.mark.parametrize("name", list(DATAFLOW_REFUSED))
+def test_dataflow_look_alikes_are_refused_with_the_reason(name, caplog):
+    block, reason = DATAFLOW_REFUSED[name]
+    model = L.build(block, layers=1)
+    x = _tokens()
+    ref = _eager(model, x)
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        ep_fuse.prepare(model)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and reason in warnings[0] and "unknown forward structure" in warnings[0], caplog.text
+    layer = model.layers[0]
+    assert type(layer.experts) is torch.nn.ModuleList
+    assert not {"forward", "route", "loop", "_ep_fuse_loop_plan"} & set(vars(layer)), "the trace's wrappers are gone"
+    assert not layer._forward_hooks and not layer.shared_experts._forward_pre_hooks
+    assert torch.equal(_eager(model, x), ref)
+    with pytest.raises(ValueError, match="strict=True") as err:
+        ep_fuse.prepare(model, strict=True)
+    assert reason in str(err.value)
+
+
+def test_mlp_lists_that_are_not_routed_are_left_quietly(caplog):
+    """A list of MLPs that each see every token is no expert loop: no conversion, no warning."""
+    model = L.build(L.DenseBranches, layers=1)
+    x = _tokens()
+    ref = _eager(model, x)
+    with caplog.at_level(logging.DEBUG, logger="ep_fuse"):
+        ep_fuse.prepare(model, strict=True)
+    assert "does not run them on routed subsets of tokens" in caplog.text
+    assert "no per-expert loops; unchanged" in caplog.text
+    assert type(model.layers[0].branches) is torch.nn.ModuleList and not model.layers[0]._forward_hooks
+    assert torch.equal(_eager(model, x), ref)

@@ -14,7 +14,10 @@ swaps the loop for a call of it:
   only ``moe_infer(x, topk_ids, topk_weight)`` is replaced;
 * softmax top-k blocks (Mixtral / Qwen2-MoE style: an ``nn.Linear`` gate, ``top_k``, optional
   ``norm_topk_prob``, optional ``shared_expert`` with a sigmoid ``shared_expert_gate``): ``forward``
-  is replaced by one computing the same routing in the same order.
+  is replaced by one computing the same routing in the same order;
+* any other layout (routing in a method of the block or a gate module of any kind, the list under
+  another name): recognised by a trace of what it computes (:mod:`ep_fuse.models.loop_dataflow`);
+  ``forward`` becomes the block's own router, the stacked experts and the shared experts added.
 
 Every conversion is checked before it is kept: expert 0 must compute ``down(silu(gate(x)) * up(x))``
 and the converted block must reproduce the loop on random tokens (eval mode); otherwise the block is
@@ -33,6 +36,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ep_fuse.models.loop_dataflow import (LoopNotRecognised, dataflow_forward, infer_layout, recognise_loop,
+                                         routed_expert_lists)
 
 log = logging.getLogger("ep_fuse")
 
@@ -180,8 +186,12 @@ def _find_layout(expert: nn.Module) -> tuple[str, ...]:
     for layout in LAYOUTS:
         if all(isinstance(getattr(expert, name, None), nn.Module) for name in layout):
             return layout
+    inferred = infer_layout(expert)  # other names: the Linears' roles found by what the expert computes
+    if inferred is not None:
+        return inferred
     raise LoopRefused(f"experts are {type(expert).__name__} without gate/up/down Linears "
-                      f"({', '.join('/'.join(names) for names in LAYOUTS)})")
+                      f"({', '.join('/'.join(names) for names in LAYOUTS)}, or others computing "
+                      "down(silu(gate(x)) * up(x)))")
 
 
 _ACT_NAMES = ("act_fn", "activation_fn", "act", "activation")
@@ -354,7 +364,8 @@ class _Swap:
 
     def restore(self) -> None:
         setattr(self.block, self.list_name, self.experts)
-        for k in ("forward", "moe_infer", "_ep_fuse_loop_moe_infer", "_ep_fuse_top_k", "_ep_fuse_returns_logits"):
+        for k in ("forward", "moe_infer", "_ep_fuse_loop_moe_infer", "_ep_fuse_top_k", "_ep_fuse_returns_logits",
+                  "_ep_fuse_loop_plan"):
             self.block.__dict__.pop(k, None)
         self.block.__dict__.update(self.instance_attrs)
 
@@ -364,7 +375,12 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
     the block as it was when it cannot, or when the converted block does not reproduce the loop."""
     experts = getattr(block, list_name)
     layout, hidden, _ = analyze_experts(experts)
-    form = _form(block, len(experts))
+    try:
+        form, unknown = _form(block, len(experts)), None
+    except LoopRefused as e:  # not a known layout: recognised by dataflow below, or refused with both reasons
+        if callable(getattr(block, "moe_infer", None)):
+            raise  # a moe_infer block refused for what it is (expert-parallel remote code, no gate)
+        form, unknown = "dataflow", e
     stacked = stack_experts(experts, layout, implementation)
     flags = _training_flags(block)
     block.eval()
@@ -373,6 +389,12 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
                                                              dtype=stacked.gate_up_proj.dtype)
     swap = _Swap(block, list_name)
     try:
+        plan = None
+        if unknown is not None:
+            try:
+                plan = recognise_loop(block, list_name, x.clone())
+            except LoopNotRecognised as e:
+                raise LoopRefused(f"{unknown}; by its trace (dataflow): {e}") from e
         _check_expert(experts[0], stacked, hidden)
         with torch.no_grad():
             try:
@@ -383,6 +405,9 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
             if form == "moe_infer":
                 block._ep_fuse_loop_moe_infer = swap.instance_attrs.get("moe_infer", block.moe_infer)
                 block.moe_infer = types.MethodType(_moe_infer, block)
+            elif plan is not None:
+                block._ep_fuse_loop_plan = plan
+                block.forward = types.MethodType(dataflow_forward, block)
             else:
                 block._ep_fuse_top_k = getattr(block, "top_k", getattr(block, "num_experts_per_tok", None))
                 block._ep_fuse_returns_logits = isinstance(ref, tuple)
@@ -393,8 +418,9 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
                 raise LoopRefused(f"the converted block fails ({type(e).__name__}: {e})") from e
             diff = _max_rel_diff(got, ref)
             if not diff <= _tolerance(x.dtype):
+                what = f"the {form} form" if plan is None else f"what its trace shows ({plan.describe()})"
                 raise LoopRefused(f"the converted block differs from the loop on random tokens (max relative "
-                                  f"difference {diff:.2e}): its routing is not the {form} form")
+                                  f"difference {diff:.2e}): its routing is not {what}")
     except BaseException:
         swap.restore()
         raise
@@ -405,13 +431,18 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
 
 
 def expert_loop_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``."""
+    """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``: named
+    ``experts``, or under another name when a trace shows its MLPs run on routed subsets of tokens."""
     found = []
     for path, module in model.named_modules():
         for name in EXPERT_LIST_NAMES:
             if isinstance(module.__dict__.get("_modules", {}).get(name), nn.ModuleList):
                 found.append((path, module, name))
-    return found
+    return found + routed_expert_lists(model, {id(module) for _, module, _ in found})
+
+
+_REPLACED = {"moe_infer": "moe_infer", "softmax_topk": "forward (softmax top-k)",
+             "dataflow": "forward (recognised by dataflow: router, stacked experts, shared experts)"}
 
 
 def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", strict: bool = False) -> list[Conversion]:
@@ -436,5 +467,5 @@ def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", s
         results.append(Conversion(label, type(block).__name__, form, n, layout))
         log.info("ep_fuse.prepare: %s (%s): %d experts (%s) stacked into %s.gate_up_proj/down_proj, %s replaced, "
                  "experts_implementation=%s", label, type(block).__name__, n, "/".join(layout), name,
-                 "moe_infer" if form == "moe_infer" else "forward (softmax top-k)", implementation)
+                 _REPLACED.get(form, f"forward ({form})"), implementation)
     return results

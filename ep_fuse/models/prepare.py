@@ -28,7 +28,9 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
       Python (remote code such as DeepSeek-V3's ``modeling_deepseek.py``, Mixtral / Qwen2-MoE of
       transformers 4.x): the experts are stacked once into 3-D weights run by the same
       ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.models.expert_loops`); the state
-      dict keeps its per-expert keys. Each conversion is logged at INFO; a block that cannot be
+      dict keeps its per-expert keys. Blocks of other layouts (routing in a method of the block or in a
+      gate module of any kind, the list under another name) are recognised by tracing what they compute
+      (:mod:`ep_fuse.models.loop_dataflow`); their router code is kept. Each conversion is logged at INFO; a block that cannot be
       converted is left as it is with a WARNING giving the reason, or, with ``strict=True``, raises
       ``ValueError``.
     * transformers' ``FP8Experts`` (FP8 checkpoints such as DeepSeek-V3): their forward needs the

@@ -69,6 +69,9 @@ class EpRecord:
     payload: str = ""
     """What the dispatch sends when it is not the tokens as they are: ``"fp8 e4m3 + 1xG fp32 scales"``
     (``quant="fp8_block"`` quantizes before an ``all_to_all`` dispatch), else empty."""
+    local_block: str = "moe_experts"
+    """The local experts' op: ``moe_experts`` (permute -> GEMMs -> unpermute over the received rows) or
+    ``moe_experts_masked`` (the expert-major receive buffer read in place, ``ep_fuse.passes.ep_masked``)."""
 
 
 @dataclasses.dataclass

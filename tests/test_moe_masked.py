@@ -225,9 +225,9 @@ def _with_deepep_double(world, cases):
 
 
 def sc_deepep_ll_masked(world):
-    _with_deepep_double(world, [dict(executor="eager", providers=["triton"], expect_masked=True),
-                                dict(executor="eager", providers=["triton"], expect_masked=True, t=16, invalid=0.0, k=3),
-                                dict(executor="eager", providers=["reference"], expect_masked=False)])  # no fused provider
+    triton = dict(executor="eager", providers=["triton"], expect_masked=True)
+    _with_deepep_double(world, [triton, dict(triton, t=16, invalid=0.0, k=3),  # full batch, 3 experts per token
+                                dict(triton, providers=["reference"], expect_masked=False)])  # no fused provider
 
 
 def sc_deepep_ll_masked_inductor(world):

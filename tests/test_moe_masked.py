@@ -150,6 +150,33 @@ def test_unverified_on_cuda(monkeypatch):
     assert "not cleared for GPUs" in check_moe_experts_masked_call((x, c, w13, w2))
 
 
+def test_the_ep_pass_keeps_moe_experts_on_cuda_until_cleared(monkeypatch):
+    """On a CUDA graph the masked layout waits for its GPU check (the kernels are in UNVERIFIED_ON_GPU), unless
+    ``unverified_kernels`` is on; the decision needs no process group."""
+    from types import SimpleNamespace
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ep_fuse import runtime
+    from ep_fuse.config import EpFuseConfig
+    from ep_fuse.passes.ep_masked import masked_decline
+    from ep_fuse.providers.triton.unverified import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        x = torch.empty(8, 2048, dtype=BF16, device="cuda")
+        ids = torch.empty(8, 4, dtype=torch.int64, device="cuda")
+        w13 = torch.empty(2, 32, 2048, dtype=BF16, device="cuda")
+        w2 = torch.empty(2, 2048, 16, dtype=BF16, device="cuda")
+    for unverified, expect in ((False, "not cleared for GPUs"), (True, None)):
+        cfg = EpFuseConfig(unverified_kernels=unverified)
+        ctx = SimpleNamespace(config=cfg, device="cuda", executor="inductor", fake_mode=mode)
+        with runtime.use_config(cfg):
+            why = masked_decline("deepep_low_latency", "expert", x, ids, w13, w2, 2, 8, (), ctx)
+        assert why is None if expect is None else expect in why, why
+
+
 def test_opcheck():
     e, m, h, i = 2, 5, 16, 8
     w13, w2 = _weights(e, h, i, torch.float32)

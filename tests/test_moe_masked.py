@@ -254,6 +254,7 @@ def _with_deepep_double(world, cases):
 def sc_deepep_ll_masked(world):
     triton = dict(executor="eager", providers=["triton"], expect_masked=True)
     _with_deepep_double(world, [triton, dict(triton, t=16, invalid=0.0, k=3),  # full batch, 3 experts per token
+                                dict(triton, e_per_rank=8, k=6, t=8, capacity=8, invalid=0.05),  # many experts
                                 dict(triton, providers=["reference"], expect_masked=False)])  # no fused provider
 
 

@@ -293,3 +293,16 @@ def test_two_ranks_deepep_low_latency():
 @pytest.mark.slow
 def test_two_ranks_deepep_low_latency_inductor():
     _run([sc_deepep_ll_masked_inductor])
+
+
+@pytest.mark.slow
+def test_bench_masked_case_at_the_tiny_shape():
+    """``bench/bench_moe_experts.py --masked`` on a CPU: masked, padded and one-GPU paths run, and agree."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import masked_layout
+
+    (row,) = masked_layout.run(masked_layout.TINY, "cpu")
+    assert row["rel_l2_masked_vs_padded"] < 2e-2 and 0 < row["valid_rows"] <= row["rows"]
+    assert all(row[k] > 0 for k in ("masked_us", "padded_us", "one_gpu_us"))

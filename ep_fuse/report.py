@@ -227,6 +227,7 @@ class GraphReport:
             text += f"; providers: {prov}"
         if self.ep:
             backends = sorted({f"{e.backend} over {e.world} ranks" + (f" ({e.payload})" if e.payload else "")
+                               + (", masked experts" if e.local_block == "moe_experts_masked" else "")
                                for e in self.ep})
             text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"
         if self.inductor is not None and not self.inductor.direct:

@@ -224,7 +224,7 @@ def _ll_case(world, *, executor, providers, expect_masked, t=12, k=2, e_per_rank
     assert site.backend == "deepep_low_latency" and site.layout == "expert"
     ops = rep.ops_after
     if expect_masked:
-        assert site.local_block == "moe_experts_masked"
+        assert site.local_block == "moe_experts_masked" and "masked experts" in rep.summary()
         assert ops.get("ep_fuse_triton.moe_experts_masked.default") == 1, ops
         assert not any("moe_permute" in o or "moe_unpermute" in o or "grouped_gemm" in o for o in ops), ops
     else:

@@ -36,8 +36,8 @@ from ep_fuse.providers.triton.gemm_tiles import (
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
 
 MIN_BLOCK_E = 16
-MAX_EXPERTS = 8192
-"""Experts whose counts one program scans in registers; more are declined on the host."""
+"""Counts one program scans in registers: at least this many, at most the grouped GEMMs' ``MAX_EXPERTS`` (the host
+check, ``grouped_gemm.expert_weight_limits``)."""
 
 
 @triton.jit

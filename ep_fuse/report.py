@@ -69,6 +69,9 @@ class EpRecord:
     payload: str = ""
     """What the dispatch sends when it is not the tokens as they are: ``"fp8 e4m3 + 1xG fp32 scales"``
     (``quant="fp8_block"`` quantizes before an ``all_to_all`` dispatch), else empty."""
+    local_block: str = "moe_experts"
+    """The local experts' op: ``moe_experts`` (permute -> GEMMs -> unpermute over the received rows) or
+    ``moe_experts_masked`` (the expert-major receive buffer read in place, ``ep_fuse.passes.ep_masked``)."""
 
 
 @dataclasses.dataclass
@@ -224,6 +227,7 @@ class GraphReport:
             text += f"; providers: {prov}"
         if self.ep:
             backends = sorted({f"{e.backend} over {e.world} ranks" + (f" ({e.payload})" if e.payload else "")
+                               + (", masked experts" if e.local_block == "moe_experts_masked" else "")
                                for e in self.ep})
             text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"
         if self.inductor is not None and not self.inductor.direct:

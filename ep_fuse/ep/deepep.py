@@ -341,4 +341,4 @@ register_ep_provider(
     supports=lambda x, ids, dt, world, e, cap: supports("normal", x, ids, dt, world, cap, e), row_bytes=ROW_BYTES)
 register_ep_provider(
     "deepep_low_latency", dispatch_low_latency, combine_low_latency, layout="expert", available=lambda: available(),
-    supports=lambda x, ids, dt, world, e, cap: supports("low_latency", x, ids, dt, world, cap, e))
+    supports=lambda x, ids, dt, world, e, cap: supports("low_latency", x, ids, dt, world, cap, e), masked_blocks=True)

@@ -89,6 +89,9 @@ class EpProvider:
     row_bytes: int = 1
     """A token row's size in bytes must be a multiple of this for the engine to move it (DeepEP's normal dispatch
     copies rows as 16-byte words): what a pass that packs other rows (FP8 codes + scales) must keep."""
+    masked_blocks: bool = False
+    """``expert`` layout: each expert's block of ``W*C`` received rows holds its valid rows first (padding after,
+    id -1), so the local experts may read it in place (``moe_experts_masked``, ``ep_fuse.passes.ep_masked``)."""
 
 
 _PROVIDERS: dict[str, EpProvider] = {}
@@ -101,10 +104,11 @@ def _nothing(*_args: Any) -> None:
 def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any], *, layout: str,
                          available: Callable[[], str | None] = _nothing,
                          supports: Callable[..., str | None] = _nothing,
-                         contracts: dict[str, str] | None = None, row_bytes: int = 1) -> EpProvider:
+                         contracts: dict[str, str] | None = None, row_bytes: int = 1,
+                         masked_blocks: bool = False) -> EpProvider:
     """Make ``ep_backend=name`` run ``dispatch`` / ``combine`` (signatures on :class:`EpProvider`)."""
     prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports, dict(contracts or {}),
-                                         row_bytes)
+                                         row_bytes, masked_blocks)
     return prov
 
 

@@ -32,6 +32,7 @@ from ep_fuse.fx_utils import module_path, val
 from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.passes.ep_masked import masked_decline, masked_experts
 from ep_fuse.report import EpRecord
 
 log = logging.getLogger("ep_fuse.passes")
@@ -199,17 +200,24 @@ class ExpertParallel(GraphPass):
                                                    num_experts, cap)
         common = (num_experts, group.group_name, backend, layout, cap, float(cfg.ep_timeout_s))
         keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
+        w13v, w2v = val(w13), val(w2)
+        why_not_masked = masked_decline(backend, layout, xv, idv, w13v, w2v, world, cap, activation, ctx)
         with graph.inserting_before(node):
             d = graph.call_function(ep_dispatch.op, (x, ids, w, *common))
             parts = [graph.call_function(operator.getitem, (d, i)) for i in range(4)]
-            experts_dtype = out_dtype if layout == "rank" else xv.dtype
-            y = graph.call_function(moe_ops.moe_experts.op,
-                                    (parts[0], parts[1], parts[2], w13, w2, experts_dtype, *activation))
-            out = graph.call_function(ep_combine.op, (y, parts[3], ids, w, *common,
+            if why_not_masked is None:  # the expert-major receive buffer read in place (passes/ep_masked.py)
+                local_nodes, y = masked_experts(graph, parts[0], parts[1], w13, w2, activation, xv, idv, local,
+                                                world, cap)
+            else:
+                experts_dtype = out_dtype if layout == "rank" else xv.dtype
+                y = graph.call_function(moe_ops.moe_experts.op,
+                                        (parts[0], parts[1], parts[2], w13, w2, experts_dtype, *activation))
+                local_nodes = [y]
+            out = graph.call_function(ep_combine.op, (local_nodes[-1], parts[3], ids, w, *common,
                                                       None if layout == "rank" else out_dtype))
-        for n in (d, *parts, y, out):
+        for n in (d, *parts, *local_nodes, out):
             n.meta.update(keep)
-        self._set_vals(d, parts, y, out, ctx)
+        self._set_vals(d, parts, local_nodes, out, ctx)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         records = ctx.match_by_node.pop(node.name, [])
@@ -219,14 +227,17 @@ class ExpertParallel(GraphPass):
                 r.fused_node = y.name
         rec = EpRecord(block=y.name, module_path=module_path(y), backend=backend, layout=layout,
                        requested=cfg.ep_backend, num_experts=num_experts, local_experts=local, world=world,
-                       capacity=cap, declined=declined)
+                       capacity=cap, declined=declined,
+                       local_block="moe_experts" if why_not_masked else "moe_experts_masked")
         ctx.report.ep.append(rec)
         ctx.report.contracts.update(ep_provider(backend).contracts)
-        log.info("ep_fuse: EP at %s: %s (%s layout), %d of %d experts per rank x %d ranks, capacity %s",
-                 rec.module_path or rec.block, backend, layout, local, num_experts, world, cap or "data-dependent")
+        log.info("ep_fuse: EP at %s: %s (%s layout), %d of %d experts per rank x %d ranks, capacity %s, local %s%s",
+                 rec.module_path or rec.block, backend, layout, local, num_experts, world, cap or "data-dependent",
+                 rec.local_block, f" (not masked: {why_not_masked})" if why_not_masked and layout == "expert" else "")
 
     @staticmethod
-    def _set_vals(d: fx.Node, parts: list[fx.Node], y: fx.Node, out: fx.Node, ctx: PassContext) -> None:
+    def _set_vals(d: fx.Node, parts: list[fx.Node], local_nodes: list[fx.Node], out: fx.Node,
+                  ctx: PassContext) -> None:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
@@ -239,5 +250,6 @@ class ExpertParallel(GraphPass):
             d.meta["val"] = dv
             for i, p in enumerate(parts):
                 p.meta["val"] = dv[i]
-            y.meta["val"] = y.target(*[fake(a) for a in y.args])
+            for n in local_nodes:  # the local experts, in graph order
+                n.meta["val"] = n.target(*[fake(a) for a in n.args], **{k: fake(v) for k, v in n.kwargs.items()})
             out.meta["val"] = out.target(*[fake(a) for a in out.args])

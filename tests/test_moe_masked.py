@@ -137,11 +137,14 @@ def test_the_provider_declines_what_it_cannot_run():
 
 
 def test_unverified_on_cuda(monkeypatch):
+    """The provider asks the unverified list (cleared since its GPU check ran: put back here to test the wiring)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ep_fuse.providers.triton import unverified
     from ep_fuse.providers.triton.unverified import ENV
 
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "moe_experts_masked:triton", "not run on a GPU")
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(2, 4, 16, dtype=BF16, device="cuda")
         c = torch.empty(2, dtype=torch.int32, device="cuda")
@@ -151,8 +154,9 @@ def test_unverified_on_cuda(monkeypatch):
 
 
 def test_the_ep_pass_keeps_moe_experts_on_cuda_until_cleared(monkeypatch):
-    """On a CUDA graph the masked layout waits for its GPU check (the kernels are in UNVERIFIED_ON_GPU), unless
-    ``unverified_kernels`` is on; the decision needs no process group."""
+    """On a CUDA graph the masked layout waits for its GPU check while the kernels are in UNVERIFIED_ON_GPU (put
+    back here: cleared since the check ran), unless ``unverified_kernels`` is on; the decision needs no process
+    group."""
     from types import SimpleNamespace
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -160,9 +164,11 @@ def test_the_ep_pass_keeps_moe_experts_on_cuda_until_cleared(monkeypatch):
     from ep_fuse import runtime
     from ep_fuse.config import EpFuseConfig
     from ep_fuse.passes.ep_masked import masked_decline
+    from ep_fuse.providers.triton import unverified
     from ep_fuse.providers.triton.unverified import ENV
 
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "moe_experts_masked:triton", "not run on a GPU")
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         x = torch.empty(8, 2048, dtype=BF16, device="cuda")

@@ -12,9 +12,7 @@ from typing import Any
 
 from ep_fuse import runtime
 
-UNVERIFIED_ON_GPU: dict[str, str] = {
-    "moe_experts_masked:triton": "tests/gpu/test_gpu_moe_masked.py has not run on a GPU",
-}
+UNVERIFIED_ON_GPU: dict[str, str] = {}
 """``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
 (``docs/benchmarks.md`` says when and where): the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
@@ -27,9 +25,10 @@ measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma
 expert by ``bench/bench_fp8.py --deepgemm``), and the forms of the MoE decoders transformers 5.24 added:
 ``rope:rotate_pairs_fp32`` (``tests/gpu/test_gpu_norm_rope_forms.py``), ``moe_gating:sqrt_softplus/topk_bias/
 expert_scale/softmax_sum_top2_fill0`` (``tests/gpu/test_gpu_moe_gating_forms.py``) and
-``grouped_gemm_swiglu:silu_clamp/silu_clamp_post/silu_fp32/softcap_fp32`` (``tests/gpu/test_gpu_moe_forms.py``).
-A new variant is added here until its GPU check has run: ``moe_experts_masked:triton`` (the masked expert
-layout's grouped GEMMs, every activation)."""
+``grouped_gemm_swiglu:silu_clamp/silu_clamp_post/silu_fp32/softcap_fp32`` (``tests/gpu/test_gpu_moe_forms.py``),
+``moe_experts_masked:triton`` (the masked expert layout's grouped GEMMs, ``tests/gpu/test_gpu_moe_masked.py``, then
+measured faster than the permute over padding by ``bench/bench_moe_experts.py --masked``). A new variant is added
+here until its GPU check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
 """The environment variable that sets the default of the config's ``unverified_kernels``."""

@@ -143,6 +143,28 @@ def sc_load_eager_compiled(world):
     torch.testing.assert_close(out_o, ref, rtol=1e-4, atol=1e-4)
 
 
+def sc_unfused_experts_not_nested(world):
+    """Experts the implementation does not place as ``moe_experts`` (their own forward on the received rows, here
+    forced): the pattern still fuses them, the EP pass leaves them local (one dispatch per layer, not two)."""
+    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.passes.ep import ep_sites
+
+    rank = dist.get_rank()
+    full = _load(ep=False)
+    model = hf_ep.for_inference(_load(ep=True))
+    for impl in hf_ep.ep_implementations(model):
+        impl.fused = False
+    ids = _tokens(rank + 5)
+    with torch.no_grad():
+        ref = full(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
+        out = _compile(model, **ep_fuse.ep_options(model, timeout_s=60))(input_ids=ids).logits
+    rep = ep_fuse.last_report()
+    assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2 and rep.ops_after.get("ep_fuse.ep_combine.default") == 2
+    assert rep.counts().get("moe_experts") == 2 and ep_sites(rep) == []  # fused by the pattern, not adopted
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def _prompts(rank: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Rank 0: three prompts of lengths 5, 3, 7 (left-padded), 6 new tokens; rank 1: one of 4, 3 new tokens."""
     lengths, new = ((5, 3, 7), 6) if rank == 0 else ((4,), 3)
@@ -241,7 +263,7 @@ def sc_killed_rank(world):
     assert time.monotonic() - t0 < 30
 
 
-SCENARIOS = [sc_registered, sc_load_eager_compiled, sc_generate_lockstep, sc_killed_rank]
+SCENARIOS = [sc_registered, sc_load_eager_compiled, sc_unfused_experts_not_nested, sc_generate_lockstep, sc_killed_rank]
 SLOW_SCENARIOS = [sc_generate_compiled]
 NO_BARRIER = ("sc_killed_rank",)
 

@@ -146,13 +146,13 @@ def choose_backend(
 
 
 def behind_dispatch(block: fx.Node, depth: int = 8) -> bool:
-    """Whether the tokens or ids of ``block`` come from an ``ep_dispatch`` (within ``depth`` producers): a
-    block already local to this rank, never rewritten again."""
+    """Whether the tokens or ids of ``block`` come from an ``ep_dispatch`` (within ``depth`` producers, not through
+    an ``ep_combine``: a previous layer): a block already local to this rank, never rewritten again."""
     seen: set[fx.Node] = set()
     todo = [(a, 0) for a in block.args[:3] if isinstance(a, fx.Node)]
     while todo:
         n, d = todo.pop()
-        if n in seen or d > depth or n.op != "call_function":
+        if n in seen or d > depth or n.op != "call_function" or n.target is ep_combine.op:
             continue
         seen.add(n)
         if n.target is ep_dispatch.op:
@@ -178,6 +178,8 @@ def placed_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
         if len(combines) != 1 or list(y.users) != combines:
             continue
         c = combines[0]
+        if any(set(g.users) - {y, c} for g in gets.values()) or len(gets) != len(d.users):
+            continue  # the received rows are read elsewhere too: leave the triple as it is
         same = c.args[0] is y and tuple(c.args[2:10]) == (d.args[1], d.args[2], *d.args[3:9])
         if same and (len(c.args) < 11 or c.args[10] is None):
             out.append((d, y, c))
@@ -202,7 +204,7 @@ def adopt_placed(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, An
         if records:
             ctx.match_by_node[g.name] = records
         cfg = ctx.config
-        sites.append((g, groups.resolve_group(group_name), cap or (cfg.ep_capacity or 0),
+        sites.append((g, groups.resolve_group(group_name), cfg.ep_capacity or cap,
                       float(cfg.ep_timeout_s) if cfg.ep_requested else float(timeout)))
     return sites
 
@@ -213,10 +215,12 @@ class ExpertParallel(GraphPass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         op = moe_ops.moe_experts.op
         placed = adopt_placed(gm, ctx)
+        adopted = {node for node, *_ in placed}
+        # a block behind a dispatch (placed in a form not adopted) is already local: never rewritten twice
+        blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op and n not in adopted
+                  and not behind_dispatch(n)]
         for node, group, cap, timeout in placed:
             self._rewrite(gm, node, group, group.size(), ctx, cap, timeout)
-        # a block behind a dispatch (placed, in another layout) is already local: never rewritten twice
-        blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op and not behind_dispatch(n)]
         if not blocks:
             return len(placed)
         cfg = ctx.config

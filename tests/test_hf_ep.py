@@ -238,6 +238,36 @@ def sc_generate_compiled(world):
     assert torch.equal(out, ref), (out, ref)
 
 
+def sc_other_models(world):
+    """Mixtral (bf16) and DeepSeek-V3 (a dense layer, a MoE layer with a shared expert; fp32) loaded with HF's EP:
+    one graph with the whole model's fused sites (its routed blocks as EP sites), equal outputs."""
+    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.models import tiny
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    for name, dtype, tol in (("mixtral", torch.bfloat16, 2e-2), ("deepseek_v3", F32, 1e-4)):
+        path = [tempfile.mkdtemp(prefix="ep_fuse_hf_ep_") if dist.get_rank() == 0 else None]
+        if path[0]:
+            tiny.build(name, dtype=dtype).save_pretrained(path[0])
+        dist.broadcast_object_list(path, src=0)
+        full = AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype).eval()
+        model = hf_ep.for_inference(AutoModelForCausalLM.from_pretrained(path[0], dtype=dtype, distributed_config=(
+            DistributedConfig(ep_size=world, fsdp_size=world, ep_implementation="ep_fuse"))).eval())
+        ids = _tokens(dist.get_rank() + 20)
+        torch._dynamo.reset()
+        ep_fuse.reset_reports()
+        with torch.no_grad():
+            ref = full(input_ids=ids).logits.float()
+            out = _compile(model)(input_ids=ids).logits.float()
+        assert len(ep_fuse.reports()) == 1, name
+        rep = ep_fuse.last_report()
+        expected = dict(tiny.EXPECTED_SITES[name][0])
+        blocks = expected.pop("moe_experts")
+        assert rep.counts() == expected and len(rep.ep) == blocks, (name, rep.counts(), rep.ep)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 def sc_killed_rank(world):
     """Rank 1 dies inside its third MoE layer call: rank 0 gets an EpError within ep_timeout_s (no hang)."""
     from ep_fuse.models import hf_expert_parallel as hf_ep
@@ -264,7 +294,7 @@ def sc_killed_rank(world):
 
 
 SCENARIOS = [sc_registered, sc_load_eager_compiled, sc_unfused_experts_not_nested, sc_generate_lockstep, sc_killed_rank]
-SLOW_SCENARIOS = [sc_generate_compiled]
+SLOW_SCENARIOS = [sc_generate_compiled, sc_other_models]
 NO_BARRIER = ("sc_killed_rank",)
 
 
@@ -296,11 +326,13 @@ def test_killed_rank_raises_on_its_peer(hf_ep2):
 
 
 @pytest.mark.slow
-def test_generate_compiled():
+def test_slow_scenarios():
     pytest.importorskip("transformers.distributed.expert_parallel")
     from support.dist_harness import check
 
-    check(_run(SLOW_SCENARIOS), "sc_generate_compiled")
+    results = _run(SLOW_SCENARIOS)
+    for f in SLOW_SCENARIOS:
+        check(results, f.__name__)
 
 
 # =========================================================================== single process

@@ -129,7 +129,8 @@ def sc_load_eager_compiled(world):
     assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2
     assert rep.ops_after.get("ep_fuse.ep_combine.default") == 2
     sites = ep_sites(rep)
-    assert len(sites) == 2 and {s.backend for s in sites} == {"all_to_all"} and {s.world for s in sites} == {world}, sites
+    assert len(sites) == 2, sites
+    assert {s.backend for s in sites} == {"all_to_all"} and {s.world for s in sites} == {world}, sites
     torch.testing.assert_close(out_c, ref, rtol=1e-4, atol=1e-4)
 
     # EP options on top: the placed blocks are rewritten once (not nested), with the options' capacity
@@ -138,7 +139,8 @@ def sc_load_eager_compiled(world):
     with torch.no_grad():
         out_o = _compile(model, **ep_fuse.ep_options(model, capacity=CAPACITY, timeout_s=60))(input_ids=ids).logits
     rep = ep_fuse.last_report()
-    assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2 and rep.ops_after.get("ep_fuse.ep_combine.default") == 2
+    assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2
+    assert rep.ops_after.get("ep_fuse.ep_combine.default") == 2
     assert {s.capacity for s in ep_sites(rep)} == {CAPACITY}
     torch.testing.assert_close(out_o, ref, rtol=1e-4, atol=1e-4)
 
@@ -160,7 +162,8 @@ def sc_unfused_experts_not_nested(world):
         torch.testing.assert_close(model(input_ids=ids).logits, ref, rtol=1e-5, atol=1e-5)
         out = _compile(model, **ep_fuse.ep_options(model, timeout_s=60))(input_ids=ids).logits
     rep = ep_fuse.last_report()
-    assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2 and rep.ops_after.get("ep_fuse.ep_combine.default") == 2
+    assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2
+    assert rep.ops_after.get("ep_fuse.ep_combine.default") == 2
     assert rep.counts().get("moe_experts") == 2 and ep_sites(rep) == []  # fused by the pattern, not adopted
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

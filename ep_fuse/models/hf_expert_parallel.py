@@ -34,6 +34,7 @@ RECORD = "ep_fuse_hf_ep"
 """Attribute of an experts module that holds its :class:`EpFuseEP` (read by :func:`for_inference`)."""
 
 DEFAULT_TIMEOUT_S = 300.0
+ANNOUNCED: list[bool] = []
 
 
 def plain_swiglu(experts: torch.nn.Module) -> bool:
@@ -85,6 +86,11 @@ def implementation_class() -> type:
             self.fused = plain_swiglu(experts)
             self.experts = experts
             object.__setattr__(experts, RECORD, self)  # not a submodule: a plain attribute
+            if not ANNOUNCED:
+                ANNOUNCED.append(True)
+                log.info('ep_fuse: ep_implementation="%s" on %d ranks; after loading, call '
+                         "ep_fuse.models.hf_expert_parallel.for_inference(model) on every rank for one compiled "
+                         "graph (FSDP's hooks split it otherwise)", NAME, self.world)
 
         def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -142,7 +148,7 @@ def configure(model: torch.nn.Module, *, backend: str | None = None, capacity: i
 
 
 def ep_implementations(model: torch.nn.Module) -> list[Any]:
-    """The :class:`EpFuseEP` of every experts module of ``model`` (HF native EP with ``ep_implementation="ep_fuse"``)."""
+    """The :class:`EpFuseEP` of every experts module of ``model`` (loaded with ``ep_implementation="ep_fuse"``)."""
     return [impl for mod in model.modules() if (impl := getattr(mod, RECORD, None)) is not None]
 
 

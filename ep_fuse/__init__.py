@@ -45,3 +45,68 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC})
+
+
+INTEGRATIONS = {"transformers.distributed.expert_parallel": "ep_fuse.models.hf_expert_parallel"}
+"""Optional integrations, the one place the package loads them: third-party module -> the ep_fuse module whose
+``register()`` runs once that module is imported (at once if it already is). Nothing is imported for a
+third-party module that is never imported."""
+
+
+def _register(module: str) -> None:
+    try:
+        importlib.import_module(INTEGRATIONS[module]).register()
+    except Exception as exc:  # an integration must never break the import of the library it extends
+        import logging
+
+        logging.getLogger("ep_fuse").warning("ep_fuse: could not register its %s integration: %s", module, exc)
+
+
+class _Loader:
+    """Wraps a module's loader: runs the integration's ``register()`` after the module has executed."""
+
+    def __init__(self, loader: Any, name: str) -> None:
+        self.loader, self.name = loader, name
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.loader.exec_module(module)
+        _register(self.name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.loader, attr)
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that hands the integrations' modules :class:`_Loader`s."""
+
+    busy: set[str] = set()
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname not in INTEGRATIONS or fullname in self.busy:
+            return None
+        import importlib.util
+
+        self.busy.add(fullname)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.busy.discard(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader, fullname)
+        return spec
+
+
+def _install_integrations() -> None:
+    import sys
+
+    if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+    for module in INTEGRATIONS:
+        if module in sys.modules:
+            _register(module)
+
+
+_install_integrations()

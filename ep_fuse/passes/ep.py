@@ -146,14 +146,84 @@ def choose_backend(
     raise EpError(f"ep_fuse: no EP provider can run this MoE block: {declined}")
 
 
+def behind_dispatch(block: fx.Node, depth: int = 8) -> bool:
+    """Whether the tokens or ids of ``block`` come from an ``ep_dispatch`` (within ``depth`` producers, not through
+    an ``ep_combine``: a previous layer): a block already local to this rank, never rewritten again."""
+    seen: set[fx.Node] = set()
+    todo = [(a, 0) for a in block.args[:3] if isinstance(a, fx.Node)]
+    while todo:
+        n, d = todo.pop()
+        if n in seen or d > depth or n.op != "call_function" or n.target is ep_combine.op:
+            continue
+        seen.add(n)
+        if n.target is ep_dispatch.op:
+            return True
+        todo.extend((a, d + 1) for a in n.args if isinstance(a, fx.Node))
+    return False
+
+
+def placed_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(dispatch, local block, combine)`` triples already in the graph in the ``rank`` layout (placed by model
+    code: transformers' native EP with ``ep_implementation="ep_fuse"``, ``ep_fuse/models/hf_expert_parallel.py``)."""
+    out = []
+    for y in gm.graph.nodes:
+        if y.op != "call_function" or y.target is not moe_ops.moe_experts.op:
+            continue
+        d = dispatch_of(y.args[0])
+        if d is None or d.args[6] != "rank":
+            continue
+        gets = {u.args[1]: u for u in d.users if u.target is operator.getitem}
+        if not (gets.get(1) is y.args[1] and gets.get(2) is y.args[2] and 3 in gets):
+            continue
+        combines = [u for u in gets[3].users if u.target is ep_combine.op]
+        if len(combines) != 1 or list(y.users) != combines:
+            continue
+        c = combines[0]
+        if any(set(g.users) - {y, c} for g in gets.values()) or len(gets) != len(d.users):
+            continue  # the received rows are read elsewhere too: leave the triple as it is
+        same = c.args[0] is y and tuple(c.args[2:10]) == (d.args[1], d.args[2], *d.args[3:9])
+        if same and (len(c.args) < 11 or c.args[10] is None):
+            out.append((d, y, c))
+    return out
+
+
+def adopt_placed(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, Any, int, float]]:
+    """Turn each placed triple back into the global block it computes (``moe_experts`` on the dispatch's inputs,
+    the local weights), so that the rewrite re-chooses its engine from ``ep_backend``; returns ``(block, group,
+    capacity, timeout)`` per site (the capacity and timeout the model code gave, unless the options set them)."""
+    sites = []
+    for d, y, c in placed_sites(gm):
+        x, ids, w, _e, group_name, _backend, _layout, cap, timeout = d.args
+        with gm.graph.inserting_before(c):
+            g = gm.graph.call_function(moe_ops.moe_experts.op, (x, ids, w, *y.args[3:]))
+        g.meta.update({k: v for k, v in y.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        g.meta["val"] = c.meta.get("val")
+        c.replace_all_uses_with(g)
+        for n in (c, y, *[u for u in d.users], d):
+            gm.graph.erase_node(n)
+        records = ctx.match_by_node.pop(y.name, [])
+        if records:
+            ctx.match_by_node[g.name] = records
+        cfg = ctx.config
+        sites.append((g, groups.resolve_group(group_name), cfg.ep_capacity or cap,
+                      float(cfg.ep_timeout_s) if cfg.ep_requested else float(timeout)))
+    return sites
+
+
 class ExpertParallel(GraphPass):
     name = "ep"
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         op = moe_ops.moe_experts.op
-        blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
+        placed = adopt_placed(gm, ctx)
+        adopted = {node for node, *_ in placed}
+        # a block behind a dispatch (placed in a form not adopted) is already local: never rewritten twice
+        blocks = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op and n not in adopted
+                  and not behind_dispatch(n)]
+        for node, group, cap, timeout in placed:
+            self._rewrite(gm, node, group, group.size(), ctx, cap, timeout)
         if not blocks:
-            return 0
+            return len(placed)
         cfg = ctx.config
         world = 1
         group = None
@@ -181,12 +251,13 @@ class ExpertParallel(GraphPass):
                     f"but {world} ranks x {local} local experts = {world * local}. Shard the experts with "
                     "ep_fuse.shard_experts(model, group) over the same group given as ep_group.")
         if world == 1:
-            return 0
+            return len(placed)
         for node in blocks:
             self._rewrite(gm, node, group, world, ctx)
-        return len(blocks)
+        return len(placed) + len(blocks)
 
-    def _rewrite(self, gm: fx.GraphModule, node: fx.Node, group: Any, world: int, ctx: PassContext) -> None:
+    def _rewrite(self, gm: fx.GraphModule, node: fx.Node, group: Any, world: int, ctx: PassContext,
+                 capacity: int | None = None, timeout_s: float | None = None) -> None:
         graph = gm.graph
         x, ids, w, w13, w2, out_dtype = (list(node.args) + [None] * 6)[:6]
         activation = tuple(node.args[6:])  # (act, limit, gate_cap, up_cap) where not SwiGLU: kept as it is
@@ -194,11 +265,12 @@ class ExpertParallel(GraphPass):
         local = int(val(w13).shape[0])
         num_experts = world * local
         cfg = ctx.config
-        cap = cfg.ep_capacity or 0
+        cap = (cfg.ep_capacity or 0) if capacity is None else capacity
         block_dtype = out_dtype or torch.promote_types(xv.dtype, wv.dtype)
         backend, layout, declined = choose_backend(cfg.ep_backend, ctx.device, xv, idv, block_dtype, world,
                                                    num_experts, cap)
-        common = (num_experts, group.group_name, backend, layout, cap, float(cfg.ep_timeout_s))
+        common = (num_experts, group.group_name, backend, layout, cap,
+                  float(cfg.ep_timeout_s if timeout_s is None else timeout_s))
         keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
         w13v, w2v = val(w13), val(w2)
         why_not_masked = masked_decline(backend, layout, xv, idv, w13v, w2v, world, cap, activation, ctx)

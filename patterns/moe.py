@@ -26,7 +26,8 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
 
 The gated activation between the GEMMs is SwiGLU or one of its transformers 5.24 variants (``ops.moe.ACTS``:
-clamped before or after the SiLU, fp32, soft-capped; :func:`_swiglu`), carried as the block's ``act`` arguments.
+clamped before or after the SiLU, fp32, soft-capped; :func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
+on an up projection [E, I, H] (:func:`_relu2`), carried as the block's ``act`` arguments.
 
 Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
 Llama4's dense ``bmm`` over all experts (every token through every expert, scores pre-multiplied).
@@ -133,7 +134,15 @@ def _swiglu(h: Any) -> Any:
     # Inkling-2: ``(softcap(g) * sigmoid(g) * softcap(u)).to(dtype)`` with g, u in fp32
     capped = Opt(Cast(_mul(_mul(_softcapped(g32, "gate_cap"), op(aten.sigmoid.default, self=g32)),
                            _softcapped(u32, "up_cap"), bind="act_softcap"), dtype="act_dtype"))
-    return alt(plain, clamped, clamped_post, fp32, capped)
+    return alt(plain, clamped, clamped_post, fp32, capped, _relu2(h))
+
+
+def _relu2(h: Any) -> Any:
+    """NemotronH's non-gated experts: ``relu(up) ** 2`` (``torch.square``, ``** 2`` or ``r * r``) on the whole
+    up GEMM output (no split: ``w13`` is the up projection [E, I, H])."""
+    relu = op(aten.relu.default, self=h, bind="relu_up")
+    return alt(op(aten.pow.Tensor_Scalar, self=relu, exponent=Lit(equals(2))),
+               op(aten.mul.Tensor, self=relu, other=relu), bind="act_relu2")
 
 
 def _fill(target: Any, **args: Any) -> Any:
@@ -253,17 +262,20 @@ def _batched_tree() -> Any:
 
 # --------------------------------------------------------------------------- guards
 def expert_weights(m: Match) -> str | None:
-    """w13 [E, 2I, H] and w2 [E, H, I] over the tokens' hidden size, one dtype with the tokens."""
+    """w13 [E, 2I, H] (the up projection [E, I, H] without a gate) and w2 [E, H, I] over the tokens' hidden size,
+    one dtype with the tokens."""
     x, w13, w2 = tensor_val(m["x"]), tensor_val(m["w13"]), tensor_val(m["w2"])
     if x.dim() != 2:
         return f"tokens of shape {list(x.shape)} are not [T, H]"
     if w13.dim() != 3 or w2.dim() != 3:
         return "expert weights are not 3-D [E, out, in]"
     e, two_i, h = w13.shape
+    gated = "act_relu2" not in m.bindings
     if not (statically_known_true(h == x.shape[1]) and statically_known_true(w2.shape[0] == e)
-            and statically_known_true(w2.shape[1] == h) and statically_known_true(2 * w2.shape[2] == two_i)):
+            and statically_known_true(w2.shape[1] == h)
+            and statically_known_true((2 if gated else 1) * w2.shape[2] == two_i)):
         return f"w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit tokens of width {x.shape[1]}"
-    if not statically_known_true(2 * m["inter"] == two_i):
+    if gated and not statically_known_true(2 * m["inter"] == two_i):
         return f"split of {m['inter']} does not halve the {two_i} gate|up columns"
     if not (x.dtype == w13.dtype == w2.dtype):
         return f"tokens {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: mixed dtypes"
@@ -355,7 +367,9 @@ def combine_dtypes(m: Match) -> str | None:
 
 
 def activation(m: Match) -> tuple[str, float | None, float | None, float | None]:
-    """``(act, limit, gate_cap, up_cap)`` of the matched gated activation (``ops.moe.ACTS``)."""
+    """``(act, limit, gate_cap, up_cap)`` of the matched activation (``ops.moe.ACTS``)."""
+    if "act_relu2" in m.bindings:
+        return "relu2", None, None, None
     for name, bound in (("silu_clamp", "gate_max"), ("silu_clamp_post", "post_max")):
         if f"act_{name[5:]}" in m.bindings:
             limit = float(m[bound])

@@ -45,8 +45,9 @@ def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr)
     return round_as(act * u, CODE, EMULATE_RTNE)
 
 
-ACT_CODES = {"silu": 0, "silu_clamp": 1, "silu_clamp_post": 2, "silu_fp32": 3, "softcap_fp32": 4}
-"""The ``ACT`` constexpr of :func:`gated_rounded` for each activation of ``ep_fuse.ops.moe.ACTS``."""
+ACT_CODES = {"silu": 0, "silu_clamp": 1, "silu_clamp_post": 2, "silu_fp32": 3, "softcap_fp32": 4, "relu2": 5}
+"""The ``ACT`` constexpr of :func:`gated_rounded` for each activation of ``ep_fuse.ops.moe.ACTS`` (``relu2``, without
+a gate: the epilogue of the single-accumulator grouped GEMM)."""
 
 
 @triton.jit

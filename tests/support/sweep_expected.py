@@ -56,7 +56,7 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'minimax_m3_vl': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 2},
     'mistral4': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'mixtral': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'nemotron_h': {'moe_blocks': 1, 'moe_experts': 0, 'moe_gating': 1},
+    'nemotron_h': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'olmoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'phimoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
     'qwen2_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},

@@ -26,7 +26,8 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
 
 The gated activation between the GEMMs is SwiGLU or one of its transformers 5.24 variants (``ops.moe.ACTS``:
-clamped before or after the SiLU, fp32, soft-capped; :func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
+clamped before or after the SiLU, fp32, soft-capped, GPT-OSS's clamped ``(up + 1) * g * sigmoid(1.702 g)`` on
+gate|up halves (MiniMax-M3); :func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
 on an up projection [E, I, H] (:func:`_relu2`), carried as the block's ``act`` arguments.
 
 Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
@@ -134,7 +135,12 @@ def _swiglu(h: Any) -> Any:
     # Inkling-2: ``(softcap(g) * sigmoid(g) * softcap(u)).to(dtype)`` with g, u in fp32
     capped = Opt(Cast(_mul(_mul(_softcapped(g32, "gate_cap"), op(aten.sigmoid.default, self=g32)),
                            _softcapped(u32, "up_cap"), bind="act_softcap"), dtype="act_dtype"))
-    return alt(plain, clamped, clamped_post, fp32, capped, _relu2(h))
+    # MiniMax-M3 (GPT-OSS's activation on gate|up halves): ``(u.clamp(-L, L) + 1) * (g' * sigmoid(g' * alpha))``
+    g_oai = op(aten.clamp.default, self=gate, max=Lit(is_number, bind="gate_max"), bind="oai_gate")
+    glu = _mul(g_oai, op(aten.sigmoid.default, self=_mul(g_oai, Lit(is_number, bind="oai_alpha"))))
+    oai = _mul(op(aten.add.Tensor, self=_clamp(up, "up_min", "up_max"), other=Lit(equals(1.0))), glu,
+               bind="act_oai")
+    return alt(plain, clamped, clamped_post, fp32, capped, oai, _relu2(h))
 
 
 def _relu2(h: Any) -> Any:
@@ -370,6 +376,8 @@ def activation(m: Match) -> tuple[str, float | None, float | None, float | None]
     """``(act, limit, gate_cap, up_cap)`` of the matched activation (``ops.moe.ACTS``)."""
     if "act_relu2" in m.bindings:
         return "relu2", None, None, None
+    if "act_oai" in m.bindings:
+        return "swigluoai", float(m["gate_max"]), None, None
     for name, bound in (("silu_clamp", "gate_max"), ("silu_clamp_post", "post_max")):
         if f"act_{name[5:]}" in m.bindings:
             limit = float(m[bound])
@@ -393,6 +401,8 @@ def activation_form(m: Match) -> str | None:
         limit = float(m.get("gate_max", m.get("post_max")))
         if not (limit > 0 and lo == -limit and hi == limit):
             return f"clamps gate max={limit}, up [{lo}, {hi}]: not one limit L (gate max=L, up [-L, L])"
+    if "oai_alpha" in m.bindings and m["oai_alpha"] != moe_ops.SWIGLUOAI_ALPHA:
+        return f"sigmoid(gate * {m['oai_alpha']}): the kernels scale by {moe_ops.SWIGLUOAI_ALPHA} only"
     for cap in ("gate_cap", "up_cap"):
         if cap in m.bindings and m[cap] != m[f"{cap}_scale"]:
             return f"soft cap tanh(v / {m[cap]}) * {m[f'{cap}_scale']}: the scale is not the cap"

@@ -22,6 +22,9 @@ Conventions shared by every MoE op and provider:
   - ``"silu_fp32"``: ``(silu(g.float()) * u.float()).to(dtype)`` (Beam);
   - ``"softcap_fp32"``: ``(c(g, gate_cap) * sigmoid(g) * c(u, up_cap)).to(dtype)`` in fp32, where
     ``c(v, cap) = tanh(v / cap) * cap`` (``v`` itself for a ``None`` cap) (Inkling-2);
+  - ``"swigluoai"``: ``g' = g.clamp(max=limit)``, ``(u.clamp(-limit, limit) + 1) * (g' * sigmoid(g' * a))`` with
+    ``a`` = :data:`SWIGLUOAI_ALPHA`, each op rounded to the activation dtype (MiniMax-M3 on gate|up halves;
+    GPT-OSS writes it on interleaved halves with biases);
   - the non-gated ``"relu2"`` (:data:`UNGATED_ACTS`): ``relu(u) ** 2`` in the activation dtype, where ``w13`` is
     the up projection alone, [E, I, H] (NemotronH).
 
@@ -124,8 +127,14 @@ def grouped_gemm_traceable(args: tuple) -> bool:
 UNGATED_ACTS = ("relu2",)
 """Activations of the up projection alone (no gate): ``w13`` is [E, I, H] and the output is [.., I]."""
 
-ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32") + UNGATED_ACTS
+ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32", "swigluoai") + UNGATED_ACTS
 """The activations of the ``act`` argument (module docstring): gated, then :data:`UNGATED_ACTS`."""
+
+LIMIT_ACTS = ("silu_clamp", "silu_clamp_post", "swigluoai")
+"""The activations that take a ``limit``."""
+
+SWIGLUOAI_ALPHA = 1.702
+"""The sigmoid's scale of ``"swigluoai"`` (GPT-OSS's constant; MiniMax-M3's ``swiglu_alpha`` default)."""
 
 ACT_SCHEMA = 'str act="silu", float? limit=None, float? gate_cap=None, float? up_cap=None'
 """The activation arguments shared by ``grouped_gemm_swiglu`` and ``moe_experts`` (defaults: plain SwiGLU)."""
@@ -149,7 +158,7 @@ def act_problem(act: str, limit: float | None, gate_cap: float | None, up_cap: f
     """Why these activation arguments describe no activation of :data:`ACTS` (``None``: they do)."""
     if act not in ACTS:
         return f"unknown activation {act!r} (one of {', '.join(ACTS)})"
-    if (limit is not None) != act.startswith("silu_clamp"):
+    if (limit is not None) != (act in LIMIT_ACTS):
         return f"act={act!r} with limit={limit!r} (a limit goes with the clamped acts only)"
     if act != "softcap_fp32" and (gate_cap is not None or up_cap is not None):
         return f"act={act!r} with soft caps (softcap_fp32 only)"
@@ -188,6 +197,9 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: fl
         return silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     if act == "silu_clamp_post":
         return silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+    if act == "swigluoai":
+        g = gate.clamp(max=limit)
+        return (up.clamp(min=-limit, max=limit) + 1.0) * (g * torch.sigmoid(g * SWIGLUOAI_ALPHA))
     g, u = gate.float(), up.float()
     if act == "silu_fp32":
         return (silu(g) * u).to(gate.dtype)

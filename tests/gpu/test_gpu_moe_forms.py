@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 ACT_ARGS = {"silu_clamp": ("silu_clamp", 7.0, None, None), "silu_clamp_post": ("silu_clamp_post", 7.0, None, None),
             "silu_fp32": ("silu_fp32", None, None, None), "softcap_fp32": ("softcap_fp32", None, 4.0, 25.0)}
+ACT_ARGS["swigluoai"] = ("swigluoai", 7.0, None, None)  # MiniMax-M3 (listed in UNVERIFIED_ON_GPU until this runs)
 
 
 @pytest.fixture(autouse=True)
@@ -55,10 +56,11 @@ def test_forms_compile_under_inductor(name, impl):
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from support.moe_modules import GATED
+    from support.oai_moe_modules import OaiSwiGLU
 
     import ep_fuse
 
-    mod = GATED[name](8, 256, 128, impl=impl, scale=3.0).cuda()
+    mod = {**GATED, "swigluoai": OaiSwiGLU}[name](8, 256, 128, impl=impl, scale=3.0).cuda()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 256, generator=g).bfloat16().cuda()
     w, ids = torch.randn(64, 8, generator=g).softmax(-1).topk(2)

@@ -53,7 +53,7 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'mimo_v2_flash': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'minimax': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'minimax_m2': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'minimax_m3_vl': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 2},
+    'minimax_m3_vl': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'mistral4': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'mixtral': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'nemotron_h': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops.moe import UNGATED_ACTS, act_problem, act_width, full_act
+from ep_fuse.ops.moe import SWIGLUOAI_ALPHA, UNGATED_ACTS, act_problem, act_width, full_act
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.tensor_checks import KERNEL_DTYPES
 from ep_fuse.providers.triton.unverified import gpu_unverified
@@ -157,6 +157,8 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
         )
 
         launch = launch_grouped_gemm_swiglu if swiglu and not ungated else launch_grouped_gemm
+    if act[0] == "swigluoai":  # the kernel's gate-cap slot carries the sigmoid's scale
+        act = (act[0], act[1], SWIGLUOAI_ALPHA, None)
     if gated:
         launch(x, w, seg, y, config=config, wrap=wrap, act=act)
     else:

@@ -86,8 +86,25 @@ def _grouped_mm(a: Any, b: Any, offs: Any) -> Any:
 
 
 def _transposed(name: str) -> Any:
-    """``transpose(W, -2, -1)`` of a 3-D expert weight (torch Linear layout [E, out, in])."""
-    return op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(one_of(-2, 1)), dim1=Lit(one_of(-1, 2)))
+    """``transpose(W, -2, -1)`` of a 3-D expert weight (torch Linear layout [E, out, in]), or a weight stored
+    [E, in, out] and used as it is (HF ``is_transposed=True``, Aria): bound as ``<name>_kn``."""
+    return alt(op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(one_of(-2, 1)), dim1=Lit(one_of(-1, 2))),
+               Var(f"{name}_kn", _float_tensor))
+
+
+def weight(m: Match, name: str) -> Any:
+    """The expert weight ``name`` (``w13`` / ``w2``) in torch Linear layout [E, out, in]: the bound node, or a
+    ``transpose`` of the [E, in, out] weight the model stores (:func:`_transposed`)."""
+    if name in m.bindings:
+        return m[name]
+    return Derived(aten.transpose.int, (m[f"{name}_kn"], -2, -1))
+
+
+def weight_val(m: Match, name: str) -> Any:
+    """The fake value of :func:`weight` (``[E, out, in]``)."""
+    if name in m.bindings:
+        return tensor_val(m[name])
+    return tensor_val(m[f"{name}_kn"]).transpose(-2, -1)
 
 
 def is_number(v: Any) -> str | None:
@@ -270,7 +287,7 @@ def _batched_tree() -> Any:
 def expert_weights(m: Match) -> str | None:
     """w13 [E, 2I, H] (the up projection [E, I, H] without a gate) and w2 [E, H, I] over the tokens' hidden size,
     one dtype with the tokens."""
-    x, w13, w2 = tensor_val(m["x"]), tensor_val(m["w13"]), tensor_val(m["w2"])
+    x, w13, w2 = tensor_val(m["x"]), weight_val(m, "w13"), weight_val(m, "w2")
     if x.dim() != 2:
         return f"tokens of shape {list(x.shape)} are not [T, H]"
     if w13.dim() != 3 or w2.dim() != 3:
@@ -295,7 +312,7 @@ def routing(m: Match) -> str | None:
     every comparison is decided for all values of the symbols (``sym_eq``/``same_shape``) and adds no
     guard; one that cannot be decided refuses the match."""
     x, ids, w = tensor_val(m["x"]), tensor_val(m["topk_ids"]), tensor_val(m["topk_weights"])
-    e = tensor_val(m["w13"]).shape[0]
+    e = weight_val(m, "w13").shape[0]
     if ids.dim() != 2 or not same_shape(w.shape, ids.shape):
         return f"topk ids {list(ids.shape)} and weights {list(w.shape)} are not one [T, K]"
     t, k = ids.shape
@@ -348,7 +365,7 @@ def clamp_is_noop(m: Match) -> str | None:
     The canonical op skips out-of-range ids where the clamp would route them to experts 0 / E-1."""
     if "clamp_max" not in m.bindings:
         return None
-    e = tensor_val(m["w13"]).shape[0]
+    e = weight_val(m, "w13").shape[0]
     if not sym_eq(m["clamp_max"], e - 1):
         return f"ids clamped to [0, {m['clamp_max']}] for {e} experts"
     if not _from_topk(m["topk_ids"]):
@@ -421,7 +438,8 @@ def _build(m: Match) -> Replacement:
     w = m["topk_weights"]
     if m.get("weight_dtype") is not None:
         w = Derived(torch.ops.prims.convert_element_type.default, (w, m["weight_dtype"]))
-    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype"),
+    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, weight(m, "w13"), weight(m, "w2"),
+                                                m.get("out_dtype"),
                                                 *moe_ops.act_args(*activation(m))))
 
 

@@ -7,7 +7,7 @@ Regenerate from ``python tools/sweep_models.py --json PATH``; lower a pin only w
 
 EXPECTED: dict[str, dict[str, int | str] | str] = {
     'afmoe': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
-    'aria': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 2},
+    'aria': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'axk1': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'axk2': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'bailing_hybrid': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},

@@ -30,7 +30,7 @@ clamped before or after the SiLU, fp32, soft-capped, GPT-OSS's clamped ``(up + 1
 gate|up halves (MiniMax-M3); :func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
 on an up projection [E, I, H] (:func:`_relu2`), carried as the block's ``act`` arguments.
 
-Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
+Not matched: GPT-OSS (interleaved gate/up halves and per-expert biases; its activation alone is ``swigluoai``) and
 Llama4's dense ``bmm`` over all experts (every token through every expert, scores pre-multiplied).
 Shared experts and routed-scaling factors live outside these nodes and stay untouched.
 """

@@ -460,6 +460,32 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
     return form, len(stacked), layout
 
 
+UNFUSED_EXPERTS: dict[str, str] = {
+    "GptOssExperts": "gate|up interleaved ([..., ::2] / [..., 1::2]) with per-expert biases on both projections: "
+                     "moe_experts takes no biases (its clamped (up + 1) * g * sigmoid(1.702 g) is act='swigluoai')",
+    "LongcatFlashExperts": "zero-compute experts (ids >= n_routed_experts return the token itself) in a per-expert "
+                           ".item() loop: no moe_experts form adds the identity experts' term",
+    "Llama4TextExperts": "every token through every expert (dense bmm) with the router scores multiplied into the "
+                         "input: not a routed top-k block",
+    "DbrxExperts": "a per-expert loop over [E * I, H] weights that experts_implementation does not switch and prepare "
+                   "does not convert",
+    "JetMoeParallelExperts": "expert row counts read on the host (split(expert_size) lists) in the MoE and "
+                             "mixture-of-attention layers: the graph breaks per layer",
+}
+"""Expert classes of transformers that get no ``moe_experts`` block, by class name, with the one-line reason (logged
+by :func:`convert_expert_loops`, shown by the generality sweep)."""
+
+
+def unfused_experts(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(path, class, reason)`` of the modules of :data:`UNFUSED_EXPERTS` in ``model`` (outermost only)."""
+    found: list[tuple[str, str, str]] = []
+    for path, module in model.named_modules():
+        reason = UNFUSED_EXPERTS.get(type(module).__name__)
+        if reason is not None and not any(path.startswith(p + ".") for p, _, _ in found):
+            found.append((path, type(module).__name__, reason))
+    return found
+
+
 def expert_loop_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``."""
     found = []
@@ -477,6 +503,8 @@ def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", s
     ``strict=True`` a refusal raises ``ValueError`` instead (blocks already converted stay converted:
     each passed its check)."""
     results = []
+    for path, cls, reason in unfused_experts(model):
+        log.info("ep_fuse.prepare: %s (%s) gets no moe_experts block: %s", path, cls, reason)
     for path, block, name in expert_loop_blocks(model):
         label = path or type(model).__name__
         try:

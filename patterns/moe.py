@@ -26,9 +26,11 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
   expert weights gathered per row (``index(w13, [ids])``) into ``bmm`` … ``view(T, K, H).sum(1)``.
 
 The gated activation between the GEMMs is SwiGLU or one of its transformers 5.24 variants (``ops.moe.ACTS``:
-clamped before or after the SiLU, fp32, soft-capped; :func:`_swiglu`), carried as the block's ``act`` arguments.
+clamped before or after the SiLU, fp32, soft-capped, GPT-OSS's clamped ``(up + 1) * g * sigmoid(1.702 g)`` on
+gate|up halves (MiniMax-M3); :func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
+on an up projection [E, I, H] (:func:`_relu2`), carried as the block's ``act`` arguments.
 
-Not matched: GPT-OSS (interleaved gate/up, clamps, ``sigmoid(1.702 g)``, biases: not SwiGLU) and
+Not matched: GPT-OSS (interleaved gate/up halves and per-expert biases; its activation alone is ``swigluoai``) and
 Llama4's dense ``bmm`` over all experts (every token through every expert, scores pre-multiplied).
 Shared experts and routed-scaling factors live outside these nodes and stay untouched.
 """
@@ -84,8 +86,25 @@ def _grouped_mm(a: Any, b: Any, offs: Any) -> Any:
 
 
 def _transposed(name: str) -> Any:
-    """``transpose(W, -2, -1)`` of a 3-D expert weight (torch Linear layout [E, out, in])."""
-    return op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(one_of(-2, 1)), dim1=Lit(one_of(-1, 2)))
+    """``transpose(W, -2, -1)`` of a 3-D expert weight (torch Linear layout [E, out, in]), or a weight stored
+    [E, in, out] and used as it is (HF ``is_transposed=True``, Aria): bound as ``<name>_kn``."""
+    return alt(op(aten.transpose.int, self=Var(name, _float_tensor), dim0=Lit(one_of(-2, 1)), dim1=Lit(one_of(-1, 2))),
+               Var(f"{name}_kn", _float_tensor))
+
+
+def weight(m: Match, name: str) -> Any:
+    """The expert weight ``name`` (``w13`` / ``w2``) in torch Linear layout [E, out, in]: the bound node, or a
+    ``transpose`` of the [E, in, out] weight the model stores (:func:`_transposed`)."""
+    if name in m.bindings:
+        return m[name]
+    return Derived(aten.transpose.int, (m[f"{name}_kn"], -2, -1))
+
+
+def weight_val(m: Match, name: str) -> Any:
+    """The fake value of :func:`weight` (``[E, out, in]``)."""
+    if name in m.bindings:
+        return tensor_val(m[name])
+    return tensor_val(m[f"{name}_kn"]).transpose(-2, -1)
 
 
 def is_number(v: Any) -> str | None:
@@ -133,7 +152,20 @@ def _swiglu(h: Any) -> Any:
     # Inkling-2: ``(softcap(g) * sigmoid(g) * softcap(u)).to(dtype)`` with g, u in fp32
     capped = Opt(Cast(_mul(_mul(_softcapped(g32, "gate_cap"), op(aten.sigmoid.default, self=g32)),
                            _softcapped(u32, "up_cap"), bind="act_softcap"), dtype="act_dtype"))
-    return alt(plain, clamped, clamped_post, fp32, capped)
+    # MiniMax-M3 (GPT-OSS's activation on gate|up halves): ``(u.clamp(-L, L) + 1) * (g' * sigmoid(g' * alpha))``
+    g_oai = op(aten.clamp.default, self=gate, max=Lit(is_number, bind="gate_max"), bind="oai_gate")
+    glu = _mul(g_oai, op(aten.sigmoid.default, self=_mul(g_oai, Lit(is_number, bind="oai_alpha"))))
+    oai = _mul(op(aten.add.Tensor, self=_clamp(up, "up_min", "up_max"), other=Lit(equals(1.0))), glu,
+               bind="act_oai")
+    return alt(plain, clamped, clamped_post, fp32, capped, oai, _relu2(h))
+
+
+def _relu2(h: Any) -> Any:
+    """NemotronH's non-gated experts: ``relu(up) ** 2`` (``torch.square``, ``** 2`` or ``r * r``) on the whole
+    up GEMM output (no split: ``w13`` is the up projection [E, I, H])."""
+    relu = op(aten.relu.default, self=h, bind="relu_up")
+    return alt(op(aten.pow.Tensor_Scalar, self=relu, exponent=Lit(equals(2))),
+               op(aten.mul.Tensor, self=relu, other=relu), bind="act_relu2")
 
 
 def _fill(target: Any, **args: Any) -> Any:
@@ -253,17 +285,20 @@ def _batched_tree() -> Any:
 
 # --------------------------------------------------------------------------- guards
 def expert_weights(m: Match) -> str | None:
-    """w13 [E, 2I, H] and w2 [E, H, I] over the tokens' hidden size, one dtype with the tokens."""
-    x, w13, w2 = tensor_val(m["x"]), tensor_val(m["w13"]), tensor_val(m["w2"])
+    """w13 [E, 2I, H] (the up projection [E, I, H] without a gate) and w2 [E, H, I] over the tokens' hidden size,
+    one dtype with the tokens."""
+    x, w13, w2 = tensor_val(m["x"]), weight_val(m, "w13"), weight_val(m, "w2")
     if x.dim() != 2:
         return f"tokens of shape {list(x.shape)} are not [T, H]"
     if w13.dim() != 3 or w2.dim() != 3:
         return "expert weights are not 3-D [E, out, in]"
     e, two_i, h = w13.shape
+    gated = "act_relu2" not in m.bindings
     if not (statically_known_true(h == x.shape[1]) and statically_known_true(w2.shape[0] == e)
-            and statically_known_true(w2.shape[1] == h) and statically_known_true(2 * w2.shape[2] == two_i)):
+            and statically_known_true(w2.shape[1] == h)
+            and statically_known_true((2 if gated else 1) * w2.shape[2] == two_i)):
         return f"w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit tokens of width {x.shape[1]}"
-    if not statically_known_true(2 * m["inter"] == two_i):
+    if gated and not statically_known_true(2 * m["inter"] == two_i):
         return f"split of {m['inter']} does not halve the {two_i} gate|up columns"
     if not (x.dtype == w13.dtype == w2.dtype):
         return f"tokens {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: mixed dtypes"
@@ -277,7 +312,7 @@ def routing(m: Match) -> str | None:
     every comparison is decided for all values of the symbols (``sym_eq``/``same_shape``) and adds no
     guard; one that cannot be decided refuses the match."""
     x, ids, w = tensor_val(m["x"]), tensor_val(m["topk_ids"]), tensor_val(m["topk_weights"])
-    e = tensor_val(m["w13"]).shape[0]
+    e = weight_val(m, "w13").shape[0]
     if ids.dim() != 2 or not same_shape(w.shape, ids.shape):
         return f"topk ids {list(ids.shape)} and weights {list(w.shape)} are not one [T, K]"
     t, k = ids.shape
@@ -330,7 +365,7 @@ def clamp_is_noop(m: Match) -> str | None:
     The canonical op skips out-of-range ids where the clamp would route them to experts 0 / E-1."""
     if "clamp_max" not in m.bindings:
         return None
-    e = tensor_val(m["w13"]).shape[0]
+    e = weight_val(m, "w13").shape[0]
     if not sym_eq(m["clamp_max"], e - 1):
         return f"ids clamped to [0, {m['clamp_max']}] for {e} experts"
     if not _from_topk(m["topk_ids"]):
@@ -355,7 +390,11 @@ def combine_dtypes(m: Match) -> str | None:
 
 
 def activation(m: Match) -> tuple[str, float | None, float | None, float | None]:
-    """``(act, limit, gate_cap, up_cap)`` of the matched gated activation (``ops.moe.ACTS``)."""
+    """``(act, limit, gate_cap, up_cap)`` of the matched activation (``ops.moe.ACTS``)."""
+    if "act_relu2" in m.bindings:
+        return "relu2", None, None, None
+    if "act_oai" in m.bindings:
+        return "swigluoai", float(m["gate_max"]), None, None
     for name, bound in (("silu_clamp", "gate_max"), ("silu_clamp_post", "post_max")):
         if f"act_{name[5:]}" in m.bindings:
             limit = float(m[bound])
@@ -379,6 +418,8 @@ def activation_form(m: Match) -> str | None:
         limit = float(m.get("gate_max", m.get("post_max")))
         if not (limit > 0 and lo == -limit and hi == limit):
             return f"clamps gate max={limit}, up [{lo}, {hi}]: not one limit L (gate max=L, up [-L, L])"
+    if "oai_alpha" in m.bindings and m["oai_alpha"] != moe_ops.SWIGLUOAI_ALPHA:
+        return f"sigmoid(gate * {m['oai_alpha']}): the kernels scale by {moe_ops.SWIGLUOAI_ALPHA} only"
     for cap in ("gate_cap", "up_cap"):
         if cap in m.bindings and m[cap] != m[f"{cap}_scale"]:
             return f"soft cap tanh(v / {m[cap]}) * {m[f'{cap}_scale']}: the scale is not the cap"
@@ -397,7 +438,8 @@ def _build(m: Match) -> Replacement:
     w = m["topk_weights"]
     if m.get("weight_dtype") is not None:
         w = Derived(torch.ops.prims.convert_element_type.default, (w, m["weight_dtype"]))
-    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, m["w13"], m["w2"], m.get("out_dtype"),
+    return Replacement(moe_ops.moe_experts.op, (m["x"], m["topk_ids"], w, weight(m, "w13"), weight(m, "w2"),
+                                                m.get("out_dtype"),
                                                 *moe_ops.act_args(*activation(m))))
 
 

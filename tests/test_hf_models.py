@@ -20,14 +20,14 @@ def _check_counts(name, report, rope_variant=None):
     sites, expected_variant = tiny_models.EXPECTED_SITES[name]
     rope_variant = rope_variant or expected_variant
     assert report.counts() == sites, report
-    assert {m.variant for m in report.matches if m.pattern == "rope"} == {rope_variant}
+    assert {m.variant for m in report.matches if m.pattern == "rope"} == ({rope_variant} if rope_variant else set())
     assert len(ep_fuse.reports()) == 1, "the model is one graph"
     assert report.ops_after.get("aten.rsqrt.default", 0) == 0
     if report.executor == "eager":  # (Inductor inlines the reference of sites no fused provider took)
         assert report.ops_after.get("aten.neg.default", 0) == 0
         assert report.ops_after.get("aten.view_as_complex.default", 0) == 0
         rope_calls = sum(v for k, v in report.ops_after.items() if ".rope_qk." in k)
-        assert rope_calls == sites["rope"] // 2, "q and k of a layer run as one rope_qk"
+        assert rope_calls == sites.get("rope", 0) // 2, "q and k of a layer run as one rope_qk"
     misses = [m for m in report.near_misses if not m.explain().startswith(("sort", "topk"))]
     assert not misses, [m.explain() for m in misses]
     sorts = [m for m in report.near_misses if m.explain().startswith("sort")]

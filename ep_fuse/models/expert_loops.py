@@ -10,8 +10,9 @@ once into ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` -- run by tran
 ``grouped_mm`` / ``batched_mm`` experts function (the form the ``moe_experts`` pattern matches), and
 swaps the loop for a call of it:
 
-* ``moe_infer`` blocks (DeepSeek remote code): the block's ``forward`` and its gate run unchanged;
-  only ``moe_infer(x, topk_ids, topk_weight)`` is replaced;
+* ``moe_infer`` blocks (DeepSeek remote code), or ``moe`` blocks (NemotronH remote code, non-gated
+  ``relu(up(x)) ** 2`` experts): the block's ``forward`` and its gate run unchanged; only
+  ``moe_infer(x, topk_ids, topk_weight)`` / ``moe(...)`` is replaced;
 * softmax top-k blocks (Mixtral / Qwen2-MoE style: an ``nn.Linear`` gate, ``top_k``, optional
   ``norm_topk_prob``, optional ``shared_expert`` with a sigmoid ``shared_expert_gate``): ``forward``
   is replaced by one computing the same routing in the same order;
@@ -45,9 +46,13 @@ log = logging.getLogger("ep_fuse")
 EXPERT_LIST_NAMES = ("experts",)
 """Attribute names under which a block holds its per-expert ``nn.ModuleList``."""
 
+UNGATED_LAYOUTS: tuple[tuple[str, ...], ...] = (("up_proj", "down_proj"),)
+"""Non-gated expert MLP layouts (NemotronH: ``down(relu(up(x)) ** 2)``), as the Linear names of (up, down)."""
+
 LAYOUTS: tuple[tuple[str, ...], ...] = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"),
-                                        ("gate_up_proj", "down_proj"))
-"""Expert MLP layouts, as the Linear names of (gate, up, down), or (gate|up fused, down)."""
+                                        ("gate_up_proj", "down_proj")) + UNGATED_LAYOUTS
+"""Expert MLP layouts, as the Linear names of (gate, up, down), or (gate|up fused, down), then
+:data:`UNGATED_LAYOUTS` (tried last: a gated expert also has an ``up_proj``)."""
 
 CHECK_TOKENS = (2, 16)
 """Shape ``[B, S]`` of the random tokens the converted block is compared on."""
@@ -86,6 +91,11 @@ def _experts_function(implementation: str) -> Callable[..., torch.Tensor]:
     return fn
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2``, the activation of the non-gated experts (transformers' ``relu2``)."""
+    return torch.square(F.relu(x))
+
+
 class _ExpertView:
     """Expert ``i`` of a :class:`StackedExperts` as a callable, for code that still indexes the list."""
 
@@ -93,7 +103,10 @@ class _ExpertView:
         self.experts, self.index = experts, index
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.experts.gate_up_proj[self.index]).chunk(2, dim=-1)
+        h = F.linear(x, self.experts.first[self.index])
+        if not self.experts.has_gate:
+            return F.linear(relu_squared(h), self.experts.down_proj[self.index])
+        gate, up = h.chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.experts.down_proj[self.index])
 
 
@@ -105,12 +118,16 @@ class StackedExperts(nn.Module):
     weighted sum in the promotion of the token and weight dtypes, cast to the token dtype.
     The state dict holds the original per-expert keys (``<i>.<name>.weight``); indexing and iterating
     give per-expert callables (slices of the stacked weights), so code that loops still runs.
+    Non-gated experts (a layout of :data:`UNGATED_LAYOUTS`) hold ``up_proj`` [E, I, H] instead of
+    ``gate_up_proj`` and compute ``down_e(relu(up_e(x)) ** 2)``.
     """
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, layout: tuple[str, ...],
                  implementation: str = "grouped_mm", key_order: tuple[str, ...] | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=gate_up_proj.requires_grad)
+        self.has_gate = layout not in UNGATED_LAYOUTS
+        self.first_name = "gate_up_proj" if self.has_gate else "up_proj"
+        setattr(self, self.first_name, nn.Parameter(gate_up_proj, requires_grad=gate_up_proj.requires_grad))
         self.down_proj = nn.Parameter(down_proj, requires_grad=down_proj.requires_grad)
         self.layout = layout
         self.key_order = key_order or layout  # the order the original expert registered its Linears in
@@ -118,9 +135,14 @@ class StackedExperts(nn.Module):
         self._experts_forward = _experts_function(implementation)
         # what transformers' experts functions read off their module
         self.num_experts = gate_up_proj.shape[0]
-        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self.has_bias, self.is_transposed = False, False
         self.has_post_expert_norm, self._is_expert_parallel = False, False
-        self.act_fn = F.silu
+        self.act_fn = F.silu if self.has_gate else relu_squared
+
+    @property
+    def first(self) -> torch.Tensor:
+        """The first stacked weight: ``gate_up_proj`` [E, 2I, H], or ``up_proj`` [E, I, H] without a gate."""
+        return getattr(self, self.first_name)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -130,8 +152,9 @@ class StackedExperts(nn.Module):
         return self._experts_forward(self, hidden, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
-        return f"num_experts={e}, hidden={h}, intermediate={two_i // 2}, layout={'/'.join(self.layout)}, " \
+        e, rows, h = self.first.shape
+        inter = rows // 2 if self.has_gate else rows
+        return f"num_experts={e}, hidden={h}, intermediate={inter}, layout={'/'.join(self.layout)}, " \
                f"implementation={self.implementation}"
 
     # ---- list-like access (the original code's loops and len() keep working, eagerly)
@@ -149,7 +172,7 @@ class StackedExperts(nn.Module):
     # ---- per-expert state dict keys
     def _per_expert(self, i: int, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
         """Expert ``i``'s Linear weights by Linear name, as slices of the stacked tensors."""
-        if len(self.layout) == 2:  # one fused gate|up Linear
+        if len(self.layout) == 2:  # one fused gate|up Linear, or the up Linear of a non-gated expert
             parts = {self.layout[0]: gate_up[i]}
         else:
             inter = down.shape[2]
@@ -158,7 +181,7 @@ class StackedExperts(nn.Module):
         return parts
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        gate_up, down = self.gate_up_proj, self.down_proj
+        gate_up, down = self.first, self.down_proj
         if not keep_vars:
             gate_up, down = gate_up.detach(), down.detach()
         for i in range(self.num_experts):
@@ -169,7 +192,7 @@ class StackedExperts(nn.Module):
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                               strict: bool, missing_keys: list[str], unexpected_keys: list[str],
                               error_msgs: list[str]) -> None:
-        for stacked, names in (("gate_up_proj", self.layout[:-1]), ("down_proj", self.layout[-1:])):
+        for stacked, names in ((self.first_name, self.layout[:-1]), ("down_proj", self.layout[-1:])):
             keys = [[f"{prefix}{i}.{n}.weight" for n in names] for i in range(self.num_experts)]
             flat = [k for per_expert in keys for k in per_expert]
             if prefix + stacked in state_dict or not all(k in state_dict for k in flat):
@@ -197,11 +220,25 @@ def _find_layout(expert: nn.Module) -> tuple[str, ...]:
 _ACT_NAMES = ("act_fn", "activation_fn", "act", "activation")
 
 
-def _check_activation(expert: nn.Module) -> None:
+def _computes_relu_squared(act: Any) -> bool:
+    probe = torch.linspace(-3, 3, 13)
+    try:
+        with torch.no_grad():
+            return torch.equal(act(probe), relu_squared(probe))
+    except Exception:  # noqa: BLE001  (any failure: not this activation)
+        return False
+
+
+def _check_activation(expert: nn.Module, gated: bool = True) -> None:
     for name in _ACT_NAMES:
         act = getattr(expert, name, None)
         if act is None:
             continue
+        if not gated:
+            if not callable(act) or not _computes_relu_squared(act):
+                raise LoopRefused(f"expert activation {name}={type(act).__name__} of a non-gated up/down MLP is not "
+                                  "relu(x) ** 2")
+            return
         silu = act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
         if not silu:
             label = type(act).__name__ if isinstance(act, nn.Module) else getattr(act, "__name__", repr(act))
@@ -220,7 +257,11 @@ def analyze_experts(experts: nn.ModuleList) -> tuple[tuple[str, ...], int, int]:
     if any(type(e) is not type(first) for e in experts):
         raise LoopRefused(f"experts of mixed classes {sorted({type(e).__name__ for e in experts})}")
     layout = _find_layout(first)
-    _check_activation(first)
+    gated = layout not in UNGATED_LAYOUTS
+    if not gated and not any(getattr(first, n, None) is not None for n in _ACT_NAMES):
+        raise LoopRefused(f"non-gated experts {type(first).__name__} have no activation attribute "
+                          f"({', '.join(_ACT_NAMES)}) to check")
+    _check_activation(first, gated)
     shapes = None
     for i, expert in enumerate(experts):
         linears = [getattr(expert, name, None) for name in layout]
@@ -247,7 +288,7 @@ def analyze_experts(experts: nn.ModuleList) -> tuple[tuple[str, ...], int, int]:
     down = weights[-1]
     hidden, inter = down.shape
     gate_up_rows = sum(w.shape[0] for w in weights[:-1])
-    if any(w.shape[1] != hidden for w in weights[:-1]) or gate_up_rows != 2 * inter or \
+    if any(w.shape[1] != hidden for w in weights[:-1]) or gate_up_rows != (2 if gated else 1) * inter or \
             (len(layout) == 3 and weights[0].shape != weights[1].shape):
         raise LoopRefused(f"expert projections {'/'.join(layout)} of shapes {[list(w.shape) for w in weights]} "
                           "are not a gate/up/down MLP")
@@ -266,13 +307,26 @@ def stack_experts(experts: nn.ModuleList, layout: tuple[str, ...], implementatio
 
 
 # --------------------------------------------------------------------------- replacements
+LOOP_METHODS = ("moe_infer", "moe")
+"""Block methods ``(x [T, H], topk_ids, topk_weights) -> [T, H]`` that hold the per-expert loop (DeepSeek,
+NemotronH remote code); the first one present is replaced."""
+
+
 def _moe_infer(self: nn.Module, x: torch.Tensor, topk_ids: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's ``moe_infer`` with the stacked experts: the weighted sum runs in the weights' dtype
-    (``.type(topk_weight.dtype).mul_(w).sum(1)``), which transformers' function reproduces when that is
-    the promotion of the two dtypes; otherwise the original loop runs (per-expert slices)."""
+    """DeepSeek's ``moe_infer`` (or NemotronH's ``moe``) with the stacked experts: the weighted sum runs in the
+    weights' dtype (``.type(topk_weight.dtype).mul_(w).sum(1)``), which transformers' function reproduces when
+    that is the promotion of the two dtypes; otherwise the original loop runs (per-expert slices)."""
     if torch.promote_types(x.dtype, topk_weight.dtype) != topk_weight.dtype:
         return self._ep_fuse_loop_moe_infer(x, topk_ids, topk_weight)
     return self.experts(x, topk_ids, topk_weight)
+
+
+def _loop_method(block: nn.Module) -> str | None:
+    """The first of :data:`LOOP_METHODS` that ``block`` defines as a method (not a submodule)."""
+    for name in LOOP_METHODS:
+        if isinstance(getattr(block, name, None), types.MethodType):
+            return name
+    return None
 
 
 def _softmax_topk_forward(self: nn.Module, hidden_states: torch.Tensor) -> Any:
@@ -301,14 +355,15 @@ _SOFTMAX_CHILDREN = {"gate", "experts", "shared_expert", "shared_expert_gate"}
 
 def _form(block: nn.Module, num_experts: int) -> str:
     """Which replacement fits ``block``; raises :class:`LoopRefused` for an unknown structure."""
-    if callable(getattr(block, "moe_infer", None)):
+    method = _loop_method(block)
+    if method is not None:
         ep_size = getattr(block, "ep_size", 1)
         if ep_size != 1:
             raise LoopRefused(f"expert-parallel remote code (ep_size={ep_size}); load it with ep_size=1 and use "
                               "ep_fuse's expert parallelism")
         if not isinstance(getattr(block, "gate", None), nn.Module):
-            raise LoopRefused("moe_infer without a gate module")
-        return "moe_infer"
+            raise LoopRefused(f"{method} without a gate module")
+        return method
     gate = getattr(block, "gate", None)
     top_k = getattr(block, "top_k", getattr(block, "num_experts_per_tok", None))
     children = {name for name, _ in block.named_children()}
@@ -316,7 +371,8 @@ def _form(block: nn.Module, num_experts: int) -> str:
             and children <= _SOFTMAX_CHILDREN and ("shared_expert" in children) == ("shared_expert_gate" in children):
         return "softmax_topk"
     raise LoopRefused(f"unknown forward structure of {type(block).__name__} (children {sorted(children)}; known: a "
-                      "moe_infer method, or an nn.Linear gate with top_k and optional shared_expert/shared_expert_gate)")
+                      "moe_infer or moe method, or an nn.Linear gate with top_k and optional "
+                      "shared_expert/shared_expert_gate)")
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -336,7 +392,7 @@ def _max_rel_diff(a: Any, b: Any) -> float:
 
 
 def _check_expert(expert: nn.Module, stacked: StackedExperts, hidden: int) -> None:
-    w = stacked.gate_up_proj
+    w = stacked.first
     x = torch.randn(4, hidden, generator=torch.Generator().manual_seed(0)).to(device=w.device, dtype=w.dtype)
     with torch.no_grad():
         try:
@@ -346,7 +402,8 @@ def _check_expert(expert: nn.Module, stacked: StackedExperts, hidden: int) -> No
         got = stacked[0](x)
     diff = _max_rel_diff(got, ref)
     if not diff <= _tolerance(w.dtype):
-        raise LoopRefused(f"experts[0] does not compute down(silu(gate(x)) * up(x)) with its "
+        form = "down(silu(gate(x)) * up(x))" if stacked.has_gate else "down(relu(up(x)) ** 2)"
+        raise LoopRefused(f"experts[0] does not compute {form} with its "
                           f"{'/'.join(stacked.layout)} (max relative difference {diff:.2e})")
 
 
@@ -360,11 +417,11 @@ class _Swap:
     def __init__(self, block: nn.Module, list_name: str) -> None:
         self.block, self.list_name = block, list_name
         self.experts = getattr(block, list_name)
-        self.instance_attrs = {k: block.__dict__[k] for k in ("forward", "moe_infer") if k in block.__dict__}
+        self.instance_attrs = {k: block.__dict__[k] for k in ("forward", *LOOP_METHODS) if k in block.__dict__}
 
     def restore(self) -> None:
         setattr(self.block, self.list_name, self.experts)
-        for k in ("forward", "moe_infer", "_ep_fuse_loop_moe_infer", "_ep_fuse_top_k", "_ep_fuse_returns_logits",
+        for k in ("forward", *LOOP_METHODS, "_ep_fuse_loop_moe_infer", "_ep_fuse_top_k", "_ep_fuse_returns_logits",
                   "_ep_fuse_loop_plan"):
             self.block.__dict__.pop(k, None)
         self.block.__dict__.update(self.instance_attrs)
@@ -385,8 +442,7 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
     flags = _training_flags(block)
     block.eval()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(*CHECK_TOKENS, hidden, generator=g).to(device=stacked.gate_up_proj.device,
-                                                             dtype=stacked.gate_up_proj.dtype)
+    x = torch.randn(*CHECK_TOKENS, hidden, generator=g).to(device=stacked.first.device, dtype=stacked.first.dtype)
     swap = _Swap(block, list_name)
     try:
         plan = None
@@ -402,9 +458,9 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
             except Exception as e:
                 raise LoopRefused(f"the block does not run on tokens [B, S, H] ({type(e).__name__}: {e})") from e
             setattr(block, list_name, stacked)
-            if form == "moe_infer":
-                block._ep_fuse_loop_moe_infer = swap.instance_attrs.get("moe_infer", block.moe_infer)
-                block.moe_infer = types.MethodType(_moe_infer, block)
+            if form in LOOP_METHODS:
+                block._ep_fuse_loop_moe_infer = swap.instance_attrs.get(form, getattr(block, form))
+                setattr(block, form, types.MethodType(_moe_infer, block))
             elif plan is not None:
                 block._ep_fuse_loop_plan = plan
                 block.forward = types.MethodType(dataflow_forward, block)
@@ -430,6 +486,32 @@ def convert_block(block: nn.Module, list_name: str, implementation: str) -> tupl
     return form, len(stacked), layout
 
 
+UNFUSED_EXPERTS: dict[str, str] = {
+    "GptOssExperts": "gate|up interleaved ([..., ::2] / [..., 1::2]) with per-expert biases on both projections: "
+                     "moe_experts takes no biases (its clamped (up + 1) * g * sigmoid(1.702 g) is act='swigluoai')",
+    "LongcatFlashExperts": "zero-compute experts (ids >= n_routed_experts return the token itself) in a per-expert "
+                           ".item() loop: no moe_experts form adds the identity experts' term",
+    "Llama4TextExperts": "every token through every expert (dense bmm) with the router scores multiplied into the "
+                         "input: not a routed top-k block",
+    "DbrxExperts": "a per-expert loop over [E * I, H] weights that experts_implementation does not switch and prepare "
+                   "does not convert",
+    "JetMoeParallelExperts": "expert row counts read on the host (split(expert_size) lists) in the MoE and "
+                             "mixture-of-attention layers: the graph breaks per layer",
+}
+"""Expert classes of transformers that get no ``moe_experts`` block, by class name, with the one-line reason (logged
+by :func:`convert_expert_loops`, shown by the generality sweep)."""
+
+
+def unfused_experts(model: nn.Module) -> list[tuple[str, str, str]]:
+    """``(path, class, reason)`` of the modules of :data:`UNFUSED_EXPERTS` in ``model`` (outermost only)."""
+    found: list[tuple[str, str, str]] = []
+    for path, module in model.named_modules():
+        reason = UNFUSED_EXPERTS.get(type(module).__name__)
+        if reason is not None and not any(path.startswith(p + ".") for p, _, _ in found):
+            found.append((path, type(module).__name__, reason))
+    return found
+
+
 def expert_loop_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """(path, block, list attribute) of every module holding its experts as an ``nn.ModuleList``: named
     ``experts``, or under another name when a trace shows its MLPs run on routed subsets of tokens."""
@@ -441,7 +523,7 @@ def expert_loop_blocks(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
     return found + routed_expert_lists(model, {id(module) for _, module, _ in found})
 
 
-_REPLACED = {"moe_infer": "moe_infer", "softmax_topk": "forward (softmax top-k)",
+_REPLACED = {"moe_infer": "moe_infer", "moe": "moe", "softmax_topk": "forward (softmax top-k)",
              "dataflow": "forward (recognised by dataflow: router, stacked experts, shared experts)"}
 
 
@@ -452,6 +534,8 @@ def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", s
     ``strict=True`` a refusal raises ``ValueError`` instead (blocks already converted stay converted:
     each passed its check)."""
     results = []
+    for path, cls, reason in unfused_experts(model):
+        log.info("ep_fuse.prepare: %s (%s) gets no moe_experts block: %s", path, cls, reason)
     for path, block, name in expert_loop_blocks(model):
         label = path or type(model).__name__
         try:
@@ -465,7 +549,7 @@ def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", s
             log.warning(msg)
             continue
         results.append(Conversion(label, type(block).__name__, form, n, layout))
-        log.info("ep_fuse.prepare: %s (%s): %d experts (%s) stacked into %s.gate_up_proj/down_proj, %s replaced, "
+        log.info("ep_fuse.prepare: %s (%s): %d experts (%s) stacked into %s.%s/down_proj, %s replaced, "
                  "experts_implementation=%s", label, type(block).__name__, n, "/".join(layout), name,
-                 _REPLACED.get(form, f"forward ({form})"), implementation)
+                 getattr(block, name).first_name, _REPLACED.get(form, f"forward ({form})"), implementation)
     return results

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 import ep_fuse
+from ep_fuse.models.expert_loops import unfused_experts
 from ep_fuse.models.prepare import prepare
 
 log = logging.getLogger("ep_fuse")
@@ -249,6 +250,8 @@ class FamilyResult:
     params: int = 0
     runs: list[Run] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+    unfused: list[str] = dataclasses.field(default_factory=list)
+    """Why known expert forms get no ``moe_experts`` (``expert_loops.UNFUSED_EXPERTS``), one line per class."""
 
     def run(self, backend: str, dtype: str) -> Run | None:
         return next((r for r in self.runs if r.backend == backend and r.dtype == dtype), None)
@@ -343,6 +346,7 @@ def sweep_family(family: str, dtypes: tuple[str, ...] = ("fp32",), executor: str
             model, res.attn = build_tiny(family, DTYPES[dt])
             model = model.to(device)
             res.moe_blocks = len(routed_expert_modules(model))
+            res.unfused = sorted({f"{cls}: {why}" for _, cls, why in unfused_experts(model)})
             res.params = sum(p.numel() for p in model.parameters())
             with torch.no_grad():
                 ref = _logits(model(**inputs))
@@ -405,6 +409,7 @@ def markdown(results: list[FamilyResult], dtypes: tuple[str, ...], inductor: boo
                     errors.append(f"{run.backend} {dt}: fallback: {run.fallbacks[0][:160]}")
         if r.skip:
             errors.append(f"not built: {r.skip[:200]}")
+        errors += [f"no moe_experts: {why}" for why in r.unfused]
         row += [f"{r.seconds:.0f}", "; ".join(errors).replace("|", "/") or ""]
         lines.append("| " + " | ".join(row) + " |")
     t = totals(results, dtypes[0])

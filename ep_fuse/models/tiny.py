@@ -1,7 +1,7 @@
 """Tiny Hugging Face MoE models built from configs with random weights (nothing is downloaded).
 
-Used by the example, the tests and the debug tools. Each has 2 decoder layers, hidden 64, 4 heads
-(2 KV heads), top-2 routing and a vocabulary of 128.
+Used by the example, the tests and the debug tools. Each has 2 decoder layers (NemotronH: 4 single-mixer layers),
+hidden 64, 4 heads (2 KV heads), top-2 routing and a vocabulary of 128.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from ep_fuse.models.prepare import prepare
 
 TINY_MODELS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", "llama4",
-               "granitemoe", "granitemoeshared", "cohere2_moe")
+               "granitemoe", "granitemoeshared", "cohere2_moe", "nemotron_h")
 
 EXPECTED_SITES = {
     # name: fused sites per pattern in the one inference graph of the 2-layer model, and the RoPE form
@@ -34,10 +34,14 @@ EXPECTED_SITES = {
     # parallel attention + MoE on one input norm per layer; GPT-J pairs (HF rotate_half), bf16 router logits
     "cohere2_moe": ({"add_rms_norm": 2, "rms_norm": 1, "rope": 4, "gemm_swiglu": 2, "moe_experts": 2,
                      "moe_gating": 2}, "rotate_pairs"),
+    # attention / MoE / attention / MoE blocks (one mixer per layer), no RoPE; non-gated relu(up) ** 2 experts,
+    # sigmoid router with one group; the shared expert is non-gated too (no gemm_swiglu)
+    "nemotron_h": ({"add_rms_norm": 4, "rms_norm": 1, "moe_experts": 2, "moe_gating": 2}, None),
 }
 """Each layer's q and k RoPE sites are paired into one ``rope_qk`` call (2 per model). ``moe_experts``:
 one block per MoE layer (DeepSeek/GLM4 layer 0 is dense); GPT-OSS's clamped GLU experts and Llama4's
-dense all-experts ``bmm`` are not this block (``NOT_MOE_BLOCKS``)."""
+dense all-experts ``bmm`` are not this block (``NOT_MOE_BLOCKS``). The RoPE form is ``None`` for a model
+without RoPE."""
 
 NOT_MOE_BLOCKS = {"gpt_oss": 2}
 """Models whose expert blocks are candidates (a ``sort`` of routed ids) that must not match: near misses."""
@@ -90,6 +94,13 @@ def _config(name: str, **overrides: Any) -> Any:
     elif name == "cohere2_moe":
         cfg = tf.Cohere2MoeConfig(**common, head_dim=16, intermediate_size=48, num_experts=8, num_experts_per_tok=2,
                                   num_shared_experts=1)
+    elif name == "nemotron_h":  # one mixer per layer: 4 layers make 2 attention + 2 MoE blocks
+        common["num_hidden_layers"] = 4
+        cfg = tf.NemotronHConfig(**common, head_dim=16, intermediate_size=96, moe_intermediate_size=48,
+                                 moe_shared_expert_intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2,
+                                 n_group=1, topk_group=1,
+                                 layers_block_type=["full_attention", "moe", "full_attention", "moe"])
+        cfg.layer_norm_epsilon = common["rms_norm_eps"]
     else:
         raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(TINY_MODELS)}")
     for k, v in overrides.items():
@@ -120,6 +131,7 @@ def build(
         "granitemoe": tf.GraniteMoeForCausalLM,
         "granitemoeshared": tf.GraniteMoeSharedForCausalLM,
         "cohere2_moe": tf.Cohere2MoeForCausalLM,
+        "nemotron_h": tf.NemotronHForCausalLM,
     }[name]
     torch.manual_seed(seed)
     attn = "eager" if name == "gpt_oss" else "sdpa"  # GPT-OSS's sinks need eager attention

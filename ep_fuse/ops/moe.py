@@ -21,7 +21,12 @@ Conventions shared by every MoE op and provider:
   - ``"silu_clamp_post"``: ``silu(g).clamp(max=limit) * u.clamp(-limit, limit)`` (Step-3.7);
   - ``"silu_fp32"``: ``(silu(g.float()) * u.float()).to(dtype)`` (Beam);
   - ``"softcap_fp32"``: ``(c(g, gate_cap) * sigmoid(g) * c(u, up_cap)).to(dtype)`` in fp32, where
-    ``c(v, cap) = tanh(v / cap) * cap`` (``v`` itself for a ``None`` cap) (Inkling-2).
+    ``c(v, cap) = tanh(v / cap) * cap`` (``v`` itself for a ``None`` cap) (Inkling-2);
+  - ``"swigluoai"``: ``g' = g.clamp(max=limit)``, ``(u.clamp(-limit, limit) + 1) * (g' * sigmoid(g' * a))`` with
+    ``a`` = :data:`SWIGLUOAI_ALPHA`, each op rounded to the activation dtype (MiniMax-M3 on gate|up halves;
+    GPT-OSS writes it on interleaved halves with biases);
+  - the non-gated ``"relu2"`` (:data:`UNGATED_ACTS`): ``relu(u) ** 2`` in the activation dtype, where ``w13`` is
+    the up projection alone, [E, I, H] (NemotronH).
 
 Numerics follow the Hugging Face ``grouped_mm`` experts exactly: each GEMM output is rounded to the
 activation dtype, ``silu(gate) * up`` in that dtype, the routing weight multiplies the expert output in
@@ -119,8 +124,17 @@ def grouped_gemm_traceable(args: tuple) -> bool:
     return grouped_mm_supported(args[0], args[1])
 
 
-ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32")
-"""The gated activations of the ``act`` argument (module docstring)."""
+UNGATED_ACTS = ("relu2",)
+"""Activations of the up projection alone (no gate): ``w13`` is [E, I, H] and the output is [.., I]."""
+
+ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32", "swigluoai") + UNGATED_ACTS
+"""The activations of the ``act`` argument (module docstring): gated, then :data:`UNGATED_ACTS`."""
+
+LIMIT_ACTS = ("silu_clamp", "silu_clamp_post", "swigluoai")
+"""The activations that take a ``limit``."""
+
+SWIGLUOAI_ALPHA = 1.702
+"""The sigmoid's scale of ``"swigluoai"`` (GPT-OSS's constant; MiniMax-M3's ``swiglu_alpha`` default)."""
 
 ACT_SCHEMA = 'str act="silu", float? limit=None, float? gate_cap=None, float? up_cap=None'
 """The activation arguments shared by ``grouped_gemm_swiglu`` and ``moe_experts`` (defaults: plain SwiGLU)."""
@@ -144,13 +158,26 @@ def act_problem(act: str, limit: float | None, gate_cap: float | None, up_cap: f
     """Why these activation arguments describe no activation of :data:`ACTS` (``None``: they do)."""
     if act not in ACTS:
         return f"unknown activation {act!r} (one of {', '.join(ACTS)})"
-    if (limit is not None) != act.startswith("silu_clamp"):
+    if (limit is not None) != (act in LIMIT_ACTS):
         return f"act={act!r} with limit={limit!r} (a limit goes with the clamped acts only)"
     if act != "softcap_fp32" and (gate_cap is not None or up_cap is not None):
         return f"act={act!r} with soft caps (softcap_fp32 only)"
     if any(v is not None and not v > 0 for v in (limit, gate_cap, up_cap)):
         return "limit and caps must be positive"
     return None
+
+
+def act_width(w13_rows: int, act: str = "silu") -> int:
+    """The activation's output columns from the ``w13`` rows: ``I`` of gate|up ``2I``, or all rows when
+    ``act`` has no gate."""
+    return w13_rows if act in UNGATED_ACTS else w13_rows // 2
+
+
+def ungated_act(up: torch.Tensor, act: str) -> torch.Tensor:
+    """The activation ``act`` of :data:`UNGATED_ACTS` on the up projection, in the activation dtype."""
+    if act != "relu2":
+        raise ValueError(f"ep_fuse: {act!r} is not an activation without a gate ({', '.join(UNGATED_ACTS)})")
+    return torch.square(torch.relu(up))
 
 
 def _softcap(v: torch.Tensor, cap: float | None) -> torch.Tensor:
@@ -170,6 +197,9 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: fl
         return silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     if act == "silu_clamp_post":
         return silu(gate).clamp(max=limit) * up.clamp(min=-limit, max=limit)
+    if act == "swigluoai":
+        g = gate.clamp(max=limit)
+        return (up.clamp(min=-limit, max=limit) + 1.0) * (g * torch.sigmoid(g * SWIGLUOAI_ALPHA))
     g, u = gate.float(), up.float()
     if act == "silu_fp32":
         return (silu(g) * u).to(gate.dtype)
@@ -179,9 +209,14 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: fl
 def grouped_gemm_swiglu_ref(x: torch.Tensor, w13: torch.Tensor, seg_indptr: torch.Tensor, act: str = "silu",
                             limit: float | None = None, gate_cap: float | None = None,
                             up_cap: float | None = None) -> torch.Tensor:
-    """The gated activation ``act`` (default ``silu(gate) * up``) of the gate|up GEMM (``w13`` [E, 2I, H]);
-    tail rows zero."""
+    """The gated activation ``act`` (default ``silu(gate) * up``) of the gate|up GEMM (``w13`` [E, 2I, H]),
+    or the activation of an up GEMM (``w13`` [E, I, H], ``act`` of :data:`UNGATED_ACTS`); tail rows zero."""
     h = grouped_gemm_ref(x, w13, seg_indptr)
+    if act in UNGATED_ACTS:
+        reason = act_problem(act, limit, gate_cap, up_cap)
+        if reason is not None:
+            raise ValueError(f"ep_fuse: {reason}")
+        return ungated_act(h, act)
     inter = w13.shape[1] // 2
     gate, up = h.split(inter, -1)
     return gated_act(gate, up, act, limit, gate_cap, up_cap)
@@ -193,7 +228,7 @@ def grouped_gemm_swiglu_fake(x: torch.Tensor, w13: torch.Tensor, seg_indptr: tor
     reason = act_problem(act, limit, gate_cap, up_cap)
     if reason is not None:
         raise ValueError(f"ep_fuse: {reason}")
-    return x.new_empty(x.shape[0], w13.shape[1] // 2)
+    return x.new_empty(x.shape[0], act_width(w13.shape[1], act))
 
 
 def moe_experts_ref(
@@ -241,7 +276,7 @@ grouped_gemm_swiglu = define_canonical(
     grouped_gemm_swiglu_ref,
     fake=grouped_gemm_swiglu_fake, traceable=grouped_gemm_traceable)
 """``grouped_gemm_swiglu(x, w13 [E, 2I, H], seg_indptr, act=...)``: the gated activation (default
-``silu(gate) * up``) of the gate|up grouped GEMM."""
+``silu(gate) * up``) of the gate|up grouped GEMM (or, for an act without a gate, of the up GEMM, ``w13`` [E, I, H])."""
 
 moe_experts = define_canonical(
     "moe_experts",

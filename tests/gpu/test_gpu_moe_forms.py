@@ -1,4 +1,4 @@
-"""GPU check of the grouped GEMM's gated-activation epilogues (``grouped_gemm_swiglu:<act>`` in
+"""GPU check of the grouped GEMM's activation epilogues (``grouped_gemm_swiglu:<act>`` in
 ``UNVERIFIED_ON_GPU``): the Triton kernel vs the canonical reference (``ep_fuse.ops.moe.grouped_gemm_swiglu_ref``)
 at decode and prefill sizes, bf16 and fp32, and each HF-style form compiled end to end (Inductor inlines the
 launch) vs eager. Passing clears the variants (remove them from ``UNVERIFIED_ON_GPU``)."""
@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 ACT_ARGS = {"silu_clamp": ("silu_clamp", 7.0, None, None), "silu_clamp_post": ("silu_clamp_post", 7.0, None, None),
             "silu_fp32": ("silu_fp32", None, None, None), "softcap_fp32": ("softcap_fp32", None, 4.0, 25.0)}
+ACT_ARGS["swigluoai"] = ("swigluoai", 7.0, None, None)  # MiniMax-M3 (listed in UNVERIFIED_ON_GPU until this runs)
 
 
 @pytest.fixture(autouse=True)
@@ -63,10 +64,11 @@ def test_forms_compile_under_inductor(name, impl):
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from support.moe_modules import GATED
+    from support.oai_moe_modules import OaiSwiGLU
 
     import ep_fuse
 
-    mod = GATED[name](8, 256, 128, impl=impl, scale=3.0).cuda()
+    mod = {**GATED, "swigluoai": OaiSwiGLU}[name](8, 256, 128, impl=impl, scale=3.0).cuda()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 256, generator=g).bfloat16().cuda()
     w, ids = torch.randn(64, 8, generator=g).softmax(-1).topk(2)
@@ -78,4 +80,50 @@ def test_forms_compile_under_inductor(name, impl):
         m.explain() for r in reps for m in r.near_misses]
     block = next(m for r in reps for m in r.matches if m.pattern == "moe_experts")
     assert block.stages["grouped_gemm_swiglu"] == "triton"
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+# --------------------------------------------------------------------------- non-gated relu² (NemotronH)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [2, 40, 200])
+def test_relu2_epilogue_matches_reference(rows, dtype):
+    """``grouped_gemm_swiglu:relu2``: the single up GEMM (``w`` [E, I, H]) with ``relu(y) ** 2`` in its epilogue."""
+    from ep_fuse.ops.moe import grouped_gemm_swiglu_ref
+    from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_swiglu_kernel
+
+    x, w_up, seg = _case(rows, 16, 512, 128, dtype)  # [E, 256, 512]: the up projection alone, I = 256
+    act = ("relu2", None, None, None)
+    out = grouped_gemm_swiglu_kernel(x, w_up, seg, *act)
+    ref = grouped_gemm_swiglu_ref(x.cpu(), w_up.cpu(), seg.cpu(), *act).cuda()
+    assert out.shape == (x.shape[0], w_up.shape[1])
+    end = int(seg[-1])
+    assert not out.isnan().any() and torch.equal(out[end:], torch.zeros_like(out[end:]))
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_relu2_form_compiles_under_inductor(impl):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support.ungated_moe_modules import UngatedExperts
+
+    import ep_fuse
+
+    mod = UngatedExperts(8, 256, 128, impl=impl).cuda()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 256, generator=g).bfloat16().cuda()
+    w, ids = torch.randn(64, 8, generator=g).softmax(-1).topk(2)
+    with torch.no_grad():
+        ref = mod(x, ids.cuda(), w.cuda())
+        out = torch.compile(mod, backend="ep_fuse")(x, ids.cuda(), w.cuda())
+    reps = ep_fuse.reports()
+    matches = [m for r in reps for m in r.matches if m.pattern == "moe_experts"]
+    if impl == "batched_mm" and not matches:  # the gated forms' batched_mm near miss on CUDA (see above)
+        pytest.xfail("batched_mm experts do not match on CUDA: " + "; ".join(m.explain() for r in reps
+                                                                             for m in r.near_misses))
+    assert len(matches) == 1, [str(r) for r in reps]
+    assert matches[0].stages["grouped_gemm_swiglu"] == "triton"
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())

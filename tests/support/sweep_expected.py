@@ -7,7 +7,7 @@ Regenerate from ``python tools/sweep_models.py --json PATH``; lower a pin only w
 
 EXPECTED: dict[str, dict[str, int | str] | str] = {
     'afmoe': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
-    'aria': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 2},
+    'aria': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'axk1': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'axk2': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'bailing_hybrid': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
@@ -53,10 +53,10 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'mimo_v2_flash': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'minimax': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'minimax_m2': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'minimax_m3_vl': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 2},
+    'minimax_m3_vl': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'mistral4': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'mixtral': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'nemotron_h': {'moe_blocks': 1, 'moe_experts': 0, 'moe_gating': 1},
+    'nemotron_h': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'olmoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'phimoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
     'qwen2_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},

@@ -45,8 +45,10 @@ def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr)
     return round_as(act * u, CODE, EMULATE_RTNE)
 
 
-ACT_CODES = {"silu": 0, "silu_clamp": 1, "silu_clamp_post": 2, "silu_fp32": 3, "softcap_fp32": 4}
-"""The ``ACT`` constexpr of :func:`gated_rounded` for each activation of ``ep_fuse.ops.moe.ACTS``."""
+ACT_CODES = {"silu": 0, "silu_clamp": 1, "silu_clamp_post": 2, "silu_fp32": 3, "softcap_fp32": 4, "relu2": 5,
+             "swigluoai": 6}
+"""The ``ACT`` constexpr of :func:`gated_rounded` for each activation of ``ep_fuse.ops.moe.ACTS`` (``relu2``, without
+a gate: the epilogue of the single-accumulator grouped GEMM)."""
 
 
 @triton.jit
@@ -63,7 +65,7 @@ def gated_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, 
     """The gated activation ``ACT`` (:data:`ACT_CODES`) of fp32 GEMM accumulators, in the models' op order and
     rounded where they round (``ep_fuse.ops.moe``): each GEMM output to the input dtype first; the clamped
     forms round each clamp, silu and the product; the fp32 forms round once at the end. ``CAP_G`` / ``CAP_U``
-    <= 0: no soft cap on that half."""
+    <= 0: no soft cap on that half; for ``swigluoai`` (6) ``CAP_G`` carries the sigmoid's scale."""
     g = round_as(acc_g, CODE, EMULATE_RTNE)
     u = round_as(acc_u, CODE, EMULATE_RTNE)
     if ACT == 0:
@@ -81,6 +83,13 @@ def gated_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, 
         y = round_as(act * u, CODE, EMULATE_RTNE)
     elif ACT == 3:
         y = round_as(g / (1.0 + tl.exp(-g)) * u, CODE, EMULATE_RTNE)
+    elif ACT == 6:
+        g = round_as(tl.minimum(g, LIMIT), CODE, EMULATE_RTNE)
+        u = round_as(tl.minimum(tl.maximum(u, -LIMIT), LIMIT), CODE, EMULATE_RTNE)
+        z = round_as(g * CAP_G, CODE, EMULATE_RTNE)
+        sig = round_as(1.0 / (1.0 + tl.exp(-z)), CODE, EMULATE_RTNE)
+        glu = round_as(g * sig, CODE, EMULATE_RTNE)
+        y = round_as(round_as(u + 1.0, CODE, EMULATE_RTNE) * glu, CODE, EMULATE_RTNE)
     else:
         cg = tl.where(CAP_G > 0, CAP_G, 1.0)
         cu = tl.where(CAP_U > 0, CAP_U, 1.0)

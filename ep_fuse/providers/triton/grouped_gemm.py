@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops.moe import act_problem, full_act
+from ep_fuse.ops.moe import SWIGLUOAI_ALPHA, UNGATED_ACTS, act_problem, act_width, full_act
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.tensor_checks import KERNEL_DTYPES
 from ep_fuse.providers.triton.unverified import gpu_unverified
@@ -95,9 +95,9 @@ def check_grouped_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
     """As :func:`check_grouped_gemm_call`, for ``w13`` [E, 2I, H] (gate rows, then up rows), with the call's
     gated activation (a variant other than SwiGLU is declined on CUDA until its GPU check has run)."""
     reason = check_grouped_gemm_call(args[:3])
-    if reason is None and not known(args[1].shape[1] % 2 == 0):
-        return "w13 has an odd number of rows (not gate|up halves)"
     act = full_act(tuple(args[3:]))
+    if reason is None and act[0] not in UNGATED_ACTS and not known(args[1].shape[1] % 2 == 0):
+        return "w13 has an odd number of rows (not gate|up halves)"
     variant = act_variant(act)
     if reason is None and variant is not None:
         reason = act_problem(*act) or gpu_unverified(variant, args[0])
@@ -131,10 +131,12 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
                 config: Any = None) -> torch.Tensor:
     """Allocate the output and launch the grouped GEMM: ``variant`` (``None``: :func:`kernel_variant` chooses
     from static sizes) with tile ``config`` (``None``: that kernel's ``config_for``); ``act``: the gated
-    activation's ``(name, limit, gate_cap, up_cap)`` (empty: SwiGLU)."""
+    activation's ``(name, limit, gate_cap, up_cap)`` (empty: SwiGLU; one of ``UNGATED_ACTS``: the single GEMM
+    with that activation in its epilogue)."""
     act = full_act(tuple(act))
     gated = act_variant(act) is not None
-    n = w.shape[1] // 2 if swiglu else w.shape[1]
+    ungated = swiglu and act[0] in UNGATED_ACTS
+    n = act_width(w.shape[1], act[0]) if swiglu else w.shape[1]
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     if known(x.shape[0] == 0) or known(n == 0):  # an unbacked 0 launches an empty grid
         return y
@@ -154,7 +156,9 @@ def run_grouped(swiglu: bool, x: torch.Tensor, w: torch.Tensor, seg: torch.Tenso
             launch_grouped_gemm_swiglu,
         )
 
-        launch = launch_grouped_gemm_swiglu if swiglu else launch_grouped_gemm
+        launch = launch_grouped_gemm_swiglu if swiglu and not ungated else launch_grouped_gemm
+    if act[0] == "swigluoai":  # the kernel's gate-cap slot carries the sigmoid's scale
+        act = (act[0], act[1], SWIGLUOAI_ALPHA, None)
     if gated:
         launch(x, w, seg, y, config=config, wrap=wrap, act=act)
     else:

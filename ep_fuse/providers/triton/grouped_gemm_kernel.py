@@ -97,7 +97,8 @@ def _grouped_gemm_kernel(
 ):
     """``Y [M, N] = X @ W[e].T`` per segment; ``SWIGLU``: N is I, gate rows ``[n, n+BN)`` and up rows
     ``[I+n, I+n+BN)`` of ``w13[e]`` share each ``X`` load and meet in the epilogue (``ACT``: the gated
-    activation, :data:`~ep_fuse.providers.triton.gemm_tiles.ACT_CODES`)."""
+    activation, :data:`~ep_fuse.providers.triton.gemm_tiles.ACT_CODES`); without ``SWIGLU``, ``ACT`` 5 is
+    ``relu(y) ** 2`` of the rounded output (an up projection without a gate), rounded again."""
     tile, pid_n = work_item(M, N, E, BM, BN, GROUP_M)
     e, m_start, m_end, is_real = tile_rows(tile, SEG, M, E, BM, BLOCK_E)
     rm = m_start + tl.arange(0, BM)
@@ -115,6 +116,9 @@ def _grouped_gemm_kernel(
             y = gated_rounded(acc, acc_u, CODE, EMULATE_RTNE, ACT, LIMIT, CAP_G, CAP_U, LIBDEVICE)
     else:
         y = round_as(acc, CODE, EMULATE_RTNE)
+        if ACT == 5:
+            r = tl.maximum(y, 0.0)
+            y = round_as(r * r, CODE, EMULATE_RTNE)
     mask = (rm < m_end)[:, None] & (rn < N)[None, :]
     tl.store(Y + rm[:, None].to(tl.int64) * sym + rn[None, :], for_store(y, CODE, EMULATE_RTNE), mask=mask)
 
@@ -176,12 +180,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor
 
 
 def launch_grouped_gemm(x: torch.Tensor, w: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,
-                        config: GemmConfig | None = None, wrap: Callable[[Any], Any] | None = None) -> None:
-    """``y [M, N] = x [M, K] @ w[e].T`` per expert segment, zero tail (``x``, ``w`` unit stride along K)."""
+                        config: GemmConfig | None = None, wrap: Callable[[Any], Any] | None = None,
+                        act: tuple = ()) -> None:
+    """``y [M, N] = x [M, K] @ w[e].T`` per expert segment, zero tail (``x``, ``w`` unit stride along K);
+    ``act``: an activation without a gate (``("relu2", None, None, None)``) applied to ``y``."""
     m, k = x.shape
     e, n = w.shape[0], w.shape[1]
     cfg = config or config_for(m, n, k, e)
-    _launch(x, w, seg, y, n, False, cfg, wrap)
+    _launch(x, w, seg, y, n, False, cfg, wrap, act)
 
 
 def launch_grouped_gemm_swiglu(x: torch.Tensor, w13: torch.Tensor, seg: torch.Tensor, y: torch.Tensor,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ep_fuse.ops import moe as ops
-from ep_fuse.ops.moe import grouped_gemm_ref, grouped_gemm_swiglu_ref, grouped_mm_supported
+from ep_fuse.ops.moe import full_act, grouped_gemm_ref, grouped_gemm_swiglu_ref, grouped_mm_supported
 from ep_fuse.ops.registry import AtRunTime
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.triton.grouped_gemm import (
@@ -142,7 +142,7 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for as tma  # imports triton
 
     e, k = max(int(w.shape[0]), 1), int(w.shape[2])
-    n = int(w.shape[1]) // 2 if swiglu else int(w.shape[1])
+    n = ops.act_width(int(w.shape[1]), full_act(act)[0]) if swiglu else int(w.shape[1])
     mid = MID_ROWS_PER_EXPERT * e  # config_for's regimes change only at these bounds
 
     def kernel(rows: int) -> Run:

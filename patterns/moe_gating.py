@@ -90,6 +90,10 @@ def _f32_2d(v: Any) -> str | None:
         return f"expected a tensor, got {v!r}"
     if t.dim() != 2:
         return f"router logits must be a [T, E] tensor, got {t.dim()} dims"
+    return _f32_scores(t)
+
+
+def _f32_scores(t: torch.Tensor) -> str | None:
     if t.dtype != torch.float32:
         return (f"router scores computed in {t.dtype}: eager rounds the probabilities to {t.dtype} before the "
                 f"top-k, which the fused providers (fp32 math) do not reproduce bitwise, and bf16 rounding turns "
@@ -278,11 +282,87 @@ def _topk_sigmoid() -> tuple[Any, Any]:
     return _tail(op(aten.sigmoid.default, self=Opt(Cast(values, torch.float32)), bind="probs")), Item(topk, 1)
 
 
+def _f32_3d(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dim() != 3:
+        return "router logits of this form are a [B, S, E] tensor"
+    return _f32_scores(t)
+
+
+def _softmax_bias_3d() -> tuple[Any, Any]:
+    """Zaya: ``p = softmax(logits [B, S, E+1], -1)``, ``ids = topk([_to_copy](detach(p), f32) + bias, K)[1]``,
+    weights ``gather(p, 2, ids)``, [cast]. The skip-expert masking after it (``masked_fill(ids == E)``) stays."""
+    probs = op(aten._softmax.default, self=Var("logits", _f32_3d), dim=Lit(LAST_3D),
+               half_to_float=Lit(equals(False)), bind="probs")
+    read = Opt(Cast(alt(op(aten.detach.default, self=probs), probs), torch.float32))
+    sel = op(aten.add.Tensor, self=read, other=Var("bias", _bias_vector), commutative=("self", "other"), bind="sel")
+    topk = op(aten.topk.default, self=sel, k=Lit(is_int, bind="top_k"), dim=Lit(LAST_3D), largest=Lit(equals(True)),
+              sorted=Lit(is_bool))
+    gathered = op(aten.gather.default, self=probs, dim=Lit(LAST_3D), index=Var("ids", _int64_tensor),
+                  bind="weights_raw")
+    return Opt(Cast(gathered, dtype="weight_dtype")), Item(topk, 1)
+
+
+def _start(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, int) and not isinstance(v, bool)) else f"expected an int, got {v!r}"
+
+
+def _one_element(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or not t.dtype.is_floating_point or t.dim() > 1 or t.numel() != 1:
+        return "a learned router scale is a floating tensor of one element ([1] or [])"
+    return None
+
+
+def _sink() -> tuple[Any, Any]:
+    """Inkling: ``ids = topk(sigmoid(logits)[:, :E] [+ bias], K)[1]``; ``ls = logsigmoid(cat([logits[:, :E].gather(-1,
+    ids), logits[:, E:]], -1))``, ``exp(ls - logsumexp(ls, -1, True))`` [* scale] [* global_scale] [cast]."""
+    logits = Var("logits", _f32_2d)
+
+    def columns(x: Any, start: str, end: str) -> Any:
+        return op(aten.slice.Tensor, self=x, dim=Lit(LAST_2D), start=Lit(_start, bind=start), end=Lit(is_int, bind=end))
+
+    gathered = op(aten.gather.default, self=columns(logits, "routed_start", "routed_end"), dim=Lit(LAST_2D),
+                  index=Var("ids", _int64_tensor), bind="weights_raw")
+    chosen = op(aten.cat.default, tensors=[gathered, columns(logits, "shared_start", "shared_end")], dim=Lit(LAST_2D))
+    log_p = Item(op(aten.log_sigmoid_forward.default, self=chosen), 0, bind="log_p")
+    lse = op(aten.logsumexp.default, self=log_p, dim=Lit(one_of([-1], [1])), keepdim=Lit(equals(True)))
+    w = op(aten.exp.default, self=op(aten.sub.Tensor, self=log_p, other=lse), bind="sink_probs")
+    scaled = alt(op((aten.mul.Tensor, aten.mul.Scalar), self=w, other=Lit(is_number, bind="scale")), w)
+    scaled = alt(op(aten.mul.Tensor, self=scaled, other=Var("global_scale", _one_element),
+                    commutative=("self", "other")), scaled)
+    routed = columns(op(aten.sigmoid.default, self=logits, bind="probs"), "routed_start", "routed_end")
+    sel = alt(op(aten.add.Tensor, self=routed, other=Var("bias", _bias_vector), commutative=("self", "other")), routed)
+    return Opt(Cast(scaled, dtype="weight_dtype")), Item(_topk(sel), 1)
+
+
 # --------------------------------------------------------------------------- guards
+def sink_shapes(m: Match) -> str | tuple[Any, str] | None:
+    """The routed columns are ``[0, E)``, the shared ``[E, E + S)`` with S >= 1, K <= E, a [E] bias."""
+    total = concrete_int(tensor_val(m["logits"]).shape[1])
+    if total is None:
+        return "a symbolic number of router classes"
+
+    def bound(v: Any, default: int) -> int:
+        v = default if v is None else v
+        return max(0, min(total, v + total if v < 0 else v))
+
+    start, e = bound(m["routed_start"], 0), bound(m["routed_end"], total)
+    s_start, s_end = bound(m["shared_start"], 0), bound(m["shared_end"], total)
+    if start != 0 or not 0 < e < total or s_start != e or s_end != total:
+        return (f"columns [{start}, {e}) are routed and [{s_start}, {s_end}) shared: a sink router splits the "
+                f"{total} logits into routed [0, E) and shared [E, {total})")
+    if not m["top_k"] <= e:
+        return f"top-{m['top_k']} of {e} routed experts"
+    if "bias" in m.bindings and tensor_val(m["bias"]).shape[0] != e:
+        return m["bias"], f"bias of shape {list(tensor_val(m['bias']).shape)} is not [{e}]"
+    return None
+
+
 def router_shapes(m: Match) -> str | tuple[Any, str] | None:
     """[T, E] logits, K <= E, a [E] bias, groups that tile the experts, [T, K] outputs."""
     logits = tensor_val(m["logits"])
-    t, e = logits.shape
+    t, e = logits.shape[0], logits.shape[-1]
     k = m["top_k"]
     if not statically_known_true(k <= e):
         return f"top-{k} of {e} experts"
@@ -306,8 +386,8 @@ def router_shapes(m: Match) -> str | tuple[Any, str] | None:
         if not 1 <= m["topk_group"] <= g:
             return f"keeps {m['topk_group']} of {g} groups"
     w = tensor_val(m["weights_raw"])
-    if w.dim() != 2 or not statically_known_true(w.shape[1] == k):
-        return f"weights of shape {list(w.shape)} are not [T, {k}]"
+    if w.dim() != logits.dim() or not statically_known_true(w.shape[-1] == k):
+        return f"weights of shape {list(w.shape)} are not [..., {k}] beside logits {list(logits.shape)}"
     if "expert_scale" in m.bindings:
         if m["scale_ids"] is not m["ids"]:
             return m["scale_ids"], "the per-expert scale is indexed by other ids than the router's top-k ids"
@@ -379,6 +459,15 @@ def _build(m: Match) -> Replacement:
     return Replacement(moe_gating_ops.moe_gating.op, args, ("root", "ids"))
 
 
+def _build_sink(m: Match) -> Replacement:
+    total = concrete_int(tensor_val(m["logits"]).shape[1])
+    e = m["routed_end"] + total if m["routed_end"] < 0 else min(m["routed_end"], total)
+    args = (m["logits"], m.get("bias"), int(m["top_k"]), total - e, float(m.get("scale", 1.0)),
+            m.get("global_scale"), m.get("weight_dtype"))
+    log.debug("ep_fuse: moe_gating_sink%s at %s", args[2:5], m.root.name)
+    return Replacement(moe_gating_ops.moe_gating_sink.op, args, ("root", "ids"))
+
+
 def _router_head(node: Any) -> bool:
     """A 2-D ``_softmax``/``sigmoid`` feeding a ``topk`` (directly or through a bias add), looking through
     views (DeepSeek-V3's remote ``scores.view(T, -1) + bias``): a router. Anchors decide where a failed match
@@ -423,6 +512,23 @@ ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.defa
            Anchor(aten.sqrt.default, _router_head), Anchor(aten.topk.default, _topk_then_score),
            Anchor(aten.topk.default, _topk_of_biased_logits))
 
+def _two_dims(node: Any) -> bool:
+    t = tensor_val(node.args[0])
+    return t is not None and t.dim() == 2
+
+
+def _router_head_3d(node: Any) -> bool:
+    """A 3-D ``_softmax`` read (through ``detach``/a cast) by an add feeding a ``topk``: a [B, S, E] router (Zaya)."""
+    t = tensor_val(node)
+    if t is None or t.dim() != 3:
+        return False
+    near = [*node.users, *(u for c in node.users if c.target in (aten.detach.default, *CAST_TARGETS) for u in c.users)]
+    return any(u.target is aten.add.Tensor and any(v.target is aten.topk.default for v in u.users) for u in near)
+
+
+SINK_ANCHORS = (Anchor(aten.log_sigmoid_forward.default, _two_dims),)
+ANCHORS_3D = (Anchor(aten._softmax.default, _router_head_3d),)
+
 _FORMS = {
     "softmax_topk": (_softmax_topk, "softmax -> topk -> [renorm] [scale] [cast] (Mixtral, Qwen, DeepSeek-V2 greedy)"),
     "softmax_group_max": (_softmax_group_max, "softmax, group max, masked_fill 0.0, topk (DeepSeek-V2 group-limited)"),
@@ -442,12 +548,24 @@ _FORMS = {
 }
 
 
+_FORMS["softmax_bias_3d"] = (_softmax_bias_3d, "[B, S, E] softmax + selection bias, topk, gather (Zaya)")
+
+
 def _pattern(variant: str) -> Pattern:
     make, description = _FORMS[variant]
     weights, ids = make()
     return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
-                   guards=(router_shapes, whole_tail, softmax_in_fp32), anchors=ANCHORS, outputs=(("ids", ids),),
+                   guards=(router_shapes, whole_tail, softmax_in_fp32),
+                   anchors=ANCHORS_3D if variant.endswith("_3d") else ANCHORS, outputs=(("ids", ids),),
                    description=description, produces="ep_fuse::moe_gating")
 
 
-PATTERNS = [_pattern(v) for v in _FORMS]
+def _sink_pattern() -> Pattern:
+    weights, ids = _sink()
+    return Pattern(name="moe_gating", variant="sigmoid_sink", tree=weights, build=_build_sink, guards=(sink_shapes,),
+                   anchors=SINK_ANCHORS, outputs=(("ids", ids),),
+                   description="sigmoid + bias, topk; softmax of logsigmoid over [chosen, shared] logits, scale (Inkling)",
+                   produces="ep_fuse::moe_gating_sink")
+
+
+PATTERNS = [*(_pattern(v) for v in _FORMS), _sink_pattern()]

@@ -37,7 +37,7 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'hunyuan_v1_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'hy_v3': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'hy_v4': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'inkling': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
+    'inkling': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'inkling2': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'inkling2_loop': {'moe_blocks': 3, 'moe_experts': 4, 'moe_gating': 4},
     'jamba': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
@@ -65,7 +65,7 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'qwen3_next': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'qwen4_exp': "skip: TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
     'solar_open': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'zaya': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
+    'zaya': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
 }
 
 FAST = ('afmoe', 'dbrx', 'deepseek_v3', 'gpt_oss', 'inkling2_loop', 'jetmoe', 'mixtral', 'qwen3_moe', 'qwen3_next', 'zaya')

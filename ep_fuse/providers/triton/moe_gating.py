@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ep_fuse.ops import moe_gating as ops
 from ep_fuse.ops.moe_gating import check_gating_args
 from ep_fuse.providers.measured import Threshold
-from ep_fuse.providers.tensor_checks import static_rows
+from ep_fuse.providers.tensor_checks import contiguous, static_rows
 from ep_fuse.providers.triton.provider import register
 from ep_fuse.providers.triton.unverified import gpu_unverified
 
@@ -35,6 +35,10 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
     """``None`` when the Triton kernel can run these ``moe_gating`` arguments, else why not."""
     logits, bias, top_k, score, n_group, topk_group, group_score, _renorm, _eps, _scale, weight_dtype = args[:11]
     expert_scale = args[12] if len(args) > 12 else None
+    if logits.dim() > 2:  # [..., E] (Zaya): run as rows; the kernel needs them to be one [T, E] view
+        if not contiguous(logits):
+            return f"logits of shape {list(logits.shape)} do not view as [T, E] rows (not contiguous)"
+        logits = logits.reshape(-1, logits.shape[-1])
     try:
         check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale)
     except ValueError as exc:
@@ -72,7 +76,14 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
                       scale, weight_dtype, renorm_clamp=False, expert_scale=None,
                       wrap=None):  # noqa: ANN001, ANN201 - schema-typed
-    """``ep_fuse_triton::moe_gating``: ``(weights [T, K], ids [T, K] int64)``."""
+    """``ep_fuse_triton::moe_gating``: ``(weights [T, K], ids [T, K] int64)``; ``[..., E]`` logits give
+    ``[..., K]`` (the rows of one contiguous view)."""
+    if logits.dim() > 2:
+        lead = logits.shape[:-1]
+        weights, ids = moe_gating_kernel(logits.reshape(-1, logits.shape[-1]), bias, top_k, score, n_group,
+                                         topk_group, group_score, renormalize, renorm_eps, scale, weight_dtype,
+                                         renorm_clamp, expert_scale, wrap=wrap)
+        return weights.view(*lead, top_k), ids.view(*lead, top_k)
     from ep_fuse.providers.triton.moe_gating_kernel import launch  # imports triton: on first launch
 
     t = logits.shape[0]

@@ -568,4 +568,91 @@ def _sink_pattern() -> Pattern:
                    produces="ep_fuse::moe_gating_sink")
 
 
-PATTERNS = [*(_pattern(v) for v in _FORMS), _sink_pattern()]
+# --------------------------------------------------------------------------- forms recognised and declined
+def _hash_routed() -> Any:
+    """DeepSeek-V4's hash layers: ``gather(score(logits), 1, [_to_copy](table[token_ids]))`` (no top-k), then the tail."""
+    logits = Var("logits", _any_2d)
+    scores = alt(op(aten.sqrt.default, self=op(aten.softplus.default, self=logits)),
+                 op(aten.sigmoid.default, self=logits),
+                 op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False))))
+    ids = Opt(Cast(op(aten.index.Tensor, self=Var("table", _int64_tensor), indices=[Var("token_ids")],
+                         shared=True), torch.int64))
+    return _tail(op(aten.gather.default, self=scores, dim=Lit(LAST_2D), index=ids, bind="weights_raw"))
+
+
+def _sparsemixer() -> Any:
+    """PhiMoE's ``sparsemixer`` at inference, one of its two passes: ``m, i = max(x, -1, True)``;
+    ``gather(softmax(masked_fill(x, (m - x) / clamp(|x|, min=m) > 2 eps, -inf)), -1, i)`` (``i`` read as an input:
+    the argmax ids also feed the second pass and the output)."""
+    logits = Var("logits", _any_2d)
+    best = op(aten.max.dim, self=Var("scores", _any_2d), dim=Lit(LAST_2D), keepdim=Lit(equals(True)), bind="max",
+              shared=True)
+    rel = op(aten.div.Tensor, self=op(aten.sub.Tensor, self=Item(best, 0), other=logits),
+             other=op(aten.clamp.Tensor, self=op(aten.abs.default, self=logits), min=Item(best, 0)))
+    masked = op(aten.masked_fill.Scalar, self=Var("scores", _any_2d), mask=op(aten.gt.Scalar, self=rel, other=Lit(is_number)),
+                value=Lit(_neg_inf))
+    probs = op(aten._softmax.default, self=masked, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)))
+    return op(aten.gather.default, self=probs, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor))
+
+
+def _dense_topk_sigmoid() -> Any:
+    """Llama-4: ``v, i = topk(x, K, 1)``; ``[_to_copy](sigmoid([_to_copy](full_like(x, -inf).scatter(1, i, v))))``."""
+    logits = Var("logits", _any_2d)
+    topk = op(aten.topk.default, self=logits, k=Lit(is_int), dim=Lit(LAST_2D), bind="topk")
+    dense = op(aten.scatter.src, self=op(aten.full_like.default, self=logits, fill_value=Lit(_neg_inf),
+                                         ignore=("pin_memory",)),
+               dim=Lit(LAST_2D), index=Item(topk, 1), src=Item(topk, 0))
+    return op(aten.sigmoid.default, self=Opt(Cast(dense, torch.float32)))
+
+
+def _reads_table(node: Any) -> bool:
+    """A 2-D ``gather`` whose index is (a cast of) an ``index`` into an int64 table: routing by token id."""
+    idx = node.args[2] if len(node.args) > 2 else None
+    idx = idx.args[0] if getattr(idx, "target", None) in CAST_TARGETS else idx
+    table = tensor_val(getattr(idx, "args", (None,))[0]) if getattr(idx, "target", None) is aten.index.Tensor else None
+    return table is not None and table.dtype == torch.int64 and _two_dims(node)
+
+
+def _softmax_of_masked_logits(node: Any) -> bool:
+    """A 2-D ``_softmax`` of a ``masked_fill`` read by a ``gather``: a sparsemixer pass (PhiMoE)."""
+    src = node.args[0]
+    return (getattr(src, "target", None) is aten.masked_fill.Scalar and _two_dims(node)
+            and any(u.target is aten.gather.default for u in node.users))
+
+
+def _topk_scattered(node: Any) -> bool:
+    """A 2-D ``topk`` whose values are scattered back into a dense [T, E] tensor (Llama-4)."""
+    return _two_dims(node) and any(i.args[1] == 0 and any(u.target is aten.scatter.src for u in i.users)
+                                   for i in node.users)
+
+
+DECLINED = {
+    "hash_routed": (_hash_routed, (Anchor(aten.gather.default, _reads_table),),
+                    "hash routing: the experts come from a frozen token-id table (table[input_ids]), not a learned "
+                    "top-k, so there is no router to fuse; the block's experts fuse with these ids"),
+    "sparsemixer": (_sparsemixer, (Anchor(aten._softmax.default, _softmax_of_masked_logits),),
+                    "sparsemixer (PhiMoE): two argmax passes, each weighed by a softmax over the experts within a "
+                    "relative jitter threshold of that max (the inference half of its training-time gradient "
+                    "estimator), not a top-k + normalise router; ep_fuse::moe_gating has no such score"),
+    "dense_topk_sigmoid": (_dense_topk_sigmoid, (Anchor(aten.topk.default, _topk_scattered),),
+                           "dense router scores (Llama-4): the top-k logits scattered into a [T, E] -inf tensor and "
+                           "sigmoided for experts that run on every expert's rows; ep_fuse::moe_gating returns "
+                           "(weights [T, K], ids), not a dense [T, E] score"),
+}
+"""Router forms recognised only to say why they are not fused: each tree matches the form, and its guard names it."""
+
+
+def _declined_pattern(variant: str) -> Pattern:
+    make, anchors, reason = DECLINED[variant]
+
+    def not_fusable(_m: Match) -> str:
+        return reason
+
+    def build(_m: Match) -> Replacement:  # pragma: no cover - its guard always declines
+        raise AssertionError(f"moe_gating[{variant}] is a declined form")
+
+    return Pattern(name="moe_gating", variant=variant, tree=make(), build=build, guards=(not_fusable,),
+                   anchors=anchors, description=f"declined: {reason.split(':')[0]}", produces="(declined)")
+
+
+PATTERNS = [*(_pattern(v) for v in _FORMS), _sink_pattern(), *(_declined_pattern(v) for v in DECLINED)]

@@ -282,17 +282,17 @@ def _topk_sigmoid() -> tuple[Any, Any]:
     return _tail(op(aten.sigmoid.default, self=Opt(Cast(values, torch.float32)), bind="probs")), Item(topk, 1)
 
 
-def _f32_3d(v: Any) -> str | None:
+def _any_3d(v: Any) -> str | None:
     t = tensor_val(v)
-    if t is None or t.dim() != 3:
-        return "router logits of this form are a [B, S, E] tensor"
-    return _f32_scores(t)
+    if t is None or t.dtype not in MODEL_FLOATS or t.dim() != 3:
+        return "router logits of this form are a floating [B, S, E] tensor"
+    return None
 
 
 def _softmax_bias_3d() -> tuple[Any, Any]:
     """Zaya: ``p = softmax(logits [B, S, E+1], -1)``, ``ids = topk([_to_copy](detach(p), f32) + bias, K)[1]``,
     weights ``gather(p, 2, ids)``, [cast]. The skip-expert masking after it (``masked_fill(ids == E)``) stays."""
-    probs = op(aten._softmax.default, self=Var("logits", _f32_3d), dim=Lit(LAST_3D),
+    probs = op(aten._softmax.default, self=Var("logits", _any_3d), dim=Lit(LAST_3D),
                half_to_float=Lit(equals(False)), bind="probs")
     read = Opt(Cast(alt(op(aten.detach.default, self=probs), probs), torch.float32))
     sel = op(aten.add.Tensor, self=read, other=Var("bias", _bias_vector), commutative=("self", "other"), bind="sel")
@@ -434,6 +434,13 @@ def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
     return None
 
 
+def scores_in_fp32(m: Match) -> tuple[Any, str] | None:
+    """The [B, S, E] form: its dtype is checked after the whole structure matched, so that a bf16 router's near miss
+    names this form and the reason (the [T, E] forms check it on their logits)."""
+    reason = _f32_scores(tensor_val(m["logits"]))
+    return (m["probs"], reason) if reason else None
+
+
 # --------------------------------------------------------------------------- replacement
 def _build(m: Match) -> Replacement:
     probs = m["probs"]
@@ -522,11 +529,25 @@ def _router_head_3d(node: Any) -> bool:
     t = tensor_val(node)
     if t is None or t.dim() != 3:
         return False
-    near = [*node.users, *(u for c in node.users if c.target in (aten.detach.default, *CAST_TARGETS) for u in c.users)]
+    near, frontier = [], list(node.users)
+    for _ in range(3):  # through ``detach`` and a cast, in either order
+        near.extend(frontier)
+        frontier = [u for c in frontier if c.target in (aten.detach.default, *CAST_TARGETS) for u in c.users]
     return any(u.target is aten.add.Tensor and any(v.target is aten.topk.default for v in u.users) for u in near)
 
 
-SINK_ANCHORS = (Anchor(aten.log_sigmoid_forward.default, _two_dims),)
+def _sliced_router_head(node: Any) -> bool:
+    """A 2-D ``sigmoid`` whose column slice feeds a ``topk`` (directly or through a bias add): the routed part of a
+    router whose last columns are shared experts (Inkling)."""
+    t = tensor_val(node)
+    if t is None or t.dim() != 2:
+        return False
+    sliced = [u for u in node.users if u.target is aten.slice.Tensor]
+    near = [*sliced, *(v for u in sliced for v in u.users if v.target is aten.add.Tensor)]
+    return any(v.target is aten.topk.default for u in near for v in u.users)
+
+
+SINK_ANCHORS = (Anchor(aten.log_sigmoid_forward.default, _two_dims), Anchor(aten.sigmoid.default, _sliced_router_head))
 ANCHORS_3D = (Anchor(aten._softmax.default, _router_head_3d),)
 
 _FORMS = {
@@ -555,7 +576,8 @@ def _pattern(variant: str) -> Pattern:
     make, description = _FORMS[variant]
     weights, ids = make()
     return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
-                   guards=(router_shapes, whole_tail, softmax_in_fp32),
+                   guards=(router_shapes, whole_tail, softmax_in_fp32,
+                           *((scores_in_fp32,) if variant.endswith("_3d") else ())),
                    anchors=ANCHORS_3D if variant.endswith("_3d") else ANCHORS, outputs=(("ids", ids),),
                    description=description, produces="ep_fuse::moe_gating")
 

@@ -38,6 +38,9 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
     if logits.dim() > 2:  # [..., E] (Zaya): run as rows; the kernel needs them to be one [T, E] view
         if not contiguous(logits):
             return f"logits of shape {list(logits.shape)} do not view as [T, E] rows (not contiguous)"
+        reason = gpu_unverified("moe_gating:nd_logits", logits)
+        if reason is not None:
+            return reason
         logits = logits.reshape(-1, logits.shape[-1])
     try:
         check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale)

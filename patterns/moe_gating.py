@@ -40,10 +40,13 @@ in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is t
 tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no
 interior node of either may be used outside the two outputs.
 
+* ``softmax_bias_3d`` (Zaya): ``softmax_bias`` on ``[B, S, E+1]`` logits, no tail (the skip masking stays);
+  ``sigmoid_sink`` (Inkling): ``ep_fuse::moe_gating_sink``, the shared experts' logits in the normalisation.
+
 Declined with the reason in the near miss: scores computed in bf16 (GPT-OSS's bf16 softmax of the top-k
 values; a softmax of bf16 logits), whose bf16 rounding the fused providers do not reproduce bitwise.
-Not matched: Llama4 (``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): a different
-function.
+Recognised only to say why they are not fused (:data:`DECLINED`): hash routing (DeepSeek-V4), PhiMoE's
+sparsemixer, Llama-4's dense [T, E] scores.
 """
 
 from __future__ import annotations

@@ -13,8 +13,14 @@ import transformers as tf
 from torch import nn
 
 import ep_fuse
-from ep_fuse.ops.moe_gating import moe_gating_ref, moe_gating_sink_ref, moe_gating_stable_ref
-from ep_fuse.providers.triton.moe_gating import check_gating_call, moe_gating_kernel
+from ep_fuse.ops.moe_gating import moe_gating_ref, moe_gating_sink_ref, moe_gating_sink_stable_ref, moe_gating_stable_ref
+from ep_fuse.providers.triton.moe_gating import (
+    check_gating_call,
+    check_sink_call,
+    moe_gating_kernel,
+    moe_gating_sink_kernel,
+    sink_prefers,
+)
 from support.compiling import compile_and_run
 
 BF16, F32 = torch.bfloat16, torch.float32
@@ -120,6 +126,37 @@ def test_sink_look_alikes_are_near_misses(variant, failing):
     assert rep.count("moe_gating") == 0
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
     assert failing in _explain(rep), _explain(rep)
+
+
+@pytest.mark.parametrize("t, e, s, k, dtype", [(1, 8, 1, 2, None), (37, 16, 2, 4, BF16), (20, 62, 2, 6, None)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_sink_kernel_matches_the_stable_reference(t, e, s, k, dtype, ties):
+    """The Triton sink kernel (interpreter): the stable reference's ids exactly (ties lowest index first), its
+    weights within fp32 rounding (logsigmoid/logsumexp/exp in the kernel's own order)."""
+    x = _logits(t, e + s, seed=t + e)
+    if ties:
+        x = (x * 2).round() / 2
+    bias = torch.linspace(-0.1, 0.1, e)
+    args = (x, bias, k, s, 8.0, torch.tensor([1.25]), dtype)
+    assert check_sink_call(args) is None
+    w, ids = moe_gating_sink_kernel(*args)
+    rw, rids = moe_gating_sink_stable_ref(*args)
+    assert torch.equal(ids, rids) and w.dtype == rw.dtype and w.shape == (t, k + s)
+    torch.testing.assert_close(w.float(), rw.float(), rtol=1e-5 if dtype is None else 8e-3, atol=1e-6)
+    assert sink_prefers(args, "inductor") and sink_prefers(args, "eager") is None
+    assert "unrolled loops" in check_sink_call((_logits(2, 42, seed=0), None, 33, 2, 8.0, None, None))
+
+
+def test_sink_fused_through_triton():
+    """The fused graph runs the Triton sink kernel: same experts per token, weights within fp32 rounding."""
+    mod = SinkRouter(e=16, s=2, k=4)
+    x = _logits(24, 18, seed=13)
+    ref, out, rep = _run(mod, x, **TRITON)
+    assert {m.provider for m in rep.matches if m.pattern == "moe_gating"} == {"triton"}, rep.summary()
+    a, b = _per_token(out[1], out[0]), _per_token(ref[1], ref[0])
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1].float(), b[1].float(), rtol=8e-3, atol=1e-6)
+    torch.testing.assert_close(out[2].float(), ref[2].float(), rtol=8e-3, atol=1e-6)
 
 
 def test_sink_vector_scale_stays_outside():

@@ -37,6 +37,10 @@ routers::
 | DeepSeek-V4 | sqrt_softplus | e_score_correction_bias | none | True | 1e-20 | routed_scaling_factor | None |
 | Mistral-4 / -Large-4 | softmax | - | sum_top2_fill0 (``none`` for one group) | True | 1e-20 | routed_scaling_factor | None |
 | Gemma-4 (+ ``expert_scale=per_expert_scale``) | softmax | - | none | True | 0 | 1 | None |
+| Zaya (``[B, S, E+1]`` logits) | softmax | balancing_biases | none | False | 0 | 1 | None |
+
+Inkling's sink router (softmax over the chosen and the shared experts' logits) is its own op of the family,
+``moe_gating_sink`` (:func:`moe_gating_sink_ref`): its weights are ``[T, K + S]``.
 
 ``logits`` may be ``[..., E]`` (Zaya's ``[B, S, E + 1]`` router probabilities): every row is routed alone and
 both outputs are ``[..., K]``; the fused providers take ``[T, E]`` only (``check_gating_args``).
@@ -334,12 +338,31 @@ def moe_gating_sink_ref(
     1-element tensor), one cast. Returns ``(w [T, K + S], ids [T, K] int64)``: the routed weights are
     ``w[:, :K]``, the shared experts' ``w[:, K:]``. Ids in ``torch.topk(sorted=True)`` order (the model's
     ``sorted=False`` set)."""
+    return _sink(logits, bias, top_k, n_shared, scale, global_scale, weight_dtype, stable=False)
+
+
+def moe_gating_sink_stable_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_shared: int,
+    scale: float,
+    global_scale: torch.Tensor | None,
+    weight_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused providers' contract: :func:`moe_gating_sink_ref` with stable, lowest-index-first ties."""
+    return _sink(logits, bias, top_k, n_shared, scale, global_scale, weight_dtype, stable=True)
+
+
+def _sink(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_shared: int, scale: float,
+          global_scale: torch.Tensor | None, weight_dtype: torch.dtype | None,
+          stable: bool) -> tuple[torch.Tensor, torch.Tensor]:
     check_sink_args(logits, bias, top_k, n_shared, global_scale)
     e = logits.shape[1] - n_shared
     sel = torch.sigmoid(logits)[:, :e]
     if bias is not None:
         sel = sel + bias
-    ids = torch_topk_ids(sel, top_k)
+    ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
     chosen = torch.cat([logits[:, :e].gather(-1, ids), logits[:, e:]], dim=-1)
     log_p = torch.nn.functional.logsigmoid(chosen)
     w = torch.exp(log_p - torch.logsumexp(log_p, dim=-1, keepdim=True))

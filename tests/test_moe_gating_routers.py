@@ -250,6 +250,9 @@ def test_nd_logits_reference_and_kernel():
     assert kw.shape == (3, 7, 2) and torch.equal(kids, sids)
     torch.testing.assert_close(kw, sw, rtol=1e-6, atol=1e-7)
     assert "not contiguous" in check_gating_call((x.transpose(0, 1), *args))
+    from ep_fuse.providers.npu import moe_gating as npu_router
+
+    assert "logits must be [T, E]" in npu_router.gating_supports((x, *args))  # NPU takes [T, E] only
 
 
 @pytest.mark.parametrize("variant, failing", [

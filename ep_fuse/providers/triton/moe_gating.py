@@ -1,7 +1,8 @@
-"""The Triton provider of the router family (``moe_gating``): argument checks, output allocation, launch, perf
-rule and registration.
+"""The Triton provider of the router family (``moe_gating``, ``moe_gating_sink``): argument checks, output
+allocation, launch, perf rules and registration.
 
-The kernel implements :func:`ep_fuse.ops.moe_gating.moe_gating_stable_ref` (stable ties);
+The kernels implement :func:`ep_fuse.ops.moe_gating.moe_gating_stable_ref` and
+:func:`ep_fuse.ops.moe_gating.moe_gating_sink_stable_ref` (stable ties);
 see :mod:`ep_fuse.providers.triton.moe_gating_kernel`.
 """
 

@@ -1,6 +1,6 @@
 """Triton kernel for router gating: softmax/sigmoid/sqrt(softplus)/top-k-then-softmax/sigmoid, selection bias,
 group-limited top-k (masked experts at -inf or 0.0), renorm (``+ eps`` or ``clamp(min=eps)``), scale, per-expert
-scale.
+scale; and Inkling's shared-expert sink router (``_sink_kernel``).
 
 One program handles ``BLOCK_T`` tokens; a token's ``E`` logits sit in registers (``BLOCK_E`` =
 next power of two), are upcast to fp32 right after the load, and never leave the chip until the

@@ -40,10 +40,13 @@ in the sigmoid form the weights' ``gather`` reads them. Each pattern's tree is t
 tree is a second output (:attr:`ep_fuse.matching.Pattern.outputs`), matched on the same bindings; no
 interior node of either may be used outside the two outputs.
 
+* ``softmax_bias_3d`` (Zaya): ``softmax_bias`` on ``[B, S, E+1]`` logits, no tail (the skip masking stays);
+  ``sigmoid_sink`` (Inkling): ``ep_fuse::moe_gating_sink``, the shared experts' logits in the normalisation.
+
 Declined with the reason in the near miss: scores computed in bf16 (GPT-OSS's bf16 softmax of the top-k
 values; a softmax of bf16 logits), whose bf16 rounding the fused providers do not reproduce bitwise.
-Not matched: Llama4 (``topk`` -> ``scatter`` into -inf -> sigmoid of a dense [T, E] score): a different
-function.
+Recognised only to say why they are not fused (:data:`DECLINED`): hash routing (DeepSeek-V4), PhiMoE's
+sparsemixer, Llama-4's dense [T, E] scores.
 """
 
 from __future__ import annotations
@@ -90,6 +93,10 @@ def _f32_2d(v: Any) -> str | None:
         return f"expected a tensor, got {v!r}"
     if t.dim() != 2:
         return f"router logits must be a [T, E] tensor, got {t.dim()} dims"
+    return _f32_scores(t)
+
+
+def _f32_scores(t: torch.Tensor) -> str | None:
     if t.dtype != torch.float32:
         return (f"router scores computed in {t.dtype}: eager rounds the probabilities to {t.dtype} before the "
                 f"top-k, which the fused providers (fp32 math) do not reproduce bitwise, and bf16 rounding turns "
@@ -278,11 +285,87 @@ def _topk_sigmoid() -> tuple[Any, Any]:
     return _tail(op(aten.sigmoid.default, self=Opt(Cast(values, torch.float32)), bind="probs")), Item(topk, 1)
 
 
+def _any_3d(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or t.dtype not in MODEL_FLOATS or t.dim() != 3:
+        return "router logits of this form are a floating [B, S, E] tensor"
+    return None
+
+
+def _softmax_bias_3d() -> tuple[Any, Any]:
+    """Zaya: ``p = softmax(logits [B, S, E+1], -1)``, ``ids = topk([_to_copy](detach(p), f32) + bias, K)[1]``,
+    weights ``gather(p, 2, ids)``, [cast]. The skip-expert masking after it (``masked_fill(ids == E)``) stays."""
+    probs = op(aten._softmax.default, self=Var("logits", _any_3d), dim=Lit(LAST_3D),
+               half_to_float=Lit(equals(False)), bind="probs")
+    read = Opt(Cast(alt(op(aten.detach.default, self=probs), probs), torch.float32))
+    sel = op(aten.add.Tensor, self=read, other=Var("bias", _bias_vector), commutative=("self", "other"), bind="sel")
+    topk = op(aten.topk.default, self=sel, k=Lit(is_int, bind="top_k"), dim=Lit(LAST_3D), largest=Lit(equals(True)),
+              sorted=Lit(is_bool))
+    gathered = op(aten.gather.default, self=probs, dim=Lit(LAST_3D), index=Var("ids", _int64_tensor),
+                  bind="weights_raw")
+    return Opt(Cast(gathered, dtype="weight_dtype")), Item(topk, 1)
+
+
+def _start(v: Any) -> str | None:
+    return None if v is None or (isinstance(v, int) and not isinstance(v, bool)) else f"expected an int, got {v!r}"
+
+
+def _one_element(v: Any) -> str | None:
+    t = tensor_val(v)
+    if t is None or not t.dtype.is_floating_point or t.dim() > 1 or t.numel() != 1:
+        return "a learned router scale is a floating tensor of one element ([1] or [])"
+    return None
+
+
+def _sink() -> tuple[Any, Any]:
+    """Inkling: ``ids = topk(sigmoid(logits)[:, :E] [+ bias], K)[1]``; ``ls = logsigmoid(cat([logits[:, :E].gather(-1,
+    ids), logits[:, E:]], -1))``, ``exp(ls - logsumexp(ls, -1, True))`` [* scale] [* global_scale] [cast]."""
+    logits = Var("logits", _f32_2d)
+
+    def columns(x: Any, start: str, end: str) -> Any:
+        return op(aten.slice.Tensor, self=x, dim=Lit(LAST_2D), start=Lit(_start, bind=start), end=Lit(is_int, bind=end))
+
+    gathered = op(aten.gather.default, self=columns(logits, "routed_start", "routed_end"), dim=Lit(LAST_2D),
+                  index=Var("ids", _int64_tensor), bind="weights_raw")
+    chosen = op(aten.cat.default, tensors=[gathered, columns(logits, "shared_start", "shared_end")], dim=Lit(LAST_2D))
+    log_p = Item(op(aten.log_sigmoid_forward.default, self=chosen), 0, bind="log_p")
+    lse = op(aten.logsumexp.default, self=log_p, dim=Lit(one_of([-1], [1])), keepdim=Lit(equals(True)))
+    w = op(aten.exp.default, self=op(aten.sub.Tensor, self=log_p, other=lse), bind="sink_probs")
+    scaled = alt(op((aten.mul.Tensor, aten.mul.Scalar), self=w, other=Lit(is_number, bind="scale")), w)
+    scaled = alt(op(aten.mul.Tensor, self=scaled, other=Var("global_scale", _one_element),
+                    commutative=("self", "other")), scaled)
+    routed = columns(op(aten.sigmoid.default, self=logits, bind="probs"), "routed_start", "routed_end")
+    sel = alt(op(aten.add.Tensor, self=routed, other=Var("bias", _bias_vector), commutative=("self", "other")), routed)
+    return Opt(Cast(scaled, dtype="weight_dtype")), Item(_topk(sel), 1)
+
+
 # --------------------------------------------------------------------------- guards
+def sink_shapes(m: Match) -> str | tuple[Any, str] | None:
+    """The routed columns are ``[0, E)``, the shared ``[E, E + S)`` with S >= 1, K <= E, a [E] bias."""
+    total = concrete_int(tensor_val(m["logits"]).shape[1])
+    if total is None:
+        return "a symbolic number of router classes"
+
+    def bound(v: Any, default: int) -> int:
+        v = default if v is None else v
+        return max(0, min(total, v + total if v < 0 else v))
+
+    start, e = bound(m["routed_start"], 0), bound(m["routed_end"], total)
+    s_start, s_end = bound(m["shared_start"], 0), bound(m["shared_end"], total)
+    if start != 0 or not 0 < e < total or s_start != e or s_end != total:
+        return (f"columns [{start}, {e}) are routed and [{s_start}, {s_end}) shared: a sink router splits the "
+                f"{total} logits into routed [0, E) and shared [E, {total})")
+    if not m["top_k"] <= e:
+        return f"top-{m['top_k']} of {e} routed experts"
+    if "bias" in m.bindings and tensor_val(m["bias"]).shape[0] != e:
+        return m["bias"], f"bias of shape {list(tensor_val(m['bias']).shape)} is not [{e}]"
+    return None
+
+
 def router_shapes(m: Match) -> str | tuple[Any, str] | None:
     """[T, E] logits, K <= E, a [E] bias, groups that tile the experts, [T, K] outputs."""
     logits = tensor_val(m["logits"])
-    t, e = logits.shape
+    t, e = logits.shape[0], logits.shape[-1]
     k = m["top_k"]
     if not statically_known_true(k <= e):
         return f"top-{k} of {e} experts"
@@ -306,8 +389,8 @@ def router_shapes(m: Match) -> str | tuple[Any, str] | None:
         if not 1 <= m["topk_group"] <= g:
             return f"keeps {m['topk_group']} of {g} groups"
     w = tensor_val(m["weights_raw"])
-    if w.dim() != 2 or not statically_known_true(w.shape[1] == k):
-        return f"weights of shape {list(w.shape)} are not [T, {k}]"
+    if w.dim() != logits.dim() or not statically_known_true(w.shape[-1] == k):
+        return f"weights of shape {list(w.shape)} are not [..., {k}] beside logits {list(logits.shape)}"
     if "expert_scale" in m.bindings:
         if m["scale_ids"] is not m["ids"]:
             return m["scale_ids"], "the per-expert scale is indexed by other ids than the router's top-k ids"
@@ -354,6 +437,13 @@ def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
     return None
 
 
+def scores_in_fp32(m: Match) -> tuple[Any, str] | None:
+    """The [B, S, E] form: its dtype is checked after the whole structure matched, so that a bf16 router's near miss
+    names this form and the reason (the [T, E] forms check it on their logits)."""
+    reason = _f32_scores(tensor_val(m["logits"]))
+    return (m["probs"], reason) if reason else None
+
+
 # --------------------------------------------------------------------------- replacement
 def _build(m: Match) -> Replacement:
     probs = m["probs"]
@@ -377,6 +467,15 @@ def _build(m: Match) -> Replacement:
         args = (*args, m["expert_scale"])
     log.debug("ep_fuse: moe_gating%s at %s", args[2:], m.root.name)
     return Replacement(moe_gating_ops.moe_gating.op, args, ("root", "ids"))
+
+
+def _build_sink(m: Match) -> Replacement:
+    total = concrete_int(tensor_val(m["logits"]).shape[1])
+    e = m["routed_end"] + total if m["routed_end"] < 0 else min(m["routed_end"], total)
+    args = (m["logits"], m.get("bias"), int(m["top_k"]), total - e, float(m.get("scale", 1.0)),
+            m.get("global_scale"), m.get("weight_dtype"))
+    log.debug("ep_fuse: moe_gating_sink%s at %s", args[2:5], m.root.name)
+    return Replacement(moe_gating_ops.moe_gating_sink.op, args, ("root", "ids"))
 
 
 def _router_head(node: Any) -> bool:
@@ -423,6 +522,37 @@ ANCHORS = (Anchor(aten._softmax.default, _router_head), Anchor(aten.sigmoid.defa
            Anchor(aten.sqrt.default, _router_head), Anchor(aten.topk.default, _topk_then_score),
            Anchor(aten.topk.default, _topk_of_biased_logits))
 
+def _two_dims(node: Any) -> bool:
+    t = tensor_val(node.args[0])
+    return t is not None and t.dim() == 2
+
+
+def _router_head_3d(node: Any) -> bool:
+    """A 3-D ``_softmax`` read (through ``detach``/a cast) by an add feeding a ``topk``: a [B, S, E] router (Zaya)."""
+    t = tensor_val(node)
+    if t is None or t.dim() != 3:
+        return False
+    near, frontier = [], list(node.users)
+    for _ in range(3):  # through ``detach`` and a cast, in either order
+        near.extend(frontier)
+        frontier = [u for c in frontier if c.target in (aten.detach.default, *CAST_TARGETS) for u in c.users]
+    return any(u.target is aten.add.Tensor and any(v.target is aten.topk.default for v in u.users) for u in near)
+
+
+def _sliced_router_head(node: Any) -> bool:
+    """A 2-D ``sigmoid`` whose column slice feeds a ``topk`` (directly or through a bias add): the routed part of a
+    router whose last columns are shared experts (Inkling)."""
+    t = tensor_val(node)
+    if t is None or t.dim() != 2:
+        return False
+    sliced = [u for u in node.users if u.target is aten.slice.Tensor]
+    near = [*sliced, *(v for u in sliced for v in u.users if v.target is aten.add.Tensor)]
+    return any(v.target is aten.topk.default for u in near for v in u.users)
+
+
+SINK_ANCHORS = (Anchor(aten.log_sigmoid_forward.default, _two_dims), Anchor(aten.sigmoid.default, _sliced_router_head))
+ANCHORS_3D = (Anchor(aten._softmax.default, _router_head_3d),)
+
 _FORMS = {
     "softmax_topk": (_softmax_topk, "softmax -> topk -> [renorm] [scale] [cast] (Mixtral, Qwen, DeepSeek-V2 greedy)"),
     "softmax_group_max": (_softmax_group_max, "softmax, group max, masked_fill 0.0, topk (DeepSeek-V2 group-limited)"),
@@ -442,12 +572,112 @@ _FORMS = {
 }
 
 
+_FORMS["softmax_bias_3d"] = (_softmax_bias_3d, "[B, S, E] softmax + selection bias, topk, gather (Zaya)")
+
+
 def _pattern(variant: str) -> Pattern:
     make, description = _FORMS[variant]
     weights, ids = make()
     return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
-                   guards=(router_shapes, whole_tail, softmax_in_fp32), anchors=ANCHORS, outputs=(("ids", ids),),
+                   guards=(router_shapes, whole_tail, softmax_in_fp32,
+                           *((scores_in_fp32,) if variant.endswith("_3d") else ())),
+                   anchors=ANCHORS_3D if variant.endswith("_3d") else ANCHORS, outputs=(("ids", ids),),
                    description=description, produces="ep_fuse::moe_gating")
 
 
-PATTERNS = [_pattern(v) for v in _FORMS]
+def _sink_pattern() -> Pattern:
+    weights, ids = _sink()
+    return Pattern(name="moe_gating", variant="sigmoid_sink", tree=weights, build=_build_sink, guards=(sink_shapes,),
+                   anchors=SINK_ANCHORS, outputs=(("ids", ids),),
+                   description="sigmoid + bias, topk; softmax of logsigmoid over [chosen, shared] logits, scale (Inkling)",
+                   produces="ep_fuse::moe_gating_sink")
+
+
+# --------------------------------------------------------------------------- forms recognised and declined
+def _hash_routed() -> Any:
+    """DeepSeek-V4's hash layers: ``gather(score(logits), 1, [_to_copy](table[token_ids]))`` (no top-k), then the tail."""
+    logits = Var("logits", _any_2d)
+    scores = alt(op(aten.sqrt.default, self=op(aten.softplus.default, self=logits)),
+                 op(aten.sigmoid.default, self=logits),
+                 op(aten._softmax.default, self=logits, dim=Lit(LAST_2D), half_to_float=Lit(equals(False))))
+    ids = Opt(Cast(op(aten.index.Tensor, self=Var("table", _int64_tensor), indices=[Var("token_ids")],
+                         shared=True), torch.int64))
+    return _tail(op(aten.gather.default, self=scores, dim=Lit(LAST_2D), index=ids, bind="weights_raw"))
+
+
+def _sparsemixer() -> Any:
+    """PhiMoE's ``sparsemixer`` at inference, one of its two passes: ``m, i = max(x, -1, True)``;
+    ``gather(softmax(masked_fill(x, (m - x) / clamp(|x|, min=m) > 2 eps, -inf)), -1, i)`` (``i`` read as an input:
+    the argmax ids also feed the second pass and the output)."""
+    logits = Var("logits", _any_2d)
+    best = op(aten.max.dim, self=Var("scores", _any_2d), dim=Lit(LAST_2D), keepdim=Lit(equals(True)), bind="max",
+              shared=True)
+    rel = op(aten.div.Tensor, self=op(aten.sub.Tensor, self=Item(best, 0), other=logits),
+             other=op(aten.clamp.Tensor, self=op(aten.abs.default, self=logits), min=Item(best, 0)))
+    masked = op(aten.masked_fill.Scalar, self=Var("scores", _any_2d), mask=op(aten.gt.Scalar, self=rel, other=Lit(is_number)),
+                value=Lit(_neg_inf))
+    probs = op(aten._softmax.default, self=masked, dim=Lit(LAST_2D), half_to_float=Lit(equals(False)))
+    return op(aten.gather.default, self=probs, dim=Lit(LAST_2D), index=Var("ids", _int64_tensor))
+
+
+def _dense_topk_sigmoid() -> Any:
+    """Llama-4: ``v, i = topk(x, K, 1)``; ``[_to_copy](sigmoid([_to_copy](full_like(x, -inf).scatter(1, i, v))))``."""
+    logits = Var("logits", _any_2d)
+    topk = op(aten.topk.default, self=logits, k=Lit(is_int), dim=Lit(LAST_2D), bind="topk")
+    dense = op(aten.scatter.src, self=op(aten.full_like.default, self=logits, fill_value=Lit(_neg_inf),
+                                         ignore=("pin_memory",)),
+               dim=Lit(LAST_2D), index=Item(topk, 1), src=Item(topk, 0))
+    return op(aten.sigmoid.default, self=Opt(Cast(dense, torch.float32)))
+
+
+def _reads_table(node: Any) -> bool:
+    """A 2-D ``gather`` whose index is (a cast of) an ``index`` into an int64 table: routing by token id."""
+    idx = node.args[2] if len(node.args) > 2 else None
+    idx = idx.args[0] if getattr(idx, "target", None) in CAST_TARGETS else idx
+    table = tensor_val(getattr(idx, "args", (None,))[0]) if getattr(idx, "target", None) is aten.index.Tensor else None
+    return table is not None and table.dtype == torch.int64 and _two_dims(node)
+
+
+def _softmax_of_masked_logits(node: Any) -> bool:
+    """A 2-D ``_softmax`` of a ``masked_fill`` read by a ``gather``: a sparsemixer pass (PhiMoE)."""
+    src = node.args[0]
+    return (getattr(src, "target", None) is aten.masked_fill.Scalar and _two_dims(node)
+            and any(u.target is aten.gather.default for u in node.users))
+
+
+def _topk_scattered(node: Any) -> bool:
+    """A 2-D ``topk`` whose values are scattered back into a dense [T, E] tensor (Llama-4)."""
+    return _two_dims(node) and any(i.args[1] == 0 and any(u.target is aten.scatter.src for u in i.users)
+                                   for i in node.users)
+
+
+DECLINED = {
+    "hash_routed": (_hash_routed, (Anchor(aten.gather.default, _reads_table),),
+                    "hash routing: the experts come from a frozen token-id table (table[input_ids]), not a learned "
+                    "top-k, so there is no router to fuse; the block's experts fuse with these ids"),
+    "sparsemixer": (_sparsemixer, (Anchor(aten._softmax.default, _softmax_of_masked_logits),),
+                    "sparsemixer (PhiMoE): two argmax passes, each weighed by a softmax over the experts within a "
+                    "relative jitter threshold of that max (the inference half of its training-time gradient "
+                    "estimator), not a top-k + normalise router; ep_fuse::moe_gating has no such score"),
+    "dense_topk_sigmoid": (_dense_topk_sigmoid, (Anchor(aten.topk.default, _topk_scattered),),
+                           "dense router scores (Llama-4): the top-k logits scattered into a [T, E] -inf tensor and "
+                           "sigmoided for experts that run on every expert's rows; ep_fuse::moe_gating returns "
+                           "(weights [T, K], ids), not a dense [T, E] score"),
+}
+"""Router forms recognised only to say why they are not fused: each tree matches the form, and its guard names it."""
+
+
+def _declined_pattern(variant: str) -> Pattern:
+    make, anchors, reason = DECLINED[variant]
+
+    def not_fusable(_m: Match) -> str:
+        return reason
+
+    def build(_m: Match) -> Replacement:  # pragma: no cover - its guard always declines
+        raise AssertionError(f"moe_gating[{variant}] is a declined form")
+
+    return Pattern(name="moe_gating", variant=variant, tree=make(), build=build, guards=(not_fusable,),
+                   anchors=anchors, description=f"declined: {reason.split(':')[0]}", produces="(declined)")
+
+
+PATTERNS = [*(_pattern(v) for v in _FORMS), _sink_pattern(), *(_declined_pattern(v) for v in DECLINED)]

@@ -34,7 +34,7 @@ def _check_counts(name, report, rope_variant=None):
     assert len(sorts) == tiny_models.NOT_MOE_BLOCKS.get(name, 0), [m.explain() for m in report.near_misses]
     routers = [m.explain() for m in report.near_misses if m.explain().startswith("topk")]
     assert len(routers) == tiny_models.DECLINED_ROUTERS.get(name, 0), routers
-    assert all("do not reproduce bitwise" in r for r in routers), routers
+    assert all("do not reproduce bitwise" in r or "guard not_fusable" in r for r in routers), routers
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -46,9 +46,10 @@ without RoPE."""
 NOT_MOE_BLOCKS = {"gpt_oss": 2}
 """Models whose expert blocks are candidates (a ``sort`` of routed ids) that must not match: near misses."""
 
-DECLINED_ROUTERS = {"gpt_oss": 2}
+DECLINED_ROUTERS = {"gpt_oss": 2, "llama4": 2}
 """Models whose routers are candidates declined on purpose (near misses at their ``topk``): GPT-OSS takes a
-bf16 softmax of its top-k values, whose bf16 rounding the fused providers do not reproduce bitwise."""
+bf16 softmax of its top-k values, whose bf16 rounding the fused providers do not reproduce bitwise; Llama-4's
+dense [T, E] scores are a form recognised to say why it is not fused (``moe_gating[dense_topk_sigmoid]``)."""
 
 
 def _config(name: str, **overrides: Any) -> Any:

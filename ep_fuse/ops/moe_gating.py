@@ -37,6 +37,13 @@ routers::
 | DeepSeek-V4 | sqrt_softplus | e_score_correction_bias | none | True | 1e-20 | routed_scaling_factor | None |
 | Mistral-4 / -Large-4 | softmax | - | sum_top2_fill0 (``none`` for one group) | True | 1e-20 | routed_scaling_factor | None |
 | Gemma-4 (+ ``expert_scale=per_expert_scale``) | softmax | - | none | True | 0 | 1 | None |
+| Zaya (``[B, S, E+1]`` logits) | softmax | balancing_biases | none | False | 0 | 1 | None |
+
+Inkling's sink router (softmax over the chosen and the shared experts' logits) is its own op of the family,
+``moe_gating_sink`` (:func:`moe_gating_sink_ref`): its weights are ``[T, K + S]``.
+
+``logits`` may be ``[..., E]`` (Zaya's ``[B, S, E + 1]`` router probabilities): every row is routed alone and
+both outputs are ``[..., K]``; the fused providers take ``[T, E]`` only (``check_gating_args``).
 
 ``expert_scale`` (Gemma-4): ``weights * expert_scale[ids]`` after the renormalisation and ``scale``, before the cast
 (torch's promotion). ``topk_sigmoid`` with a bias (Kolibri-1): the top-k of ``logits + bias`` (torch's promotion),
@@ -92,6 +99,8 @@ Every other step is spelled with the ATen ops the HF code traces to (``_softmax`
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -263,6 +272,9 @@ def moe_gating_ref(
     expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, K], ids [T, K] int64)`` selected with ``torch.topk`` (the model's ties)."""
+    if logits.dim() > 2:  # Zaya's [B, S, E] router: per row over the last dim, outputs [B, S, K]
+        return _leading(moe_gating_ref, logits, bias, top_k, score, n_group, topk_group, group_score, renormalize,
+                        renorm_eps, scale, weight_dtype, renorm_clamp, expert_scale)
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
                    scale, weight_dtype, renorm_clamp, expert_scale, stable=False)
 
@@ -283,8 +295,18 @@ def moe_gating_stable_ref(
     expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused providers' contract: as :func:`moe_gating_ref` with stable, lowest-index-first ties."""
+    if logits.dim() > 2:
+        return _leading(moe_gating_stable_ref, logits, bias, top_k, score, n_group, topk_group, group_score,
+                        renormalize, renorm_eps, scale, weight_dtype, renorm_clamp, expert_scale)
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
                    scale, weight_dtype, renorm_clamp, expert_scale, stable=True)
+
+
+def _leading(fn: Any, logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fn`` on ``logits`` [..., E] viewed as rows [T, E]; both outputs viewed back to [..., K] (contiguous)."""
+    lead = logits.shape[:-1]
+    w, ids = fn(logits.reshape(-1, logits.shape[-1]), *args)
+    return w.view(*lead, w.shape[-1]), ids.view(*lead, ids.shape[-1])
 
 
 MOE_GATING_SCHEMA = (
@@ -297,3 +319,79 @@ MOE_GATING_SCHEMA = (
 arguments otherwise."""
 moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, moe_gating_ref)
 """``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.moe_gating`."""
+
+
+def moe_gating_sink_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_shared: int,
+    scale: float,
+    global_scale: torch.Tensor | None,
+    weight_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inkling's shared-expert sink router on fp32 logits ``[T, E + S]`` (the last ``S`` columns: shared experts).
+
+    ``ids = topk(sigmoid(logits[:, :E]) [+ bias], K)[1]``; the K chosen routed logits and the S shared logits
+    compete in one normalisation, ``w = exp(ls - logsumexp(ls))`` with ``ls = logsigmoid(cat(chosen, shared))``
+    (the shared experts are a sink for probability mass), then ``* scale``, ``* global_scale`` (a learned
+    1-element tensor), one cast. Returns ``(w [T, K + S], ids [T, K] int64)``: the routed weights are
+    ``w[:, :K]``, the shared experts' ``w[:, K:]``. Ids in ``torch.topk(sorted=True)`` order (the model's
+    ``sorted=False`` set)."""
+    return _sink(logits, bias, top_k, n_shared, scale, global_scale, weight_dtype, stable=False)
+
+
+def moe_gating_sink_stable_ref(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_shared: int,
+    scale: float,
+    global_scale: torch.Tensor | None,
+    weight_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused providers' contract: :func:`moe_gating_sink_ref` with stable, lowest-index-first ties."""
+    return _sink(logits, bias, top_k, n_shared, scale, global_scale, weight_dtype, stable=True)
+
+
+def _sink(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_shared: int, scale: float,
+          global_scale: torch.Tensor | None, weight_dtype: torch.dtype | None,
+          stable: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    check_sink_args(logits, bias, top_k, n_shared, global_scale)
+    e = logits.shape[1] - n_shared
+    sel = torch.sigmoid(logits)[:, :e]
+    if bias is not None:
+        sel = sel + bias
+    ids = stable_topk_ids(sel, top_k) if stable else torch_topk_ids(sel, top_k)
+    chosen = torch.cat([logits[:, :e].gather(-1, ids), logits[:, e:]], dim=-1)
+    log_p = torch.nn.functional.logsigmoid(chosen)
+    w = torch.exp(log_p - torch.logsumexp(log_p, dim=-1, keepdim=True))
+    if scale != 1.0:
+        w = w * scale
+    if global_scale is not None:
+        w = w * global_scale
+    if weight_dtype is not None and weight_dtype != w.dtype:
+        w = w.to(weight_dtype)
+    return w, ids
+
+
+def check_sink_args(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_shared: int,
+                    global_scale: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` for ``moe_gating_sink`` arguments outside the op's contract."""
+    if logits.dim() != 2:
+        raise ValueError(f"ep_fuse moe_gating_sink: logits must be [T, E + S], got {list(logits.shape)}")
+    e = logits.shape[1] - n_shared
+    if n_shared < 1 or not 1 <= top_k <= e:
+        raise ValueError(f"ep_fuse moe_gating_sink: top-{top_k} of {e} routed experts with {n_shared} shared "
+                         f"(needs n_shared >= 1 and 1 <= top_k <= E)")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != e):
+        raise ValueError(f"ep_fuse moe_gating_sink: bias must be [E={e}], got {list(bias.shape)}")
+    if global_scale is not None and global_scale.numel() != 1:
+        raise ValueError(f"ep_fuse moe_gating_sink: global_scale must hold one element, got {list(global_scale.shape)}")
+
+
+MOE_GATING_SINK_SCHEMA = ("(Tensor logits, Tensor? bias, int top_k, int n_shared, float scale, Tensor? global_scale, "
+                          "ScalarType? weight_dtype) -> (Tensor, Tensor)")
+moe_gating_sink = define_canonical("moe_gating_sink", MOE_GATING_SINK_SCHEMA, moe_gating_sink_ref)
+"""``moe_gating_sink(logits [T, E+S], bias, K, S, scale, global_scale, dtype) -> (weights [T, K+S], ids [T, K])``:
+the router whose softmax includes shared experts as a sink (Inkling); see :func:`moe_gating_sink_ref`."""

@@ -13,11 +13,11 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'bailing_hybrid': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'beam': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'cohere2_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'dbrx': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 0},
+    'dbrx': {'moe_blocks': 2, 'moe_experts': 0, 'moe_gating': 0},  # gating: / norm(v, p) renorm (near miss at linalg_vector_norm)
     'deepseek_v2': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'deepseek_v3': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'deepseek_v32': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
-    'deepseek_v4': {'moe_blocks': 3, 'moe_experts': 3, 'moe_gating': 2},
+    'deepseek_v4': {'moe_blocks': 3, 'moe_experts': 3, 'moe_gating': 2},  # gating: the 3rd is hash-routed (near miss hash_routed)
     'doge': {'moe_blocks': 0, 'moe_experts': 0, 'moe_gating': 0},
     'dots1': "skip: TypeError: unsupported operand type(s) for *: 'int' and 'NoneType'",
     'dots3_note': "skip: AmbiguousGlobalPerLayerAttributeError: 'num_attention_heads' is a per-layer attribute and may vary across layers. Access it via the individual layer c",
@@ -37,17 +37,17 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'hunyuan_v1_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'hy_v3': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'hy_v4': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'inkling': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
+    'inkling': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'inkling2': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'inkling2_loop': {'moe_blocks': 3, 'moe_experts': 4, 'moe_gating': 4},
     'jamba': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'jetmoe': {'moe_blocks': 8, 'moe_experts': 0, 'moe_gating': 1},
+    'jetmoe': {'moe_blocks': 8, 'moe_experts': 0, 'moe_gating': 1},  # gating: 1 router frame run by all 4 routers
     'kimi_linear': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'kolibri1': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'laguna': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'lara_mini': {'moe_blocks': 3, 'moe_experts': 3, 'moe_gating': 3},
     'lfm2_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'llama4': {'moe_blocks': 6, 'moe_experts': 0, 'moe_gating': 0},
+    'llama4': {'moe_blocks': 6, 'moe_experts': 0, 'moe_gating': 0},  # gating: dense [T, E] scores (dense_topk_sigmoid)
     'longcat_flash': {'moe_blocks': 1, 'moe_experts': 0, 'moe_gating': 1},
     'mellum': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'mimo_v2_flash': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
@@ -58,14 +58,14 @@ EXPECTED: dict[str, dict[str, int | str] | str] = {
     'mixtral': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'nemotron_h': {'moe_blocks': 1, 'moe_experts': 1, 'moe_gating': 1},
     'olmoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'phimoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
+    'phimoe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},  # gating: sparsemixer (near miss sparsemixer)
     'qwen2_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'qwen3_5_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'qwen3_moe': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'qwen3_next': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
     'qwen4_exp': "skip: TypeError: unsupported operand type(s) for //: 'NoneType' and 'NoneType'",
     'solar_open': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
-    'zaya': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 0},
+    'zaya': {'moe_blocks': 2, 'moe_experts': 2, 'moe_gating': 2},
 }
 
 FAST = ('afmoe', 'dbrx', 'deepseek_v3', 'gpt_oss', 'inkling2_loop', 'jetmoe', 'mixtral', 'qwen3_moe', 'qwen3_next', 'zaya')

@@ -1,6 +1,6 @@
 """Triton kernel for router gating: softmax/sigmoid/sqrt(softplus)/top-k-then-softmax/sigmoid, selection bias,
 group-limited top-k (masked experts at -inf or 0.0), renorm (``+ eps`` or ``clamp(min=eps)``), scale, per-expert
-scale.
+scale; and Inkling's shared-expert sink router (``_sink_kernel``).
 
 One program handles ``BLOCK_T`` tokens; a token's ``E`` logits sit in registers (``BLOCK_E`` =
 next power of two), are upcast to fp32 right after the load, and never leave the chip until the
@@ -161,5 +161,73 @@ def launch(logits, bias, weights, ids, top_k, score, n_group, topk_group, group_
         BLOCK_G=triton.next_power_of_2(int(n_group)) if grouped else 1,
         RENORM=bool(renormalize), HAS_EPS=float(renorm_eps) != 0.0, CLAMP=bool(renorm_clamp), HAS_SCALE=float(scale) != 1.0,
         HAS_ESCALE=expert_scale is not None,
+        OUT_CODE=DTYPE_CODES[weights.dtype], EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,
+    )
+
+
+@triton.jit
+def _sink_kernel(
+    L, B, G, W, I, T, E, C, stride_l, scale,
+    K: tl.constexpr, S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_GSCALE: tl.constexpr,
+    OUT_CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr,
+):
+    """Inkling's sink router (:func:`ep_fuse.ops.moe_gating.moe_gating_sink_stable_ref`): a row's ``C = E + S``
+    logits in registers; stable top-k of ``sigmoid + bias`` over the ``E`` routed columns; the K chosen and the S
+    shared logits normalised as ``exp(ls - logsumexp(ls))``, ``ls = logsigmoid``; weights ``[T, K + S]``."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < T
+    cols = tl.arange(0, BLOCK_C)[None, :]
+    x = tl.load(L + rows[:, None].to(tl.int64) * stride_l + cols, mask=rmask[:, None] & (cols < C),
+                other=0.0).to(tl.float32)
+    x = tl.where(rmask[:, None], x, 0.0)
+    routed = cols < E
+    sel = 1.0 / (1.0 + tl.exp(-x))
+    if HAS_BIAS:
+        sel = sel + tl.load(B + cols, mask=routed, other=0.0).to(tl.float32)
+    taken = (~routed) | (rows[:, None] < 0)
+    ocols = tl.arange(0, BLOCK_O)[None, :]
+    kcols = tl.arange(0, BLOCK_K)[None, :]
+    v = tl.zeros([BLOCK_T, BLOCK_O], tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], tl.int64)
+    for j in tl.static_range(K):
+        _best, idx = _argmax_lowest(sel, taken, cols, BLOCK_C)
+        hit = cols == idx[:, None]
+        taken = taken | hit
+        v = tl.where(ocols == j, tl.sum(tl.where(hit, x, 0.0), axis=1)[:, None], v)
+        ids = tl.where(kcols == j, idx[:, None].to(tl.int64), ids)
+    for s in tl.static_range(S):
+        v = tl.where(ocols == K + s, tl.sum(tl.where(cols == E + s, x, 0.0), axis=1)[:, None], v)
+    live = ocols < K + S
+    # logsigmoid(v) = min(v, 0) - log1p(exp(-|v|)); log1p by Goldberg's u * log(1 + u) / ((1 + u) - 1)
+    u = tl.exp(-tl.abs(v))
+    one_u = 1.0 + u
+    lp = tl.where(one_u == 1.0, u, tl.log(one_u) * (u / tl.where(one_u == 1.0, 1.0, one_u - 1.0)))
+    ls = tl.where(live, tl.minimum(v, 0.0) - lp, float("-inf"))
+    m = tl.max(ls, axis=1)
+    lse = m + tl.log(tl.sum(tl.where(live, tl.exp(ls - m[:, None]), 0.0), axis=1))
+    w = tl.exp(ls - lse[:, None])
+    if HAS_SCALE:
+        w = w * scale
+    if HAS_GSCALE:
+        w = w * tl.load(G).to(tl.float32)
+    wmask = rmask[:, None] & live
+    tl.store(W + rows[:, None].to(tl.int64) * (K + S) + ocols, for_store(w, OUT_CODE, EMULATE_RTNE), mask=wmask)
+    tl.store(I + rows[:, None].to(tl.int64) * K + kcols, ids, mask=rmask[:, None] & (kcols < K))
+
+
+def launch_sink(logits, bias, global_scale, weights, ids, top_k, n_shared, scale,
+                wrap=None) -> None:  # noqa: ANN001 - tensors, schema scalars
+    """Launch the sink router kernel writing ``weights`` [T, K + S] and ``ids`` [T, K] (both contiguous)."""
+    t, c = logits.shape
+    block_c = triton.next_power_of_2(int(c))
+    block_t = max(1, min(16, 2048 // block_c))
+    kernel = wrap(_sink_kernel) if wrap is not None else _sink_kernel
+    kernel[(triton.cdiv(t, block_t),)](
+        logits, bias if bias is not None else logits, global_scale if global_scale is not None else logits,
+        weights, ids, t, int(c) - int(n_shared), c, logits.stride(0), float(scale),
+        K=int(top_k), S=int(n_shared), BLOCK_T=block_t, BLOCK_C=block_c,
+        BLOCK_O=triton.next_power_of_2(int(top_k) + int(n_shared)), BLOCK_K=triton.next_power_of_2(int(top_k)),
+        HAS_BIAS=bias is not None, HAS_SCALE=float(scale) != 1.0, HAS_GSCALE=global_scale is not None,
         OUT_CODE=DTYPE_CODES[weights.dtype], EMULATE_RTNE=1 if INTERPRET else 2, num_warps=4,
     )

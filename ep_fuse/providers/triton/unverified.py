@@ -16,6 +16,10 @@ UNVERIFIED_ON_GPU: dict[str, str] = {
     "grouped_gemm_swiglu:relu2": "NemotronH's non-gated relu(up) ** 2 epilogue: tests/gpu/test_gpu_moe_forms.py has not run",
     "grouped_gemm_swiglu:swigluoai": "the clamped (up + 1) * g * sigmoid(1.702 g) epilogue (MiniMax-M3): "
                                      "tests/gpu/test_gpu_moe_forms.py has not run",
+    "moe_gating:nd_logits": "[B, S, E] router logits run as rows (Zaya): tests/gpu/test_gpu_moe_gating_forms.py "
+                            "test_nd_logits_match_the_stable_reference has not run on a GPU",
+    "moe_gating_sink:triton": "Inkling's sink router kernel: tests/gpu/test_gpu_moe_gating_forms.py "
+                              "test_sink_matches_the_stable_reference has not run on a GPU",
 }
 """``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
 (``docs/benchmarks.md`` says when and where): the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,

@@ -23,6 +23,15 @@ on CPU against ``tests/support/deepep_double.py``, a double of the same contract
   DeepEP's ``INT_MAX * 16`` bytes -- a capacity beyond these is declined at compile time (the EP pass
   then takes normal mode); not both ``torch.use_deterministic_algorithms`` and
   ``fill_uninitialized_memory``; no normal dispatch without ``ep_capacity`` under CUDA-graph capture.
+* Past one node (the group larger than DeepEP's ``NUM_MAX_NVL_PEERS`` = 8 ranks per node): ``Buffer.dispatch``
+  / ``combine`` run the internode kernels (RDMA between nodes, NVLink inside one). The buffer then gets an RDMA
+  part sized by ``Config.get_rdma_buffer_size_hint``, the layout's ``num_tokens_per_rdma_rank`` is passed on,
+  and the native handle is the internode tuple (kept opaque; combine hands it back). Before the buffer is made,
+  every rank's host name is gathered and must match DeepEP's assumption that node ``n`` holds group ranks
+  ``[8n, 8n + 8)``; afterwards the runtime's ``get_num_rdma_ranks()`` must equal the node count ep_fuse
+  planned for. Compile-time guards: group sizes a multiple of 8, node counts DeepEP's kernels are built for,
+  no ``num_worst_tokens`` (documented intranode only: with ``ep_capacity`` the block falls back), an RDMA
+  buffer under ``INT_MAX``. Not run on more than one node.
 * Buffers are collective objects: a failed (re)creation leaves no entry behind, and
   :func:`destroy_buffers` (collective, every rank) releases each live buffer exactly once.
 """
@@ -34,6 +43,7 @@ import functools
 import importlib
 import logging
 import os
+import socket
 from typing import Any
 
 import torch
@@ -47,7 +57,10 @@ log = logging.getLogger("ep_fuse.ep")
 CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 144, 160)
 """Group sizes with tuned ``Buffer.get_dispatch_config`` / ``get_combine_config`` entries (others assert)."""
 NVL_RANKS = 8
-"""Largest intranode (NVLink) group: ``num_worst_tokens`` is intranode only."""
+"""Ranks per node (DeepEP's compile-time ``NUM_MAX_NVL_PEERS``): larger groups run the internode kernels, and
+``num_worst_tokens`` is intranode only. Read per call (tests of a fake node split set it with the double's)."""
+RDMA_NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 18, 20)
+"""Node counts DeepEP's internode kernels are instantiated for (``SWITCH_RDMA_RANKS``); others assert."""
 LL_HIDDEN = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)
 """Hidden sizes DeepEP's low-latency kernels are instantiated for (``SWITCH_HIDDEN``); others assert."""
 LL_MAX_TOPK = 11
@@ -58,6 +71,50 @@ INT_MAX = 2**31 - 1
 DEFAULT_QP_DEPTH = 1024
 """``Buffer`` sets ``NVSHMEM_QP_DEPTH`` to this unless the environment sets it; low-latency kernels
 assert ``depth >= (num_max_dispatch_tokens_per_rank + 1) * 2``."""
+
+
+def node_split(world: int) -> tuple[int, int]:
+    """``(nodes, ranks per node)`` DeepEP derives for a group of ``world`` ranks (its RDMA and NVL ranks)."""
+    return max(1, world // NVL_RANKS), min(world, NVL_RANKS)
+
+
+def host_name() -> str:
+    """The name of this process's node (the node-layout check compares it across the group)."""
+    return socket.gethostname()
+
+
+def internode_reason(world: int, capacity: int) -> str | None:
+    """Why DeepEP normal mode cannot run a group of ``world`` ranks past one node (``None``: it can)."""
+    nodes, per_node = node_split(world)
+    if world <= per_node:
+        return None
+    if world % per_node:
+        return f"DeepEP needs groups past one node to be a multiple of {per_node} ranks per node; got {world}"
+    if nodes not in RDMA_NODE_COUNTS:
+        return f"DeepEP's internode kernels are built for {RDMA_NODE_COUNTS} nodes, not {nodes}"
+    if capacity > 0:
+        return (f"num_worst_tokens (ep_capacity) is intranode only in DeepEP's contract; this group spans {nodes} "
+                "nodes: drop ep_capacity (data-dependent sizes) or use deepep_low_latency")
+    return None
+
+
+def check_node_layout(group: Any) -> None:
+    """Collective: the group's ranks sit on nodes the way DeepEP assumes (rank ``r`` on node ``r // 8``).
+
+    Raises :class:`EpError` naming the ranks that break it (DeepEP would exchange NVLink IPC handles between
+    hosts, or RDMA inside one)."""
+    world = group.size()
+    hosts: list[Any] = [None] * world
+    torch.distributed.all_gather_object(hosts, host_name(), group=group)
+    _, per_node = node_split(world)
+    blocks = [hosts[i:i + per_node] for i in range(0, world, per_node)]
+    mixed = [i for i, b in enumerate(blocks) if len(set(b)) != 1]
+    shared = len({b[0] for b in blocks}) != len(blocks)
+    if mixed or shared:
+        raise groups.EpError(
+            f"ep_fuse: DeepEP assumes node n holds EP ranks [{per_node}n, {per_node}n + {per_node}); this group's "
+            f"hosts by rank are {hosts}. Launch with {per_node} processes per node and node-contiguous ranks "
+            f"(torchrun --nproc-per-node {per_node}), or choose ep_backend='all_to_all'")
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,9 +158,12 @@ def supports(mode: str, x: Any, topk_ids: Any, out_dtype: Any, world: int, capac
     if mode == "normal":
         if world not in CONFIG_RANKS:
             return f"DeepEP has no dispatch/combine config for {world} ranks (tables: {CONFIG_RANKS})"
-        if capacity > 0 and world > NVL_RANKS:
-            return "num_worst_tokens (ep_capacity) is intranode only (<= 8 ranks)"
-        return None
+        reason = internode_reason(world, capacity)
+        if reason is None and node_split(world)[0] > 1:
+            _, rdma = _size_hints(_deep_ep(), world, hidden, x.element_size())
+            if rdma >= INT_MAX:
+                return f"DeepEP's internode kernels need an RDMA buffer under INT_MAX bytes; rows of {hidden} need {rdma}"
+        return reason
     t, k = int(topk_ids.shape[0]), int(topk_ids.shape[1])
     c = capacity_rows("expert", t, capacity)
     if hidden not in LL_HIDDEN:
@@ -132,6 +192,8 @@ class _BufferState:
     num_rdma_bytes: int
     low_latency_mode: bool
     last_kernels: str = "none"
+    num_rdma_ranks: int = 1
+    """Nodes the runtime spans (``get_num_rdma_ranks()``): > 1 runs DeepEP's internode kernels."""
 
 
 _BUFFERS: dict[str, _BufferState] = {}
@@ -182,8 +244,11 @@ def get_buffer(group: Any, mode: str, hidden: int, elem_size: int, num_experts: 
             del _BUFFERS[group.group_name]  # never leave a destroyed buffer registered
             state.buffer.destroy()
         qps = max(1, num_experts // world) if low_latency else max(1, deep_ep.Buffer.num_sms // 2)
-        log.info("ep_fuse: DeepEP Buffer for group %s: nvl %d B, rdma %d B, low_latency_mode=%s",
-                 group.group_name, nvl, rdma, low_latency)
+        nodes, per_node = node_split(world)
+        check_node_layout(group)
+        log.info("ep_fuse: DeepEP Buffer for group %s: nvl %d B, rdma %d B, low_latency_mode=%s, %s",
+                 group.group_name, nvl, rdma, low_latency,
+                 f"internode ({nodes} nodes x {per_node} ranks)" if nodes > 1 else "intranode")
         try:
             buffer = deep_ep.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma, low_latency_mode=low_latency,
                                     num_qps_per_rank=qps, explicitly_destroy=True)
@@ -191,7 +256,14 @@ def get_buffer(group: Any, mode: str, hidden: int, elem_size: int, num_experts: 
             raise groups.EpError(
                 f"ep_fuse: creating a DeepEP Buffer (nvl {nvl} B, rdma {rdma} B, low_latency_mode={low_latency}) "
                 f"failed on rank {group.rank()}: {type(exc).__name__}: {exc}") from exc
-        state = _BUFFERS[group.group_name] = _BufferState(buffer, nvl, rdma, low_latency)
+        got = buffer.runtime.get_num_rdma_ranks()
+        if got != nodes:
+            buffer.destroy()
+            raise groups.EpError(
+                f"ep_fuse: DeepEP's runtime spans {got} node(s) for {world} ranks, ep_fuse planned {nodes} with "
+                f"{per_node} ranks per node: deep_ep was built with another NUM_MAX_NVL_PEERS than "
+                f"ep_fuse.ep.deepep.NVL_RANKS ({NVL_RANKS}); make them agree")
+        state = _BUFFERS[group.group_name] = _BufferState(buffer, nvl, rdma, low_latency, num_rdma_ranks=got)
     if low_latency and mode == "low_latency" and state.last_kernels == "normal":
         state.buffer.clean_low_latency_buffer(max_tokens, hidden, num_experts)
     state.last_kernels = mode
@@ -332,7 +404,8 @@ def combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_na
     return combined if combined.dtype == dtype else combined.to(dtype)
 
 
-__all__ = ["HEADER", "available", "destroy_buffers", "get_buffer", "supports"]
+__all__ = ["HEADER", "available", "check_node_layout", "destroy_buffers", "get_buffer", "internode_reason",
+           "node_split", "supports"]
 
 
 # module attributes are looked up per call (tests swap runtimes and limits in and out)

@@ -15,6 +15,18 @@ kernels (``SWITCH_HIDDEN`` sizes, hidden % 128, top-k <= 11, ``NVSHMEM_QP_DEPTH 
 combine (one row per received token, ``num_worst_tokens`` rows included), uninitialised top-k weights
 in padded rows, a destroyed ``Buffer`` failing with ``AttributeError`` (its runtime is ``None``), and
 the two low-latency result buffers that the kernel after next overwrites.
+
+Internode (``Buffer.dispatch`` / ``combine`` route to ``internode_dispatch`` / ``internode_combine`` when the
+runtime has more than one RDMA rank): ranks ``[n * P, (n + 1) * P)`` form node ``n``, ``P`` =
+``NUM_MAX_NVL_PEERS`` (8 in DeepEP, compiled in; ``make_module(nvl_peers=2)`` makes 4 gloo ranks a 2 x 2 node
+split). Bound to the real host asserts: group sizes ``< P`` or multiples of ``P``, an RDMA buffer only when the
+group spans nodes (or low-latency), node counts DeepEP's kernels are built for, ``num_tokens_per_rdma_rank``
+given and equal to the layout, buffers at least the ``Config`` size hints of the calls' hidden bytes, the
+internode RDMA buffer under ``INT_MAX``, the 10-tuple internode handle, combine's channel matrices from a
+config with the same SM count, and combine's NVL-chunk asserts. The double does not model channels or the
+RDMA/NVLink forwarding: received rows arrive in source-rank order, as the real ``recv_gbl_rank_prefix_sum``
+describes; the channel matrices are zero-filled tensors of the real shapes. ``num_worst_tokens`` stays
+intranode only, as ``Buffer.dispatch`` documents it.
 """
 
 from __future__ import annotations
@@ -35,6 +47,10 @@ INT_MAX = 2**31 - 1
 ALIGN = 128
 SOURCE_META_BYTES = 8
 topk_idx_t = torch.int64
+NUM_MAX_NVL_PEERS = 8
+"""Ranks per node (DeepEP: ``csrc/kernels/configs.cuh``, a compile-time 8); set by :func:`make_module`."""
+RDMA_NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 18, 20)
+"""Node counts the internode kernels are instantiated for (``SWITCH_RDMA_RANKS``); others assert."""
 
 
 def _align(n: int) -> int:
@@ -50,18 +66,23 @@ class Config:
         rdma_recv = -(-num_max_rdma_chunked_recv_tokens // rdma_send) * rdma_send
         assert num_sms >= 0 and 0 < nvl_send < nvl_recv and rdma_send <= rdma_recv // 2
         self.num_sms, self.nvl_send, self.nvl_recv, self.rdma_recv = num_sms, nvl_send, nvl_recv, rdma_recv
+        self.rdma_send = rdma_send
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        rdma_ranks, nvl_ranks, ch = max(num_ranks // 8, 1), min(num_ranks, 8), self.num_sms // 2
+        p = NUM_MAX_NVL_PEERS
+        assert num_ranks < p or num_ranks % p == 0
+        rdma_ranks, nvl_ranks, ch = max(num_ranks // p, 1), min(num_ranks, p), self.num_sms // 2
         per_token = hidden_bytes + SOURCE_META_BYTES + 128 * 8 + 128 * 4 + 128 * 4
         return _align(ch * nvl_ranks * (2 * rdma_ranks + 3) * 4 + ch * nvl_ranks * self.nvl_recv * per_token)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        if num_ranks <= 8:
+        p = NUM_MAX_NVL_PEERS
+        if num_ranks <= p:
             return 0
-        rdma_ranks, ch = num_ranks // 8, self.num_sms // 2
+        assert num_ranks % p == 0 and self.num_sms % 2 == 0
+        rdma_ranks, ch = num_ranks // p, self.num_sms // 2
         per_token = 2 * (hidden_bytes + SOURCE_META_BYTES + 128 * 8 + 128 * 4 + 128 * 4 + 16)
-        return _align(ch * rdma_ranks * (8 * 2 + 2) * 2 * 4 + ch * rdma_ranks * self.rdma_recv * per_token)
+        return _align(ch * rdma_ranks * (p * 2 + 2) * 2 * 4 + ch * rdma_ranks * self.rdma_recv * per_token)
 
 
 class EventOverlap:
@@ -80,6 +101,28 @@ def _check_deterministic() -> None:
         raise RuntimeError("DeepEP (double): deterministic algorithms with fill_uninitialized_memory")
 
 
+class _Runtime:
+    """The C++ runtime's rank queries (``deep_ep_cpp.Buffer``): node = RDMA rank, GPU in node = NVL rank."""
+
+    def __init__(self, rank: int, num_ranks: int) -> None:
+        p = NUM_MAX_NVL_PEERS
+        self.rank, self.num_ranks = rank, num_ranks
+        self.rdma_rank, self.nvl_rank = rank // p, rank % p
+        self.num_rdma_ranks, self.num_nvl_ranks = max(1, num_ranks // p), min(num_ranks, p)
+
+    def get_num_rdma_ranks(self) -> int:
+        return self.num_rdma_ranks
+
+    def get_rdma_rank(self) -> int:
+        return self.rdma_rank
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        return self.nvl_rank if global_ else 0
+
+    def is_internode_available(self) -> bool:
+        return self.num_ranks > NUM_MAX_NVL_PEERS
+
+
 class Buffer:
     num_sms = 20
     created: list[Buffer] = []
@@ -94,10 +137,14 @@ class Buffer:
             assert n % ALIGN == 0 and n // 16 < INT_MAX, f"DeepEP buffer size {n} (128-aligned, /16 < INT_MAX)"
         assert num_nvl_bytes <= INT_MAX or num_rdma_bytes == 0
         assert low_latency_mode or num_rdma_bytes <= INT_MAX
-        if low_latency_mode:
+        p = NUM_MAX_NVL_PEERS
+        assert self.num_ranks < p or self.num_ranks % p == 0, f"{self.num_ranks} ranks: < {p} or a multiple of {p}"
+        if num_rdma_bytes > 0:
+            assert self.num_ranks > p or low_latency_mode, "an RDMA buffer needs > NUM_MAX_NVL_PEERS ranks or LL"
+        if low_latency_mode or self.num_ranks > p:
             assert num_qps_per_rank > 0
         self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
-        self.runtime: Any = object()
+        self.runtime: Any = _Runtime(self.rank, self.num_ranks)
         self._ll_buffers: list[torch.Tensor | None] = [None, None]
         self._ll_phase = 0
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
@@ -177,7 +224,8 @@ class Buffer:
                 if e >= 0:
                     per_expert[e] += 1
                     is_token_in_rank[i, e // per_rank] = True
-        per_rdma = None if self.num_ranks <= 8 else is_token_in_rank.view(t, -1, 8).any(-1).sum(0).int()
+        p = NUM_MAX_NVL_PEERS
+        per_rdma = None if self.num_ranks <= p else is_token_in_rank.view(t, -1, p).any(-1).sum(0).int()
         return is_token_in_rank.sum(0).int(), per_rdma, per_expert, is_token_in_rank, EventOverlap()
 
     # ------------------------------------------------------------------ normal
@@ -185,7 +233,8 @@ class Buffer:
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1,
                  num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        self._alive("intranode_dispatch")
+        internode = self.runtime is not None and self.runtime.get_num_rdma_ranks() > 1
+        self._alive("internode_dispatch" if internode else "intranode_dispatch")
         _check_deterministic()
         if isinstance(x, tuple):
             raise NotImplementedError("deepep_double: FP8 dispatch is not implemented")
@@ -200,11 +249,14 @@ class Buffer:
         assert torch.equal(num_tokens_per_rank, expect[0]), "num_tokens_per_rank differs from the layout"
         assert torch.equal(is_token_in_rank, expect[3]), "is_token_in_rank differs from the layout"
         assert torch.equal(num_tokens_per_expert, expect[2]), "num_tokens_per_expert differs from the layout"
-        assert num_tokens_per_rdma_rank is None or self.num_ranks > 8
+        if internode:
+            self._check_internode(x, num_tokens_per_rdma_rank, expect[1], config)
+        else:
+            assert num_tokens_per_rdma_rank is None, "num_tokens_per_rdma_rank is for internode groups"
         if num_worst_tokens:
-            assert self.num_ranks <= 8, "num_worst_tokens is intranode only"
+            assert not internode, "num_worst_tokens is intranode only (Buffer.dispatch's contract)"
         self.normal_used_since_clean = True
-        self.calls.append("dispatch")
+        self.calls.append("internode_dispatch" if internode else "dispatch")
         w, me = self.num_ranks, self.rank
         per_rank = num_experts // w
         per_dest = []
@@ -227,6 +279,8 @@ class Buffer:
         counts = [-(-c // expert_alignment) * expert_alignment for c in counts]
         native = (rank_prefix_matrix, torch.zeros(1), torch.zeros(1), src_idx, is_token_in_rank.clone(),
                   torch.zeros(1))
+        if internode:
+            native = self._internode_handle(is_token_in_rank, rank_prefix_matrix, num_tokens_per_rdma_rank, n, config)
         if num_worst_tokens:
             assert n <= num_worst_tokens
             pad = num_worst_tokens - n
@@ -242,15 +296,29 @@ class Buffer:
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
-        self._alive("intranode_combine")
+        internode = self.runtime is not None and self.runtime.get_num_rdma_ranks() > 1
+        self._alive("internode_combine" if internode else "intranode_combine")
         _check_deterministic()
         assert x.dtype == torch.bfloat16 and x.dim() == 2, "combine takes BF16 [N, H]"
-        rank_prefix_matrix, _c, _r, src_idx, is_token_in_rank, _h = handle
-        assert x.shape[0] == src_idx.numel(), "combine: src_idx.size(0) == num_tokens (x rows)"
-        self.normal_used_since_clean = True
-        self.calls.append("combine")
         w = self.num_ranks
-        bounds = [0] + rank_prefix_matrix[:, self.rank].tolist()
+        if internode:
+            assert isinstance(handle, (tuple, list)) and len(handle) == 10, "internode combine takes the 10-tuple handle"
+            is_token_in_rank, _r, _g, rdma_matrix, _rs, gbl_matrix, gbl_prefix, src_meta, rdma_head, nvl_head = handle
+            assert x.is_contiguous() and x.shape[0] == src_meta.shape[0], "combine: one row per received token"
+            cfg = config or self.get_combine_config(w)
+            rdma = self.runtime.get_num_rdma_ranks()
+            assert rdma_matrix.shape == (rdma, cfg.num_sms // 2) and gbl_matrix.shape == (w, cfg.num_sms // 2), \
+                "the handle's channel matrices come from a dispatch config with the combine config's SM count"
+            assert rdma_head.shape == (is_token_in_rank.shape[0], rdma) and nvl_head.shape[1] == NUM_MAX_NVL_PEERS
+            assert cfg.nvl_recv % rdma == 0 and cfg.nvl_recv // rdma > max(cfg.rdma_send, cfg.nvl_send), \
+                "internode combine: NVL receive chunk % RDMA ranks == 0 and large enough for the send chunks"
+            bounds = [0] + gbl_prefix.tolist()
+        else:
+            rank_prefix_matrix, _c, _r, src_idx, is_token_in_rank, _h = handle
+            assert x.shape[0] == src_idx.numel(), "combine: src_idx.size(0) == num_tokens (x rows)"
+            bounds = [0] + rank_prefix_matrix[:, self.rank].tolist()
+        self.normal_used_since_clean = True
+        self.calls.append("internode_combine" if internode else "combine")
         per_dest = [[x[bounds[s]:bounds[s + 1]]] for s in range(w)]
         got = exchange(self.group, per_dest)
         t = is_token_in_rank.shape[0]
@@ -261,6 +329,41 @@ class Buffer:
         for b in (bias if isinstance(bias, tuple) else (bias,) if bias is not None else ()):
             acc += b.float()
         return acc.to(torch.bfloat16), None, EventOverlap()
+
+    def _check_internode(self, x: torch.Tensor, per_rdma: Any, expect_rdma: torch.Tensor, config: Any) -> None:
+        """The host asserts of ``internode_dispatch`` and its kernels."""
+        rdma = self.runtime.get_num_rdma_ranks()
+        assert rdma in RDMA_NODE_COUNTS, f"Unsupported RDMA ranks: {rdma}"
+        assert per_rdma is not None and per_rdma.dtype == torch.int32, "internode: num_tokens_per_rdma_rank (int32)"
+        assert torch.equal(per_rdma, expect_rdma), "num_tokens_per_rdma_rank differs from the layout"
+        cfg = config or self.get_dispatch_config(self.num_ranks)
+        assert cfg.num_sms % 2 == 0
+        hidden_bytes = x.shape[1] * x.element_size()
+        assert self.num_rdma_bytes >= cfg.get_rdma_buffer_size_hint(hidden_bytes, self.num_ranks), \
+            "the RDMA buffer is smaller than Config.get_rdma_buffer_size_hint for these rows"
+        assert self.num_nvl_bytes >= cfg.get_nvl_buffer_size_hint(hidden_bytes, self.num_ranks), \
+            "the NVL buffer is smaller than Config.get_nvl_buffer_size_hint for these rows"
+        assert self.num_rdma_bytes < INT_MAX, "internode kernels: num_rdma_bytes < INT_MAX"
+
+    def _internode_handle(self, is_token_in_rank: torch.Tensor, rank_prefix_matrix: torch.Tensor,
+                          per_rdma: torch.Tensor, n: int, config: Any) -> tuple:
+        """``internode_dispatch``'s handle: the real tuple's order and shapes; prefix sums filled in."""
+        w, p, rdma = self.num_ranks, NUM_MAX_NVL_PEERS, self.runtime.get_num_rdma_ranks()
+        ch = (config or self.get_dispatch_config(w)).num_sms // 2
+        gathered = [torch.zeros(rdma, dtype=torch.int32) for _ in range(w)]
+        dist.all_gather(gathered, per_rdma, group=self.group)
+        node, gpu = self.runtime.get_rdma_rank(), self.rank % p
+        from_nodes = torch.stack([gathered[s * p + gpu][node] for s in range(rdma)])  # rows this GPU gets over RDMA
+        recv_rdma_prefix = from_nodes.cumsum(0).int()
+        recv_gbl_prefix = rank_prefix_matrix[:, self.rank].clone().int()  # inclusive, per global source rank
+        t = is_token_in_rank.shape[0]
+
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int32)
+
+        return (is_token_in_rank.clone(), z(rdma, ch), z(w, ch), z(rdma, ch), recv_rdma_prefix, z(w, ch),
+                recv_gbl_prefix, torch.zeros(n, SOURCE_META_BYTES, dtype=torch.uint8), z(t, rdma),
+                z(int(recv_rdma_prefix[-1]), p))
 
     # ------------------------------------------------------------------ low latency
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -341,8 +444,10 @@ class Buffer:
         return acc.to(torch.bfloat16), EventOverlap(), (lambda: None)
 
 
-def make_module() -> types.ModuleType:
-    """A ``deep_ep`` module object: ``sys.modules["deep_ep"] = make_module()``."""
+def make_module(nvl_peers: int = 8) -> types.ModuleType:
+    """A ``deep_ep`` module object: ``sys.modules["deep_ep"] = make_module()``; ``nvl_peers`` ranks per node."""
+    global NUM_MAX_NVL_PEERS
+    NUM_MAX_NVL_PEERS = nvl_peers
     mod = types.ModuleType("deep_ep")
     mod.Buffer = Buffer
     mod.Config = Config

@@ -56,8 +56,8 @@ def _update_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, re
 
 
 def _update_fake(cache, key, value, read_index, write_index, k_row, v_row, sentinel):
-    shape = (read_index.shape[0], *key.shape[1:])
-    return key.new_empty(shape), value.new_empty(shape)
+    shape = (read_index.shape[0], *cache.shape[-2:])  # rows of the cache: its dtype and device
+    return cache.new_empty(shape), cache.new_empty(shape)
 
 
 def _write_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,

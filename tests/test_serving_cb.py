@@ -20,6 +20,8 @@ from transformers.generation.continuous_batching.cache_allocators.sliding_attent
     SlidingAttentionCacheAllocator)
 
 NEW = 6
+FAST = {"executor": "eager", "providers": {"cpu": ("reference",)}}
+"""ep_fuse's whole pipeline, the fused ops run as their references (no Triton interpreter): seconds, not minutes."""
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 12, 17)]
 OTHER_PROMPTS = [list(range(20, 20 + n)) for n in (4, 7, 15, 21, 2)]
 """More requests of new lengths, inside the padded sizes of the first run (64 query tokens, 8 requests)."""
@@ -37,7 +39,8 @@ def _gen() -> GenerationConfig:
 def _cb(varlen=None, decode=None) -> ContinuousBatchingConfig:
     # a fixed request count per batch, as a server has: generate_batch otherwise sizes it to the workload,
     # and the padded cu_seq_lens change with it
-    return ContinuousBatchingConfig(num_blocks=32, max_batch_tokens=64, max_requests_per_batch=8,
+    # (small pages: the KV read is padded to the whole cache)
+    return ContinuousBatchingConfig(num_blocks=8, page_size=32, max_batch_tokens=64, max_requests_per_batch=8,
                                     varlen_compile_config=varlen, decode_compile_config=decode)
 
 
@@ -108,25 +111,27 @@ def test_eager_generate_batch_through_the_op_equals_generate(model):
 
 
 def test_generate_batch_is_one_graph_with_every_fusion_and_no_recompile(model):
-    """ep_fuse's pipeline with the eager executor: one graph, the static-cache path's fusions (add_rms_norm across
+    """ep_fuse's pipeline with the eager executor (references): one graph, the static-cache path's fusions (add_rms_norm across
     both layers), tokens equal to eager ``generate``, and new prompt lengths inside the padded sizes compile
     nothing."""
     from torch._dynamo.utils import counters
 
-    varlen, decode = paged_attention.cb_compile_configs({"executor": "eager"})
+    varlen, decode = paged_attention.cb_compile_configs(FAST)
     out = model.generate_batch(PROMPTS, generation_config=_gen(), continuous_batching_config=_cb(varlen, decode))
     assert _tokens(out) == _generate(model, PROMPTS)
     assert _frames() == 1 and sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     (report,) = ep_fuse.reports()
     assert report.counts() == tiny.EXPECTED_SITES["qwen3_moe"][0]
     out = model.generate_batch(OTHER_PROMPTS, generation_config=_gen(),
-                               continuous_batching_config=_cb(*paged_attention.cb_compile_configs({"executor": "eager"})))
+                               continuous_batching_config=_cb(*paged_attention.cb_compile_configs(FAST)))
     assert _tokens(out) == _generate(model, OTHER_PROMPTS)
     assert _frames() == 1, "a new prompt length recompiled"
 
 
 @pytest.mark.slow
 def test_generate_batch_under_inductor_executor_equals_eager(model):
+    """The default executor: Inductor compiles the graph with the op in place (the Triton providers inlined on CUDA;
+    on CPU tests they run in the interpreter)."""
     out = model.generate_batch(PROMPTS, generation_config=_gen(),
                                continuous_batching_config=_cb(*paged_attention.cb_compile_configs()))
     assert _tokens(out) == _generate(model, PROMPTS)

@@ -370,7 +370,8 @@ def cudagraphs_off_thread(patches: dict[str, Any], device: str) -> dict[str, Any
     """``patches`` without ``triton.cudagraphs`` (one warning) when CUDA graphs are asked for outside the main
     thread on CUDA: Inductor's CUDA-graph trees keep thread-local state and assert in a worker thread such as
     Hugging Face continuous batching's generation loop, whose own ``use_cuda_graph`` is the path there."""
-    if device != "cuda" or not patches.get("triton.cudagraphs") or threading.current_thread() is threading.main_thread():
+    main = threading.current_thread() is threading.main_thread()
+    if device != "cuda" or not patches.get("triton.cudagraphs") or main:
         return patches
     _warn_once_per_process(
         "ep_fuse: CUDA graphs (mode='reduce-overhead'/'max-autotune') are declined in thread "

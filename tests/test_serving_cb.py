@@ -138,12 +138,14 @@ def test_generate_batch_is_one_graph_with_every_fusion_and_no_recompile(model):
 def test_generate_batch_under_inductor_executor_equals_eager(model):
     """The default executor: Inductor compiles the graph with the op in place (the Triton providers inlined on CUDA;
     on CPU tests they run in the interpreter)."""
+    frames = _frames()
     out = model.generate_batch(PROMPTS, generation_config=_gen(),
                                continuous_batching_config=_cb(*paged_attention.cb_compile_configs()))
     assert _tokens(out) == _generate(model, PROMPTS)
     (report,) = ep_fuse.reports()
     assert report.counts() == tiny.EXPECTED_SITES["qwen3_moe"][0]
     assert report.inductor is not None and report.inductor.direct, report.inductor
+    assert _frames() - frames == 1
 
 
 @pytest.mark.slow

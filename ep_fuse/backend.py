@@ -15,6 +15,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -200,7 +201,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
     #    and aliasing it cannot express in the graph.
     from torch._inductor.compile_fx import compile_fx
 
-    patches = _inductor_patches(config)
+    patches = cudagraphs_off_thread(_inductor_patches(config), device)
     _views_as_reshapes(aten_gm)
     tag = torch.compiler.config.cache_key_tag
     cache_tag = f"{tag}|{ep_fuse_cache_tag(config)}" if tag else ep_fuse_cache_tag(config)
@@ -363,6 +364,21 @@ def _inductor_patches(config: EpFuseConfig) -> dict[str, Any]:
         patches.update(list_mode_options(config.mode))
     patches.update(config.inductor_patches())
     return patches
+
+
+def cudagraphs_off_thread(patches: dict[str, Any], device: str) -> dict[str, Any]:
+    """``patches`` without ``triton.cudagraphs`` (one warning) when CUDA graphs are asked for outside the main
+    thread on CUDA: Inductor's CUDA-graph trees keep thread-local state and assert in a worker thread such as
+    Hugging Face continuous batching's generation loop, whose own ``use_cuda_graph`` is the path there."""
+    main = threading.current_thread() is threading.main_thread()
+    if device != "cuda" or not patches.get("triton.cudagraphs") or main:
+        return patches
+    _warn_once_per_process(
+        "ep_fuse: CUDA graphs (mode='reduce-overhead'/'max-autotune') are declined in thread "
+        f"{threading.current_thread().name!r}: Inductor's CUDA-graph trees do not run outside the main thread. "
+        "The graph is compiled without them; for HF continuous batching use mode='default' and "
+        "ContinuousBatchingConfig(use_cuda_graph=True)", kind="cudagraphs_thread")
+    return {**patches, "triton.cudagraphs": False}
 
 
 def _copy_dynamo_metadata(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:

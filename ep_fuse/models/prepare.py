@@ -12,6 +12,7 @@ import torch
 
 from ep_fuse.models.expert_loops import convert_expert_loops
 from ep_fuse.models.fp8_experts import convert_fp8_experts
+from ep_fuse.models.paged_attention import install as install_paged_cache_update
 
 log = logging.getLogger("ep_fuse")
 
@@ -37,6 +38,9 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
       ``kernels-community/finegrained-fp8`` hub kernel; they get a forward that dequantizes the
       block-scaled weights (``ep_fuse::fp8_block_dequant``) and runs the same ``experts_implementation``
       (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
+    * continuous batching (``generate_batch``, ``transformers serve``): HF's paged KV-cache update, a graph
+      break per layer, becomes one opaque op so each forward is one graph
+      (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent).
 
     Models without experts are returned unchanged.
     """
@@ -52,6 +56,7 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
         setter(experts_implementation)
         log.info("ep_fuse.prepare: %s uses experts_implementation=%s", type(model).__name__, experts_implementation)
     fp8 = convert_fp8_experts(model, experts_implementation, strict)
+    install_paged_cache_update()
     if not convert_expert_loops(model, experts_implementation, strict) and not switched and not fp8:
         log.info("ep_fuse.prepare: %s has no switchable experts and no per-expert loops; unchanged",
                  type(model).__name__)

@@ -1,0 +1,222 @@
+"""Hugging Face continuous batching (CB) compiled as one graph per forward.
+
+HF's paged KV cache (``PagedAttentionCache.update``) is ``@torch.compiler.disable``: under ``torch.compile``
+every attention layer ends one graph and the next starts after it, so a 2-layer model is 5+ graphs, fusions
+across the break (the residual add + the next layer's RMSNorm) are lost, and each piece is captured and
+compiled on its own. :func:`install` (called by :func:`ep_fuse.prepare`) replaces that method by a traceable
+one that keeps HF's bookkeeping of the kwargs in Python and does the cache write/read in one opaque
+``torch.library`` op, ``ep_fuse_hf::paged_kv_update`` (or ``paged_kv_write`` when the batch reads no cache),
+with the cache tensor declared mutated (``Tensor(a!)``) and a fake impl: Dynamo keeps it in the graph,
+AOTAutograd functionalizes it (``auto_functionalized``) and Inductor re-inplaces it.
+
+Only the index-based update of HF's full-attention and sliding-window allocators is replaced, for caches whose
+per-layer views were checked at construction to be the rows ``[offset:]`` of one ``[tokens, H, D]`` view of the
+allocator's cache tensor; everything else (the block-table decode fast path, other allocators) runs HF's own
+method (a graph break, as before). :func:`cb_compile_configs` gives the ``CompileConfig`` pair for both paths.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ep_fuse.ops.registry import define_op
+
+log = logging.getLogger("ep_fuse")
+
+NAMESPACE = "ep_fuse_hf"
+OFFSETS_ATTR = "ep_fuse_kv_offsets"
+"""Attribute set on an allocator whose layer views were checked: ``{layer_idx: (k_row, v_row)}``."""
+
+
+def _kv_views(cache: torch.Tensor, k_row: int, v_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+    return flat[k_row:], flat[v_row:]
+
+
+def _update_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, read_index: torch.Tensor,
+                 write_index: torch.Tensor, k_row: int, v_row: int, sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write ``key``/``value`` [T, H, D] at ``write_index`` and return the rows at ``read_index`` [N, H, D].
+
+    ``sentinel < 0``: full attention (write, then read). Otherwise sliding window: read first, put the new
+    states where ``read_index == sentinel``, then write (new rows may overwrite old ones in the window)."""
+    k_cache, v_cache = _kv_views(cache, k_row, v_row)
+    if sentinel < 0:
+        k_cache.index_copy_(0, write_index, key)
+        v_cache.index_copy_(0, write_index, value)
+        return torch.index_select(k_cache, 0, read_index), torch.index_select(v_cache, 0, read_index)
+    mask = (read_index == sentinel).unsqueeze(-1).unsqueeze(-1)
+    k_out = torch.index_select(k_cache, 0, read_index).masked_scatter_(mask, key)
+    v_out = torch.index_select(v_cache, 0, read_index).masked_scatter_(mask, value)
+    k_cache.index_copy_(0, write_index, key)
+    v_cache.index_copy_(0, write_index, value)
+    return k_out, v_out
+
+
+def _update_fake(cache, key, value, read_index, write_index, k_row, v_row, sentinel):
+    shape = (read_index.shape[0], *cache.shape[-2:])  # rows of the cache: its dtype and device
+    return cache.new_empty(shape), cache.new_empty(shape)
+
+
+def _write_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,
+                k_row: int, v_row: int) -> None:
+    """Write ``key``/``value`` [T, H, D] at ``write_index`` (a batch that reads no cached rows)."""
+    k_cache, v_cache = _kv_views(cache, k_row, v_row)
+    k_cache.index_copy_(0, write_index, key)
+    v_cache.index_copy_(0, write_index, value)
+
+
+def _write_fake(cache, key, value, write_index, k_row, v_row):
+    return None
+
+
+paged_kv_update = define_op(
+    NAMESPACE, "paged_kv_update",
+    "(Tensor(a!) cache, Tensor key, Tensor value, Tensor read_index, Tensor write_index, int k_row, int v_row, "
+    "int sentinel) -> (Tensor, Tensor)",
+    _update_impl, _update_fake)
+paged_kv_write = define_op(
+    NAMESPACE, "paged_kv_write",
+    "(Tensor(a!) cache, Tensor key, Tensor value, Tensor write_index, int k_row, int v_row) -> ()",
+    _write_impl, _write_fake)
+
+
+def _layer_offsets(allocator: Any) -> dict[int, tuple[int, int]] | None:
+    """``{layer: (k_row, v_row)}`` if every per-layer view HF made is ``flat[row:]`` of ``cache_tensor``, else None."""
+    cache = getattr(allocator, "cache_tensor", None)
+    views = getattr(allocator, "_kv_token_views", None)
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4 or not cache.is_contiguous() or not views:
+        return None
+    flat = cache.view(-1, cache.shape[-2], cache.shape[-1])
+    row = flat.stride(0)
+    offsets = {}
+    for layer, pair in views.items():
+        rows = []
+        for view in pair:
+            delta = view.storage_offset() - flat.storage_offset()
+            if (view.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr() or delta % row
+                    or view.dtype != flat.dtype or view.stride() != flat.stride()):
+                return None
+            rows.append(delta // row)
+            if view.shape != flat[rows[-1]:].shape:
+                return None
+        offsets[int(layer)] = (rows[0], rows[1])
+    return offsets
+
+
+def _traceable_update(original: Any, self: Any, key_states: torch.Tensor, value_states: torch.Tensor,
+                      layer_idx: int, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's ``PagedAttentionCache.update`` with the cache write/read as one opaque op (same results)."""
+    allocator = self.layer_to_allocator[layer_idx]
+    offsets = getattr(allocator, OFFSETS_ATTR, None)
+    if offsets is None or layer_idx not in offsets or kwargs.get("block_table") is not None:
+        return original(self, key_states, value_states, layer_idx, kwargs)
+    kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][allocator.layer_type].to(torch.int32)
+    kwargs["max_length_k"] = kwargs["max_length_k"][allocator.layer_type]
+    read_index = kwargs["read_index"][allocator.index]
+    write_index = kwargs["write_index"][allocator.index]
+    k_row, v_row = offsets[layer_idx]
+    key, value = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))
+    if read_index.numel() == 0:
+        paged_kv_write(allocator.cache_tensor, key, value, write_index, k_row, v_row)
+        return key_states, value_states
+    sentinel = allocator.sentinel_index if getattr(allocator, "ep_fuse_sliding", False) else -1
+    key, value = paged_kv_update(allocator.cache_tensor, key, value, read_index, write_index, k_row, v_row, sentinel)
+    return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
+
+
+def _checked_init(original_init: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    original_init(self, *args, **kwargs)
+    from transformers.generation.continuous_batching.cache_allocators.full_attention import (  # optional dependency
+        FullAttentionCacheAllocator)
+    from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
+        SlidingAttentionCacheAllocator)
+
+    for name, allocator in getattr(self, "cache_allocators", {}).items():
+        if type(allocator) not in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator):
+            log.warning("ep_fuse: continuous-batching allocator %r (%s) is not one ep_fuse knows; its layers "
+                        "keep HF's compiler-disabled cache update (one graph break per layer)",
+                        name, type(allocator).__name__)
+            continue
+        offsets = _layer_offsets(allocator)
+        if offsets is None:
+            log.warning("ep_fuse: the KV views of continuous-batching allocator %r are not row offsets of one "
+                        "cache tensor; its layers keep HF's compiler-disabled cache update", name)
+            continue
+        setattr(allocator, OFFSETS_ATTR, offsets)
+        allocator.ep_fuse_sliding = type(allocator) is SlidingAttentionCacheAllocator
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def install() -> bool:
+    """Route HF continuous batching's paged cache update through :data:`paged_kv_update` (process-wide, idempotent).
+
+    Returns False when this transformers has no continuous batching (nothing to do)."""
+    try:
+        from transformers.generation.continuous_batching.cache import PagedAttentionCache  # optional dependency
+    except ImportError:
+        return False
+    if _ORIGINALS:
+        return True
+    update, init = PagedAttentionCache.update, PagedAttentionCache.__init__
+    _ORIGINALS.update(update=update, init=init)
+
+    def update_in_graph(self, key_states, value_states, layer_idx, kwargs):
+        # delegating to HF's (compiler-disabled) method keeps its graph break where the op does not apply
+        return _traceable_update(update, self, key_states, value_states, layer_idx, kwargs)
+
+    def init_checked(self, *args, **kwargs):
+        _checked_init(init, self, *args, **kwargs)
+
+    update_in_graph.__doc__ = _traceable_update.__doc__
+    init_checked.__doc__ = init.__doc__
+    PagedAttentionCache.update = update_in_graph
+    PagedAttentionCache.__init__ = init_checked
+    log.info("ep_fuse: continuous batching's paged KV-cache update runs as %s::paged_kv_update (one graph per "
+             "forward)", NAMESPACE)
+    return True
+
+
+def uninstall() -> None:
+    """Restore HF's own ``PagedAttentionCache.update`` / ``__init__`` (caches made since keep their offsets)."""
+    if not _ORIGINALS:
+        return
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache  # optional dependency
+
+    PagedAttentionCache.update = _ORIGINALS.pop("update")
+    PagedAttentionCache.__init__ = _ORIGINALS.pop("init")
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""Inductor modes that capture CUDA graphs (``torch._inductor.list_mode_options``: ``triton.cudagraphs``)."""
+
+
+def cb_compile_configs(options: dict[str, Any] | None = None, mode: str | None = None,
+                       dynamic: bool | None = None) -> tuple[Any, Any]:
+    """The ``(varlen_compile_config, decode_compile_config)`` pair compiling both CB paths with ep_fuse.
+
+    ``options`` are ep_fuse's backend options (``EpFuseConfig``). CUDA-graph modes are refused: Inductor's
+    CUDA-graph trees do not run in CB's generation thread; HF captures its own graphs of the padded sizes
+    (``ContinuousBatchingConfig(use_cuda_graph=True)``) around the compiled forward instead."""
+    from transformers.generation.configuration_utils import CompileConfig  # optional dependency
+
+    opts = dict(options or {})
+    mode = opts.pop("mode", mode)
+    if mode in CUDA_GRAPH_MODES:
+        raise ValueError(
+            f"ep_fuse: mode={mode!r} captures CUDA graphs with Inductor's CUDA-graph trees, which do not run in "
+            "continuous batching's generation thread; use mode='default' (or 'max-autotune-no-cudagraphs') and "
+            "let HF capture the graphs: ContinuousBatchingConfig(use_cuda_graph=True)")
+    if mode not in (None, "default"):
+        opts["mode"] = mode
+    install()
+
+    def one() -> Any:
+        # HF's CompileConfig defaults to mode="reduce-overhead"; torch.compile takes mode or options, not both
+        return CompileConfig(backend="ep_fuse", fullgraph=False, dynamic=dynamic, mode=None, options=opts or None)
+
+    return one(), one()

@@ -1,0 +1,190 @@
+"""HF continuous batching (``generate_batch``) compiled by ep_fuse: one graph per forward with every fusion of the
+static-cache path, outputs equal to eager, no recompile for new prompt lengths, and CUDA-graph modes declined."""
+
+import threading
+import types
+
+import pytest
+import torch
+
+import ep_fuse
+from ep_fuse.backend import cudagraphs_off_thread
+from ep_fuse.models import paged_attention, tiny
+
+pytest.importorskip("transformers.generation.continuous_batching")
+from transformers import GenerationConfig  # noqa: E402
+from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
+from transformers.generation.continuous_batching.cache_allocators.full_attention import (  # noqa: E402
+    FullAttentionCacheAllocator)
+from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (  # noqa: E402
+    SlidingAttentionCacheAllocator)
+
+NEW = 6
+FAST = {"executor": "eager", "providers": {"cpu": ("reference",)}}
+"""ep_fuse's whole pipeline, the fused ops run as their references (no Triton interpreter): seconds, not minutes."""
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 12, 17)]
+OTHER_PROMPTS = [list(range(20, 20 + n)) for n in (4, 7, 15, 21, 2)]
+"""More requests of new lengths, inside the padded sizes of the first run (64 query tokens, 8 requests)."""
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.build("qwen3_moe", dtype=torch.float32)
+
+
+def _gen() -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def _cb(varlen=None, decode=None) -> ContinuousBatchingConfig:
+    # a fixed request count per batch, as a server has: generate_batch otherwise sizes it to the workload,
+    # and the padded cu_seq_lens change with it
+    # (small pages: the KV read is padded to the whole cache)
+    return ContinuousBatchingConfig(num_blocks=8, page_size=32, max_batch_tokens=64, max_requests_per_batch=8,
+                                    varlen_compile_config=varlen, decode_compile_config=decode)
+
+
+def _tokens(out: dict) -> list[list[int]]:
+    return [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.rsplit("_", 1)[-1]))]
+
+
+def _generate(model, prompts) -> list[list[int]]:
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 generation_config=_gen())
+            outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def _frames() -> int:
+    """Graphs Dynamo compiled in this process (``torch._dynamo.reset()`` keeps the counters: take differences)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _breaks() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+# -- the op against HF's own allocators -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls,sentinel", [(FullAttentionCacheAllocator, -1), (SlidingAttentionCacheAllocator, 1)])
+def test_paged_kv_update_equals_hf_allocator_update(cls, sentinel):
+    """The op writes and reads the same rows as HF's ``update`` of that allocator, on views of one cache tensor."""
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, dim, page = 40, 2, 8, 4
+    theirs = torch.randn(tokens, 2, heads, dim, generator=g)
+    ours = theirs.clone()
+    key, value = torch.randn(5, heads, dim, generator=g), torch.randn(5, heads, dim, generator=g)
+    write = torch.tensor([9, 10, 11, 12, 13])
+    read = torch.tensor([2, 3, 0, 1, 1, 1, 1, 1, 6]) if sentinel >= 0 else torch.tensor([2, 3, 0, 9, 10, 11, 12, 13])
+    k_row, v_row = 2 * page, 3 * page  # layer 1 of an allocator with two layers
+    flat = theirs.view(-1, heads, dim)
+    fake_alloc = types.SimpleNamespace(_kv_token_views={1: (flat[k_row:], flat[v_row:])}, sentinel_index=1)
+    want = cls.update(fake_alloc, key, value, 1, read, write)
+    got = paged_attention.paged_kv_update(ours, key, value, read, write, k_row, v_row, sentinel)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_paged_kv_ops_pass_opcheck():
+    cache = torch.randn(16, 2, 2, 4)
+    key, value = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    write, read = torch.tensor([4, 5, 6]), torch.tensor([0, 4, 5, 6])
+    torch.library.opcheck(paged_attention.paged_kv_update, (cache, key, value, read, write, 0, 4, -1))
+    torch.library.opcheck(paged_attention.paged_kv_write, (cache, key, value, write, 0, 4))
+
+
+def test_prepare_installs_the_update_once():
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    assert paged_attention.install() and paged_attention.install()
+    assert PagedAttentionCache.update.__name__ == "update_in_graph"
+
+
+# -- generate_batch ---------------------------------------------------------------------------------------------
+
+
+def test_eager_generate_batch_through_the_op_equals_generate(model):
+    out = model.generate_batch(PROMPTS, generation_config=_gen(), continuous_batching_config=_cb())
+    assert _tokens(out) == _generate(model, PROMPTS)
+
+
+def test_generate_batch_is_one_graph_with_every_fusion_and_no_recompile(model):
+    """ep_fuse's pipeline with the eager executor (references): one graph, the static-cache path's fusions
+    (add_rms_norm across both layers), tokens equal to eager ``generate``, and new prompt lengths inside the
+    padded sizes compile nothing."""
+    frames, breaks = _frames(), _breaks()
+    varlen, decode = paged_attention.cb_compile_configs(FAST)
+    out = model.generate_batch(PROMPTS, generation_config=_gen(), continuous_batching_config=_cb(varlen, decode))
+    assert _tokens(out) == _generate(model, PROMPTS)
+    assert _frames() - frames == 1 and _breaks() == breaks
+    (report,) = ep_fuse.reports()
+    assert report.counts() == tiny.EXPECTED_SITES["qwen3_moe"][0]
+    out = model.generate_batch(OTHER_PROMPTS, generation_config=_gen(),
+                               continuous_batching_config=_cb(*paged_attention.cb_compile_configs(FAST)))
+    assert _tokens(out) == _generate(model, OTHER_PROMPTS)
+    assert _frames() - frames == 1, "a new prompt length recompiled"
+
+
+@pytest.mark.slow
+def test_generate_batch_under_inductor_executor_equals_eager(model):
+    """The default executor: Inductor compiles the graph with the op in place (the Triton providers inlined on CUDA;
+    on CPU tests they run in the interpreter)."""
+    frames = _frames()
+    out = model.generate_batch(PROMPTS, generation_config=_gen(),
+                               continuous_batching_config=_cb(*paged_attention.cb_compile_configs()))
+    assert _tokens(out) == _generate(model, PROMPTS)
+    (report,) = ep_fuse.reports()
+    assert report.counts() == tiny.EXPECTED_SITES["qwen3_moe"][0]
+    assert report.inductor is not None and report.inductor.direct, report.inductor
+    assert _frames() - frames == 1
+
+
+@pytest.mark.slow
+def test_backend_inductor_keeps_the_op_in_one_graph(model):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    frames = _frames()
+    cfg = CompileConfig(backend="inductor", fullgraph=True, mode="default")
+    out = model.generate_batch(PROMPTS, generation_config=_gen(), continuous_batching_config=_cb(cfg, cfg))
+    assert _tokens(out) == _generate(model, PROMPTS)
+    assert _frames() - frames == 1
+
+
+# -- CUDA-graph modes -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cb_compile_configs_decline_cuda_graph_modes(mode):
+    with pytest.raises(ValueError, match="use_cuda_graph=True"):
+        paged_attention.cb_compile_configs(mode=mode)
+    with pytest.raises(ValueError, match="generation thread"):
+        paged_attention.cb_compile_configs({"mode": mode})
+
+
+def test_cb_compile_configs_pass_options_without_hf_default_mode():
+    varlen, decode = paged_attention.cb_compile_configs({"executor": "eager"}, mode="max-autotune-no-cudagraphs")
+    for cfg in (varlen, decode):
+        d = cfg.to_dict()
+        assert d["backend"] == "ep_fuse" and d["mode"] is None and not d["fullgraph"]
+        assert d["options"] == {"executor": "eager", "mode": "max-autotune-no-cudagraphs"}
+
+
+def test_backend_drops_cuda_graphs_outside_the_main_thread():
+    patches = {"triton.cudagraphs": True, "max_autotune": False}
+    assert cudagraphs_off_thread(patches, "cuda") is patches  # main thread: kept
+    assert cudagraphs_off_thread(patches, "cpu") is patches
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(cudagraphs_off_thread(patches, "cuda")), name="cb-loop")
+    t.start()
+    t.join()
+    assert seen == [{"triton.cudagraphs": False, "max_autotune": False}]
+    assert patches["triton.cudagraphs"] is True

@@ -9,7 +9,7 @@ import torch
 from support.norm_cases import ulp_close
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.moe import ACTS, UNGATED_ACTS, act_problem, grouped_gemm_swiglu_ref
+from ep_fuse.ops.moe import ACTS, act_problem, grouped_gemm_swiglu_ref
 from ep_fuse.providers.npu.moe import gemm_swiglu_supports
 from ep_fuse.providers.triton.grouped_gemm import check_grouped_gemm_swiglu_call, grouped_gemm_swiglu_kernel
 from ep_fuse.providers.triton.unverified import ENV, UNVERIFIED_ON_GPU
@@ -66,12 +66,9 @@ def test_activation_arguments_are_checked():
 
 
 def test_new_epilogues_are_declined_on_cuda_until_checked(monkeypatch):
-    """The first four passed tests/gpu/test_gpu_moe_forms.py and are cleared (relu² and swigluoai are listed until
-    their checks there have run: tests/test_moe_ungated.py, tests/test_moe_swigluoai.py); the mechanism still
-    declines them while listed."""
-    new = {"swigluoai", *UNGATED_ACTS}
-    assert {f"grouped_gemm_swiglu:{a}" for a in new} <= set(UNVERIFIED_ON_GPU)
-    assert not {f"grouped_gemm_swiglu:{a}" for a in ACTS if a not in ("silu", *new)} & set(UNVERIFIED_ON_GPU)
+    """Every epilogue passed tests/gpu/test_gpu_moe_forms.py and is cleared (relu² and swigluoai too); the
+    mechanism still declines one while it is listed."""
+    assert not {f"grouped_gemm_swiglu:{a}" for a in ACTS} & set(UNVERIFIED_ON_GPU)
     monkeypatch.delenv(ENV, raising=False)
     from ep_fuse.providers.triton import unverified as listed
 

@@ -12,15 +12,7 @@ from typing import Any
 
 from ep_fuse import runtime
 
-UNVERIFIED_ON_GPU: dict[str, str] = {
-    "grouped_gemm_swiglu:relu2": "NemotronH's non-gated relu(up) ** 2 epilogue: tests/gpu/test_gpu_moe_forms.py has not run",
-    "grouped_gemm_swiglu:swigluoai": "the clamped (up + 1) * g * sigmoid(1.702 g) epilogue (MiniMax-M3): "
-                                     "tests/gpu/test_gpu_moe_forms.py has not run",
-    "moe_gating:nd_logits": "[B, S, E] router logits run as rows (Zaya): tests/gpu/test_gpu_moe_gating_forms.py "
-                            "test_nd_logits_match_the_stable_reference has not run on a GPU",
-    "moe_gating_sink:triton": "Inkling's sink router kernel: tests/gpu/test_gpu_moe_gating_forms.py "
-                              "test_sink_matches_the_stable_reference has not run on a GPU",
-}
+UNVERIFIED_ON_GPU: dict[str, str] = {}
 """``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
 (``docs/benchmarks.md`` says when and where): the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
@@ -35,8 +27,10 @@ expert by ``bench/bench_fp8.py --deepgemm``), and the forms of the MoE decoders 
 expert_scale/softmax_sum_top2_fill0`` (``tests/gpu/test_gpu_moe_gating_forms.py``) and
 ``grouped_gemm_swiglu:silu_clamp/silu_clamp_post/silu_fp32/softcap_fp32`` (``tests/gpu/test_gpu_moe_forms.py``),
 ``moe_experts_masked:triton`` (the masked expert layout's grouped GEMMs, ``tests/gpu/test_gpu_moe_masked.py``, then
-measured faster than the permute over padding by ``bench/bench_moe_experts.py --masked``). A new variant is added
-here until its GPU check has run."""
+measured faster than the permute over padding by ``bench/bench_moe_experts.py --masked``), and the forms of issue 35's
+second round: ``grouped_gemm_swiglu:relu2/swigluoai`` (``tests/gpu/test_gpu_moe_forms.py``), ``moe_gating:nd_logits``
+and ``moe_gating_sink:triton`` (``tests/gpu/test_gpu_moe_gating_forms.py``). A new variant is added here until its GPU
+check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"
 """The environment variable that sets the default of the config's ``unverified_kernels``."""

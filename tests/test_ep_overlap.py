@@ -53,7 +53,7 @@ def _routing(t, e, k, seed, invalid=0.0, dtype=F32, hidden=32, skew=False):
     w, ids = scores.softmax(-1).topk(k)
     if invalid:
         ids = torch.where(torch.rand(t, k, generator=g) < invalid, -1, ids)
-    return torch.randn(t, hidden, generator=g).to(dtype), ids, w
+    return torch.randn(t, hidden, generator=g).to(dtype), ids, w.to(dtype)
 
 
 def _compile(model, **options):
@@ -166,6 +166,29 @@ def sc_modes_eager(world):
                 assert "no measured overlap rule" in rec.overlap_reason, rec
 
 
+def sc_cli_schedule(world):
+    """The schedule is in the dump's report.json and ``ep-fuse diff DIR`` prints it."""
+    import contextlib
+    import io
+    import tempfile
+
+    from ep_fuse import cli
+
+    folder = tempfile.mkdtemp(prefix=f"ep_overlap_dump{dist.get_rank()}_")
+    e = 2 * world
+    full = SharedBlock(e)
+    x, ids, w = _routing(8, e, 2, seed=dist.get_rank())
+    model = ep_fuse.shard_experts(copy.deepcopy(full))
+    with torch.no_grad():
+        _compile(model, ep_overlap="shared", dump_dir=folder, **ep_fuse.ep_options(model, timeout_s=TIMEOUT_S))(x, ids, w)
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        assert cli.main(["diff", folder]) == 0
+    out = text.getvalue()
+    assert "overlap shared" in out and "under dispatch: " in out and "under combine: " in out, out
+    assert "ep_overlap" in out, out  # the pass's op-count delta
+
+
 def sc_zero_and_one_token(world):
     """Capacity mode with a rank of 0 tokens and one of 1 token (its second micro-batch is empty): every rank
     issues the same collectives and the results stay exact."""
@@ -185,11 +208,10 @@ def sc_two_batch_falls_back(world):
 
 
 def sc_inductor(world):
-    """The Inductor executor, both overlap modes, both size modes."""
-    for cap in (None, 12):
-        for mode in ("shared", "two_batch"):
-            rep, _ = _block_case(world, mode, capacity=cap, executor="inductor", seed=3)
-            assert rep.ep[0].overlap == mode and _counts(rep) == _expected(mode), _counts(rep)
+    """The Inductor executor: shared with data-dependent sizes, two_batch with a capacity."""
+    for cap, mode in ((None, "shared"), (12, "two_batch")):
+        rep, _ = _block_case(world, mode, capacity=cap, executor="inductor", seed=3)
+        assert rep.ep[0].overlap == mode and _counts(rep) == _expected(mode), _counts(rep)
 
 
 def sc_auto_rule(world):
@@ -287,7 +309,7 @@ def sc_deepep_double(world):
         deepep.available.cache_clear()
 
 
-SCENARIOS_2 = [sc_modes_eager, sc_zero_and_one_token, sc_two_batch_falls_back, sc_inductor, sc_auto_rule,
+SCENARIOS_2 = [sc_modes_eager, sc_cli_schedule, sc_zero_and_one_token, sc_two_batch_falls_back, sc_inductor, sc_auto_rule,
                sc_sync_engine, sc_no_independent_work, sc_hf_qwen2_moe, sc_deepep_double]
 SCENARIOS_4 = [sc_modes_eager, sc_zero_and_one_token]
 

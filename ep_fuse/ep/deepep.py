@@ -350,7 +350,6 @@ def _dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, ca
     if t > c:
         raise groups.EpError(f"ep_fuse: {t} tokens on this rank exceed ep_capacity={c} (DeepEP low-latency "
                              "num_max_dispatch_tokens_per_rank); raise ep_capacity to the largest per-rank batch")
-    per_rank = num_experts // world
     buffer = get_buffer(group, "low_latency", x.shape[1], x.element_size(), num_experts, c)
     idx = _topk_idx(topk_ids, num_experts)
     recv_x, recv_count, native, _event, recv_hook = buffer.low_latency_dispatch(

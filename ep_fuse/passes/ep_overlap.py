@@ -44,7 +44,6 @@ from ep_fuse.fx_utils import module_path, val
 from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
-from ep_fuse.providers.measured import Threshold
 from ep_fuse.report import EpRecord
 
 log = logging.getLogger("ep_fuse.passes")
@@ -61,7 +60,8 @@ class OverlapRule:
     device: str
     engine: str
     mode: str
-    min_tokens: Threshold
+    min_tokens: int
+    """A :class:`ep_fuse.providers.measured.Threshold` (an ``int`` carrying its evidence and bench command)."""
 
 
 MEASURED_RULES: list[OverlapRule] = []
@@ -240,7 +240,8 @@ class EpOverlap(GraphPass):
         for rule in MEASURED_RULES:
             if rule.device == ctx.device and rule.engine == backend and tokens is not None \
                     and tokens >= rule.min_tokens:
-                return rule.mode, f"auto: {rule.mode} from {int(rule.min_tokens)} tokens ({rule.min_tokens.evidence})"
+                return rule.mode, (f"auto: {rule.mode} from {int(rule.min_tokens)} tokens "
+                                    f"({getattr(rule.min_tokens, 'evidence', 'no evidence given')})")
         return "none", (f"auto: no measured overlap rule for {backend} on {ctx.device} at "
                         f"{tokens if tokens is not None else 'symbolic'} tokens")
 

@@ -149,21 +149,20 @@ def _block_case(world, mode, *, capacity=None, executor="eager", t=12, seed=0, i
 # =========================================================================== scenarios
 def sc_modes_eager(world):
     """Every mode, data-dependent and capacity sizes, -1 slots, uneven routing: equal to the full block."""
-    for cap in (None, 12):
-        for mode in ("none", "shared", "two_batch", "auto"):
-            rep, graphs = _block_case(world, mode, capacity=cap, skew=cap is None, seed=len(mode))
-            (rec,) = rep.ep
-            want = "none" if mode == "auto" else mode
-            assert rec.overlap == want, (mode, rec)
-            assert _counts(rep) == _expected(want), (mode, cap, _counts(rep))
-            if mode == "shared":
-                _check_shared_order(graphs[-1])
-                assert any(s.startswith("under dispatch: ") and s != "under dispatch: nothing" for s in rec.schedule)
-            if mode == "two_batch":
-                assert rec.schedule[0].startswith("micro-batches of 6 + 6"), rec.schedule
-                assert rep.ops_after.get("ep_fuse.moe_permute.default") == 2  # the local block twice
-            if mode == "auto":
-                assert "no measured overlap rule" in rec.overlap_reason, rec
+    for cap, mode in [(None, "none"), *((c, m) for c in (None, 12) for m in ("shared", "two_batch", "auto"))]:
+        rep, graphs = _block_case(world, mode, capacity=cap, skew=cap is None, seed=len(mode))
+        (rec,) = rep.ep
+        want = "none" if mode == "auto" else mode
+        assert rec.overlap == want, (mode, rec)
+        assert _counts(rep) == _expected(want), (mode, cap, _counts(rep))
+        if mode == "shared":
+            _check_shared_order(graphs[-1])
+            assert any(s.startswith("under dispatch: ") and s != "under dispatch: nothing" for s in rec.schedule)
+        if mode == "two_batch":
+            assert rec.schedule[0].startswith("micro-batches of 6 + 6"), rec.schedule
+            assert rep.ops_after.get("ep_fuse.moe_permute.default") == 2  # the local block twice
+        if mode == "auto":
+            assert "no measured overlap rule" in rec.overlap_reason, rec
 
 
 def sc_cli_schedule(world):
@@ -309,8 +308,10 @@ def sc_deepep_double(world):
         deepep.available.cache_clear()
 
 
-SCENARIOS_2 = [sc_modes_eager, sc_cli_schedule, sc_zero_and_one_token, sc_two_batch_falls_back, sc_inductor, sc_auto_rule,
-               sc_sync_engine, sc_no_independent_work, sc_hf_qwen2_moe, sc_deepep_double]
+SCENARIOS_2 = [sc_modes_eager, sc_cli_schedule, sc_zero_and_one_token, sc_two_batch_falls_back, sc_auto_rule,
+               sc_sync_engine, sc_no_independent_work]
+SLOW_2 = [sc_inductor, sc_hf_qwen2_moe, sc_deepep_double]
+"""Inductor compiles, the HF model and the DeepEP double: minutes on two shared cores (``-m slow``)."""
 SCENARIOS_4 = [sc_modes_eager, sc_zero_and_one_token]
 
 
@@ -327,6 +328,11 @@ def ov2():
 
 
 @pytest.fixture(scope="module")
+def ov2_slow():
+    return _run(2, SLOW_2)
+
+
+@pytest.fixture(scope="module")
 def ov4():
     return _run(4, SCENARIOS_4)
 
@@ -336,6 +342,14 @@ def test_two_ranks(ov2, name):
     from support.dist_harness import check
 
     check(ov2, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [f.__name__ for f in SLOW_2])
+def test_two_ranks_slow(ov2_slow, name):
+    from support.dist_harness import check
+
+    check(ov2_slow, name)
 
 
 @pytest.mark.slow

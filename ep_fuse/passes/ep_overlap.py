@@ -42,6 +42,7 @@ from torch import fx
 
 from ep_fuse.fx_utils import module_path, val
 from ep_fuse.ops import ep as ep_ops
+from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.report import EpRecord
@@ -192,6 +193,7 @@ def _names(nodes: Iterable[fx.Node]) -> str:
 
 class EpOverlap(GraphPass):
     name = "ep_overlap"
+    _mutating = False
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         mode = ctx.config.ep_overlap
@@ -201,34 +203,50 @@ class EpOverlap(GraphPass):
         changed = 0
         sync_said: set[str] = set()
         for block in blocks:
-            rec = block.record
-            backend, cap = block.dispatch.args[5], int(block.dispatch.args[7])
-            chosen, why = self._choose(mode, block, ctx)
-            if chosen != "none" and ep_ops.ep_async(backend, ctx.device) is None:
-                if backend not in sync_said:
-                    log.info("ep_fuse: EP engine %s has no async form on %s: its blocks keep the synchronous "
-                             "dispatch/combine (no overlap)", backend, ctx.device)
-                    sync_said.add(backend)
-                chosen, why = "none", f"{backend} has no async form on {ctx.device}"
-            if chosen == "two_batch":
-                reason = self._two_batch_blocker(block, cap)
-                if reason is not None:
-                    log.info("ep_fuse: two_batch at %s stays one batch (%s); shared overlap instead",
-                             module_path(block.combine) or block.combine.name, reason)
-                    chosen, why = "shared", f"two_batch declined: {reason}"
-            schedule: list[str] = []
-            if chosen == "shared":
-                schedule = self._shared(gm.graph, block, ctx)
-                if not schedule:
-                    chosen, why = "none", (why + "; " if why else "") + "no work independent of the routed tokens"
-            elif chosen == "two_batch":
-                schedule = self._two_batch(gm.graph, block, ctx, cap)
-            changed += chosen != "none"
-            if rec is not None:
-                rec.overlap, rec.overlap_reason, rec.schedule = chosen, why, schedule
-            log.info("ep_fuse: EP overlap at %s: %s%s", (rec.module_path if rec else "") or block.combine.name,
-                     chosen, f" ({why})" if why else "")
+            self._mutating = False
+            try:
+                changed += self._block(gm, block, mode, ctx, sync_said)
+            except Exception as exc:  # noqa: BLE001 - a failed analysis keeps the block synchronous
+                if self._mutating:
+                    raise EpError(f"ep_fuse: ep_overlap failed while rewriting the EP block at "
+                                  f"{module_path(block.combine) or block.combine.name} ({type(exc).__name__}: {exc}); "
+                                  "compile with ep_overlap='none' and please report it") from exc
+                log.warning("ep_fuse: ep_overlap left the EP block at %s synchronous (%s: %s)",
+                            module_path(block.combine) or block.combine.name, type(exc).__name__, exc)
+                if block.record is not None:
+                    block.record.overlap, block.record.overlap_reason = "none", f"analysis failed: {exc}"
+        if changed:
+            gm.graph.lint()
         return changed
+
+    def _block(self, gm: fx.GraphModule, block: EpBlock, mode: str, ctx: PassContext, sync_said: set[str]) -> int:
+        rec = block.record
+        backend, cap = block.dispatch.args[5], int(block.dispatch.args[7])
+        chosen, why = self._choose(mode, block, ctx)
+        if chosen != "none" and ep_ops.ep_async(backend, ctx.device) is None:
+            if backend not in sync_said:
+                log.info("ep_fuse: EP engine %s has no async form on %s: its blocks keep the synchronous "
+                         "dispatch/combine (no overlap)", backend, ctx.device)
+                sync_said.add(backend)
+            chosen, why = "none", f"{backend} has no async form on {ctx.device}"
+        if chosen == "two_batch":
+            reason = self._two_batch_blocker(block, cap)
+            if reason is not None:
+                log.info("ep_fuse: two_batch at %s stays one batch (%s); shared overlap instead",
+                         module_path(block.combine) or block.combine.name, reason)
+                chosen, why = "shared", f"two_batch declined: {reason}"
+        schedule: list[str] = []
+        if chosen == "shared":
+            schedule = self._shared(gm.graph, block, ctx)
+            if not schedule:
+                chosen, why = "none", (why + "; " if why else "") + "no work independent of the routed tokens"
+        elif chosen == "two_batch":
+            schedule = self._two_batch(gm.graph, block, ctx, cap)
+        if rec is not None:
+            rec.overlap, rec.overlap_reason, rec.schedule = chosen, why, schedule
+        log.info("ep_fuse: EP overlap at %s: %s%s", (rec.module_path if rec else "") or block.combine.name,
+                 chosen, f" ({why})" if why else "")
+        return int(chosen != "none")
 
     # ------------------------------------------------------------------ decisions
     @staticmethod
@@ -276,6 +294,7 @@ class EpOverlap(GraphPass):
             return []
         under_d, under_c = split_by_cost(work)
         d, c = block.dispatch, block.combine
+        self._mutating = True
         with graph.inserting_before(d):
             ds = graph.call_function(ep_ops.ep_dispatch_start.op, d.args)
         for n in under_d:
@@ -313,6 +332,7 @@ class EpOverlap(GraphPass):
         c_common = (*c_tail[:4], half_cap, *c_tail[5:])
         work = independent_work(block)
         new: list[fx.Node] = []
+        self._mutating = True
 
         def call(target: Any, args: tuple, like: fx.Node) -> fx.Node:
             n = graph.call_function(target, args)

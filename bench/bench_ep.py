@@ -327,6 +327,9 @@ def main() -> None:
     ap.add_argument("--e2e", action="store_true", help="also the 4-layer Qwen3-30B-A3B-sized HF model")
     ap.add_argument("--fp8-wire", action="store_true", help="also time the dispatch of fp8 codes + scales rows")
     ap.add_argument("--e2e-cases", default="prefill,decode")
+    ap.add_argument("--overlap", action="store_true",
+                    help="each ep_overlap mode vs none and vs one device, per layer and end to end (overlap_bench.py)")
+    ap.add_argument("--tiny", action="store_true", help="with --overlap: tiny sizes, eager executor (CPU check)")
     ap.add_argument("--deepep-config", default=None,
                     help="dispatch SMs,NVL chunk,combine SMs,NVL chunk for DeepEP normal (from its own tuning)")
     args = ap.parse_args()
@@ -341,6 +344,9 @@ def main() -> None:
     log(f"bench_ep: {note}; device {device}; deep_ep: {deepep.available() or 'available'}; "
         f"DeepEP configs: {deepep.TUNED.get(world, 'defaults')}")
     keep = set(args.backends.split(",")) if args.backends else None
+    if args.overlap:
+        run_overlap(args, keep, device, note)
+        return
     rows: list[dict[str, Any]] = []
     shapes = QUICK if args.quick else SHAPES
     if args.shapes:
@@ -371,6 +377,33 @@ def main() -> None:
             lines += ["", "| " + " | ".join(head2) + " |", "|" + "---|" * len(head2)]
             lines += ["| " + " | ".join(str(r.get(c, "")) for c in head2) + " |" for r in e2e]
         (out / "ep.md").write_text("\n".join(lines) + "\n")
+        log("\n".join(lines))
+    release_buffers()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_overlap(args: Any, keep: set[str] | None, device: torch.device, note: str) -> None:
+    """``--overlap``: writes ``$OUT/ep_overlap.json`` and ``$OUT/ep_overlap.md`` (rank 0)."""
+    import overlap_bench
+
+    executor = "eager" if args.tiny or device.type != "cuda" else "inductor"
+    shapes = overlap_bench.TINY if args.tiny else overlap_bench.SHAPES
+    if args.shapes:
+        shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
+    if args.tiny and keep is None:
+        keep = {"all_to_all"}
+    iters = 3 if args.tiny else args.iters
+    rows = overlap_bench.run_layers(shapes, keep, iters, device, executor, loop_seconds, routing, log)
+    e2e = overlap_bench.run_e2e(args.tiny, max(3, iters // 2), device, executor, rows, loop_seconds, log) \
+        if args.e2e or args.tiny else []
+    if dist.get_rank() == 0:
+        out = Path(os.environ.get("OUT", "bench_out"))
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(note=note, torch=torch.__version__, device=str(device), executor=executor, tiny=args.tiny)
+        write_json("ep_overlap.json", dict(meta=meta, rows=rows, e2e=e2e))
+        lines = [f"EP overlap benchmark ({note}; {device}; executor {executor})", "", *overlap_bench.table(rows, e2e)]
+        (out / "ep_overlap.md").write_text("\n".join(lines) + "\n")
         log("\n".join(lines))
     release_buffers()
     dist.barrier()

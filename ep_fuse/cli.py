@@ -3,7 +3,7 @@
     ep-fuse dump TARGET [--device cpu|cuda|npu] [--executor auto|inductor|eager] [--dynamic] [--out DIR]
     ep-fuse patterns [--family NAME]
     ep-fuse explain TARGET --pattern NAME [--node NODE]
-    ep-fuse diff DIR
+    ep-fuse diff DIR                     (per graph: pass deltas, fused sites, EP overlap schedules)
 
 TARGET is ``path/to/file.py:factory``, ``package.module:factory`` (a callable returning
 ``(model, inputs)``) or a built-in tiny HF model ``hf:<name>`` (``ep_fuse.models.tiny.TINY_MODELS``).
@@ -231,6 +231,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
             counts[m["pattern"]] = counts.get(m["pattern"], 0) + 1
         fused = ", ".join(f"{k} x{v}" for k, v in counts.items()) or "nothing"
         print(f"  fused: {fused}; not fused: {len(rep['near_misses'])} candidate site(s)")
+        for e in rep.get("ep", []):  # the EP overlap schedule per block (ep_overlap)
+            why = f" ({e['overlap_reason']})" if e.get("overlap_reason") else ""
+            print(f"  EP {e['module_path'] or e['block']}: {e['backend']}, overlap {e.get('overlap', 'none')}{why}")
+            for step in e.get("schedule", []):
+                print(f"    {step}")
     return EXIT_OK
 
 

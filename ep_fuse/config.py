@@ -23,6 +23,10 @@ DEVICES = ("cpu", "cuda", "npu")
 QUANT_MODES = (None, "w8a8_int8", "fp8_block")
 
 
+EP_OVERLAP_MODES = ("none", "shared", "two_batch", "auto")
+"""Values of ``ep_overlap`` (:mod:`ep_fuse.passes.ep_overlap`)."""
+
+
 class ConfigError(ValueError):
     """An ep_fuse option is unknown or has a bad value."""
 
@@ -57,6 +61,9 @@ class EpFuseConfig:
             static capacity in tokens per rank (no sync, CUDA-graph capturable; every rank's batch
             must fit).
         ep_timeout_s: seconds any EP collective may wait before it raises.
+        ep_overlap: ``"none"``, ``"shared"`` (work independent of the routed tokens runs between the start and
+            the wait of each dispatch/combine), ``"two_batch"`` (each EP block in two interleaved micro-batches)
+            or ``"auto"`` (per block from measured rules); see :mod:`ep_fuse.passes.ep_overlap`.
         quant: ``None`` (no quantization), ``"w8a8_int8"``: routed-expert weights int8 with
             per-output-channel fp32 scales (made once at compile time), activations quantized per
             token; see :mod:`ep_fuse.passes.quant`. ``"fp8_block"``: routed-expert weights E4M3 with
@@ -95,6 +102,7 @@ class EpFuseConfig:
     ep_backend: str = "auto"
     ep_capacity: int | None = None
     ep_timeout_s: float = 300.0
+    ep_overlap: str = "none"
     quant: str | None = None
     inline_in_inductor: bool = True
     inline_symbolic: bool = True
@@ -189,6 +197,11 @@ class EpFuseConfig:
         t = self.ep_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
             raise ConfigError(f"ep_fuse: ep_timeout_s must be a positive number of seconds, got {t!r}.")
+        if self.ep_overlap not in EP_OVERLAP_MODES:
+            raise ConfigError(
+                f"ep_fuse: ep_overlap={self.ep_overlap!r} is not one of {', '.join(repr(m) for m in EP_OVERLAP_MODES)}."
+                f"{_suggest(str(self.ep_overlap), list(EP_OVERLAP_MODES))}"
+            )
 
     @property
     def ep_requested(self) -> bool:

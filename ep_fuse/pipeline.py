@@ -18,6 +18,7 @@ from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.canonicalize import Canonicalize
 from ep_fuse.passes.cleanup import Cleanup
 from ep_fuse.passes.ep import ExpertParallel
+from ep_fuse.passes.ep_overlap import EpOverlap
 from ep_fuse.passes.expand import Expand
 from ep_fuse.passes.lower import Lower
 from ep_fuse.passes.pair import Pair
@@ -33,7 +34,8 @@ def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
     return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
-            *([QuantizeExperts()] if config.quant else []), Expand(), Lower(), Cleanup()]
+            *([QuantizeExperts()] if config.quant else []), *([EpOverlap()] if config.ep_overlap != "none" else []),
+            Expand(), Lower(), Cleanup()]
 
 
 def run_passes(

@@ -72,6 +72,12 @@ class EpRecord:
     local_block: str = "moe_experts"
     """The local experts' op: ``moe_experts`` (permute -> GEMMs -> unpermute over the received rows) or
     ``moe_experts_masked`` (the expert-major receive buffer read in place, ``ep_fuse.passes.ep_masked``)."""
+    overlap: str = "none"
+    """How its communication overlaps compute (``ep_overlap``): ``none``, ``shared`` or ``two_batch``."""
+    overlap_reason: str = ""
+    """Why ``overlap`` differs from the option (an ``auto`` rule, a decline), else empty."""
+    schedule: list[str] = dataclasses.field(default_factory=list)
+    """The block's steps in graph order, naming the GEMM-like nodes that run under each transfer."""
 
 
 @dataclasses.dataclass
@@ -230,6 +236,9 @@ class GraphReport:
                                + (", masked experts" if e.local_block == "moe_experts_masked" else "")
                                for e in self.ep})
             text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"
+        overlapped = [e.overlap for e in self.ep if e.overlap != "none"]
+        if overlapped:
+            text += "; EP overlap: " + ", ".join(f"{m} x{overlapped.count(m)}" for m in sorted(set(overlapped)))
         if self.inductor is not None and not self.inductor.direct:
             text += f"; Inductor behind ep_fuse's AOT wrapper ({self.inductor.reason})"
         if self.skipped:
@@ -245,8 +254,15 @@ class GraphReport:
             text += f"; calls {', '.join(ops)} (contracts checked against {release})"
         return text
 
+    def schedule(self) -> str:
+        """The EP blocks' overlap schedules, one block per paragraph (empty without EP)."""
+        return "\n".join(f"EP block {e.module_path or e.block}: overlap {e.overlap}"
+                         + (f" ({e.overlap_reason})" if e.overlap_reason else "")
+                         + "".join(f"\n  {step}" for step in e.schedule) for e in self.ep)
+
     def __str__(self) -> str:
-        return self.summary() + ("\n" + self.table() if self.matches else "")
+        text = self.summary() + ("\n" + self.table() if self.matches else "")
+        return text + ("\n" + self.schedule() if any(e.schedule for e in self.ep) else "")
 
 
 _lock = threading.Lock()

@@ -41,7 +41,7 @@ from ep_fuse.ops.ep_layout import (
     recv_rows,
     unpack_rows,
 )
-from ep_fuse.ops.ep import register_ep_provider
+from ep_fuse.ops.ep import register_ep_async, register_ep_provider
 
 log = logging.getLogger("ep_fuse.ep")
 CODE = CODES["all_to_all"]
@@ -94,6 +94,12 @@ def combine(
 
 # --------------------------------------------------------------------------- rank layout
 def _dispatch_rank(x, topk_ids, topk_weights, num_experts, group, capacity, timeout_s):
+    return _dispatch_rank_start(x, topk_ids, topk_weights, num_experts, group, capacity, timeout_s)()
+
+
+def _dispatch_rank_start(x, topk_ids, topk_weights, num_experts, group, capacity, timeout_s):
+    """Pack and issue the token exchange; returns the completion (wait, unpack). Data-dependent mode exchanges
+    the counts first (its host sync), so only the payload is in flight when this returns."""
     world = group.size()
     t, k = topk_ids.shape
     h = x.shape[1]
@@ -105,7 +111,7 @@ def _dispatch_rank(x, topk_ids, topk_weights, num_experts, group, capacity, time
     send, handle = pack(x, topk_ids, topk_weights, num_experts, world, capacity)
     recv = torch.empty(rows, hp, dtype=x.dtype, device=x.device) if kernels else x.new_zeros(rows, hp)
     if capacity > 0:
-        groups.all_to_all(recv, send, group, timeout_s, what="ep_dispatch")
+        work = groups.all_to_all_start(recv, send, group)
         n = rows
     else:
         counts = handle[HEADER:HEADER + 2 * world]
@@ -119,26 +125,41 @@ def _dispatch_rank(x, topk_ids, topk_weights, num_experts, group, capacity, time
                 f"(world {world} x {t} local tokens): ranks run batches of different sizes. Pad every "
                 "rank's batch to the same number of tokens, or set ep_capacity to the largest per-rank batch"
             )
-        groups.all_to_all(recv[:n], send[:sum(send_counts)], group, timeout_s, recv_counts, send_counts,
-                          "ep_dispatch")
+        work = groups.all_to_all_start(recv[:n], send[:sum(send_counts)], group, recv_counts, send_counts)
         _remember_splits(handle, send_counts, recv_counts)
     unpack = unpack_rank if kernels else unpack_rank_reference
-    recv_x, recv_ids, recv_weights = unpack(recv, n, h, k, topk_weights.dtype, handle, capacity == 0)
-    return recv_x, recv_ids, recv_weights, handle
+
+    def complete():
+        groups.wait(work, timeout_s, "ep_dispatch", groups.backend_of(group))
+        _alive = send  # noqa: F841 - the send buffer stays alive until the exchange ended
+        recv_x, recv_ids, recv_weights = unpack(recv, n, h, k, topk_weights.dtype, handle, capacity == 0)
+        return recv_x, recv_ids, recv_weights, handle
+
+    return complete
 
 
 def _combine_rank(y, handle, tokens, group, capacity, timeout_s, out_dtype):
+    return _combine_rank_start(y, handle, tokens, group, capacity, timeout_s, out_dtype)()
+
+
+def _combine_rank_start(y, handle, tokens, group, capacity, timeout_s, out_dtype):
+    """Issue the return exchange; the completion waits and sums each token's rows."""
     world = group.size()
     h = y.shape[1]
     if capacity > 0:
         back = torch.empty(world * capacity, h, dtype=y.dtype, device=y.device)
-        groups.all_to_all(back, y, group, timeout_s, what="ep_combine")
+        work = groups.all_to_all_start(back, y, group)
     else:
         send_counts, recv_counts = _splits(handle, world)
         s, n = sum(send_counts), sum(recv_counts)
         back = torch.empty(max(s, 1), h, dtype=y.dtype, device=y.device)[:s]  # never a null pointer for Triton
-        groups.all_to_all(back, y[:n], group, timeout_s, send_counts, recv_counts, "ep_combine")
-    return sum_rank_rows(back, handle, tokens, world, out_dtype or y.dtype)
+        work = groups.all_to_all_start(back, y[:n], group, send_counts, recv_counts)
+
+    def complete():
+        groups.wait(work, timeout_s, "ep_combine", groups.backend_of(group))
+        return sum_rank_rows(back, handle, tokens, world, out_dtype or y.dtype)
+
+    return complete
 
 
 def sum_rank_rows(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: int,
@@ -372,4 +393,27 @@ def _combine_expert(y, handle, topk_ids, topk_weights, num_experts, group, capac
     return out.to(out_dtype) if out_dtype is not None else out
 
 
+def dispatch_start(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s):
+    """The async dispatch (``ep_fuse::ep_dispatch_start``): the rank layout's exchange is left in flight; the
+    expert layout (two messages, torch index work) runs whole here."""
+    group = groups.resolve_group(group_name)
+    if layout == "rank":
+        return _dispatch_rank_start(x, topk_ids, topk_weights, num_experts, group, capacity, timeout_s)
+    out = _dispatch_expert(x, topk_ids, topk_weights, num_experts, group, capacity, timeout_s)
+    return lambda: out
+
+
+def combine_start(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s,
+                  out_dtype):
+    """The async combine (``ep_fuse::ep_combine_start``)."""
+    if layout == "rank":
+        group = groups.resolve_group(group_name)
+        if handle.device.type == "cpu" and int(handle[0]) != CODE:
+            raise groups.EpError(f"ep_fuse: all_to_all combine got a handle of provider code {int(handle[0])}")
+        return _combine_rank_start(y, handle, topk_ids.shape[0], group, capacity, timeout_s, out_dtype)
+    out = combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s, out_dtype)
+    return lambda: out
+
+
 register_ep_provider("all_to_all", dispatch, combine, layout="rank")
+register_ep_async("all_to_all", dispatch_start, combine_start, devices=("cpu", "cuda", "npu"))

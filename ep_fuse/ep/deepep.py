@@ -50,7 +50,7 @@ import torch
 
 from ep_fuse.ep import groups, handles
 from ep_fuse.ops.ep_layout import CODES, HEADER, capacity_rows, handle_len, recv_rows, valid_slots
-from ep_fuse.ops.ep import register_ep_provider
+from ep_fuse.ops.ep import register_ep_async, register_ep_provider
 
 log = logging.getLogger("ep_fuse.ep")
 
@@ -313,6 +313,15 @@ def _new_handle(length: int, code: int, n_recv: int, native: Any, device: torch.
 
 # --------------------------------------------------------------------------- normal
 def dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s):
+    return _dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, capacity, False)()
+
+
+def dispatch_normal_start(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s):
+    """The async dispatch: ``async_finish=True``; the completion makes the current stream wait for its event."""
+    return _dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, capacity, True)
+
+
+def _dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, capacity, async_finish):
     group = groups.resolve_group(group_name)
     world = group.size()
     t, k = topk_ids.shape
@@ -328,10 +337,22 @@ def dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, layout, 
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, num_experts)
     rows = recv_rows("rank", world, num_experts, t, capacity)
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-    recv_x, recv_idx, recv_w, _counts, native, _ = buffer.dispatch(
+    recv_x, recv_idx, recv_w, _counts, native, event = buffer.dispatch(
         x.contiguous(), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights.contiguous(),
-        num_worst_tokens=rows if capacity > 0 else 0, config=dispatch_cfg)
+        num_worst_tokens=rows if capacity > 0 else 0, config=dispatch_cfg,
+        **({"async_finish": True} if async_finish else {}))
+    return lambda: _dispatch_normal_done(x, topk_ids, topk_weights, num_experts, group, capacity, rows,
+                                         (recv_x, recv_idx, recv_w, native), event if async_finish else None)
+
+
+def _dispatch_normal_done(x, topk_ids, topk_weights, num_experts, group, capacity, rows, got, event):
+    """The local half after DeepEP's dispatch: wait for its event (async), pad to the static bound, the handle."""
+    if event is not None:
+        event.current_stream_wait()
+    recv_x, recv_idx, recv_w, native = got
+    world = group.size()
+    t, k = topk_ids.shape
     n = recv_x.shape[0]
     if n > rows:
         raise groups.EpError(
@@ -354,19 +375,46 @@ def dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, layout, 
 
 def combine_normal(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s,
                    out_dtype):
+    return _combine_normal(y, handle, group_name, capacity, out_dtype, False)()
+
+
+def combine_normal_start(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s,
+                         out_dtype):
+    """The async combine: ``async_finish=True``; the completion waits for its event and casts."""
+    return _combine_normal(y, handle, group_name, capacity, out_dtype, True)
+
+
+def _combine_normal(y, handle, group_name, capacity, out_dtype, async_finish):
     group = groups.resolve_group(group_name)
     native, n = handles.pop(handle)
     buffer = _current_buffer(group, "normal")
     _, combine_cfg = _configs(_deep_ep(), group.size())
     send = y if capacity > 0 else y[:n]
-    combined, _w, _ = buffer.combine(send if send.dtype == torch.bfloat16 else send.to(torch.bfloat16), native,
-                                     config=combine_cfg)
+    send = send if send.dtype == torch.bfloat16 else send.to(torch.bfloat16)
+    combined, _w, event = buffer.combine(send, native, config=combine_cfg,
+                                         **({"async_finish": True} if async_finish else {}))
     dtype = out_dtype or y.dtype
-    return combined if combined.dtype == dtype else combined.to(dtype)
+
+    def complete():
+        if async_finish:
+            event.current_stream_wait()
+        _alive = send  # noqa: F841 - read by the transfer until it ended
+        return combined if combined.dtype == dtype else combined.to(dtype)
+
+    return complete
 
 
 # --------------------------------------------------------------------------- low latency
 def dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s):
+    return _dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, capacity, False)()
+
+
+def dispatch_low_latency_start(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s):
+    """The async LL dispatch: ``return_recv_hook=True`` issues the sends; the completion calls the receive hook."""
+    return _dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, capacity, True)
+
+
+def _dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, capacity, hook):
     group = groups.resolve_group(group_name)
     world = group.size()
     t, k = topk_ids.shape
@@ -374,11 +422,20 @@ def dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, lay
     if t > c:
         raise groups.EpError(f"ep_fuse: {t} tokens on this rank exceed ep_capacity={c} (DeepEP low-latency "
                              "num_max_dispatch_tokens_per_rank); raise ep_capacity to the largest per-rank batch")
-    per_rank = num_experts // world
     buffer = get_buffer(group, "low_latency", x.shape[1], x.element_size(), num_experts, c)
     idx = _topk_idx(topk_ids, num_experts)
-    recv_x, recv_count, native, _event, _hook = buffer.low_latency_dispatch(x.contiguous(), idx, c, num_experts,
-                                                                            use_fp8=False)
+    recv_x, recv_count, native, _event, recv_hook = buffer.low_latency_dispatch(
+        x.contiguous(), idx, c, num_experts, use_fp8=False, **({"return_recv_hook": True} if hook else {}))
+    return lambda: _dispatch_low_latency_done(x, topk_ids, topk_weights, num_experts, world, capacity, c,
+                                              (recv_x, recv_count, native, idx), recv_hook if hook else None)
+
+
+def _dispatch_low_latency_done(x, topk_ids, topk_weights, num_experts, world, capacity, c, got, recv_hook):
+    if recv_hook is not None:
+        recv_hook()
+    recv_x, recv_count, native, idx = got
+    t, k = topk_ids.shape
+    per_rank = num_experts // world
     rows = per_rank * world * c
     slot = torch.arange(world * c, device=x.device)
     live = slot.unsqueeze(0) < recv_count.unsqueeze(1)  # [E_r, W*C]
@@ -391,6 +448,18 @@ def dispatch_low_latency(x, topk_ids, topk_weights, num_experts, group_name, lay
 
 def combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s,
                         out_dtype):
+    return _combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_name, capacity, out_dtype,
+                                False)()
+
+
+def combine_low_latency_start(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
+                              timeout_s, out_dtype):
+    """The async LL combine: ``return_recv_hook=True``; the completion calls the receive hook and casts."""
+    return _combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_name, capacity, out_dtype,
+                                True)
+
+
+def _combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_name, capacity, out_dtype, hook):
     group = groups.resolve_group(group_name)
     world = group.size()
     c = capacity_rows("expert", topk_ids.shape[0], capacity)
@@ -398,10 +467,19 @@ def combine_low_latency(y, handle, topk_ids, topk_weights, num_experts, group_na
     buffer = _current_buffer(group, "low_latency")
     send = y.view(num_experts // world, world * c, y.shape[1])
     weights = topk_weights if topk_weights.dtype == torch.float32 else topk_weights.float()
-    combined, _event, _hook = buffer.low_latency_combine(
-        send if send.dtype == torch.bfloat16 else send.to(torch.bfloat16), idx, weights.contiguous(), native)
+    send = send if send.dtype == torch.bfloat16 else send.to(torch.bfloat16)
+    weights = weights.contiguous()
+    combined, _event, recv_hook = buffer.low_latency_combine(send, idx, weights, native,
+                                                             **({"return_recv_hook": True} if hook else {}))
     dtype = out_dtype or torch.promote_types(y.dtype, topk_weights.dtype)
-    return combined if combined.dtype == dtype else combined.to(dtype)
+
+    def complete():
+        if hook:
+            recv_hook()
+        _alive = (send, weights)  # noqa: F841 - read by the transfer until it ended
+        return combined if combined.dtype == dtype else combined.to(dtype)
+
+    return complete
 
 
 __all__ = ["HEADER", "available", "check_node_layout", "destroy_buffers", "get_buffer", "internode_reason",
@@ -415,3 +493,6 @@ register_ep_provider(
 register_ep_provider(
     "deepep_low_latency", dispatch_low_latency, combine_low_latency, layout="expert", available=lambda: available(),
     supports=lambda x, ids, dt, world, e, cap: supports("low_latency", x, ids, dt, world, cap, e), masked_blocks=True)
+register_ep_async("deepep", dispatch_normal_start, combine_normal_start, devices=("cpu", "cuda"))
+register_ep_async("deepep_low_latency", dispatch_low_latency_start, combine_low_latency_start,
+                  devices=("cpu", "cuda"))

@@ -77,3 +77,36 @@ def all_to_all(
     work = dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=group, async_op=True)
     wait(work, timeout_s, what, _backend(group))
     return out
+
+
+def backend_of(group: Any) -> str | None:
+    """The lower-cased ``torch.distributed`` backend of ``group`` (``None`` for a test double's group)."""
+    return _backend(group)
+
+
+class Started:
+    """An issued collective and the tensors it reads or writes, kept alive until it is waited for."""
+
+    def __init__(self, work: Any, *tensors: torch.Tensor) -> None:
+        self.work = work
+        self.tensors = tensors
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.work.wait(*args, **kwargs)
+        self.tensors = ()
+        return out
+
+
+def all_to_all_start(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: Any,
+    out_splits: list[int] | None = None,
+    in_splits: list[int] | None = None,
+) -> Started:
+    """Issue ``all_to_all_single`` without waiting; finish it with :func:`wait` (same timeout rules as
+    :func:`all_to_all`). NCCL/HCCL: the wait orders the current stream after the exchange, so work queued
+    between the two overlaps it; gloo: the exchange runs on the group's own threads meanwhile."""
+    inp = inp.contiguous()
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group, async_op=True)
+    return Started(work, out, inp)

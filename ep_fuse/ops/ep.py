@@ -23,6 +23,8 @@ timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and t
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -161,3 +163,148 @@ ep_combine = define_canonical("ep_combine", COMBINE_SCHEMA, ep_combine_impl, fak
                               traceable=never_traceable, engine=True)
 torch.fx.node.has_side_effect(ep_dispatch.op)
 torch.fx.node.has_side_effect(ep_combine.op)
+
+
+# --------------------------------------------------------------------------- async forms (start / wait)
+# ``ep_dispatch_start(<ep_dispatch's args>) -> token`` issues the dispatch; ``ep_dispatch_wait(token, <the same
+# args>) -> <ep_dispatch's outputs>`` completes it (likewise ``ep_combine_start`` / ``ep_combine_wait``). Work
+# placed between the two runs while the communication is in flight (``ep_fuse/passes/ep_overlap.py``). The wait
+# takes the start's tensors again so that everything the engine still reads or writes stays alive until then
+# (an executor may otherwise reuse a buffer after its last graph use). The token is an int64 tensor ``[code, key]``
+# naming the pending operation in a process-local table; each wait pops its entry, so none outlives its pair.
+
+DISPATCH_START_SCHEMA = DISPATCH_SCHEMA.split(" -> ")[0] + " -> Tensor"
+DISPATCH_WAIT_SCHEMA = "(Tensor token, " + DISPATCH_SCHEMA[1:]
+COMBINE_START_SCHEMA = COMBINE_SCHEMA.split(" -> ")[0] + " -> Tensor"
+COMBINE_WAIT_SCHEMA = "(Tensor token, " + COMBINE_SCHEMA[1:]
+TOKEN_CODE = 38
+
+
+@dataclasses.dataclass(frozen=True)
+class EpAsync:
+    """An engine's start/wait split: each start issues the communication and returns a completion callable
+    (``() -> `` what the synchronous op returns), which the wait op calls."""
+
+    dispatch_start: Callable[..., Callable[[], Any]]
+    """``(x, ids, w, E, group_name, layout, capacity, timeout_s) -> complete``."""
+    combine_start: Callable[..., Callable[[], Any]]
+    """``(y, handle, ids, w, E, group_name, layout, capacity, timeout_s, out_dtype) -> complete``."""
+    devices: frozenset[str]
+    """Devices where its start returns before the transfer ends (elsewhere the pass keeps the sync ops)."""
+
+
+_ASYNC: dict[str, EpAsync] = {}
+_PENDING: dict[int, Callable[[], Any]] = {}
+_BY_PTR: dict[int, int] = {}
+_pending_lock = threading.Lock()
+_keys = itertools.count(1)
+
+
+def register_ep_async(name: str, dispatch_start: Callable[..., Callable[[], Any]],
+                      combine_start: Callable[..., Callable[[], Any]], devices: tuple[str, ...]) -> EpAsync:
+    """Give engine ``name`` an async form (signatures on :class:`EpAsync`)."""
+    entry = _ASYNC[name] = EpAsync(dispatch_start, combine_start, frozenset(devices))
+    return entry
+
+
+def ep_async(backend: str, device: str) -> EpAsync | None:
+    """The async form of ``backend`` on ``device``, or ``None`` (the sync ops then run, without overlap)."""
+    entry = _ASYNC.get(backend)
+    return entry if entry is not None and device in entry.devices else None
+
+
+def pending_async() -> int:
+    """Started EP operations not yet waited for (tests check this returns to 0)."""
+    with _pending_lock:
+        return len(_PENDING)
+
+
+def _token(device: torch.device, complete: Callable[[], Any]) -> torch.Tensor:
+    """A fresh token naming ``complete``: found again by its storage address (no device read), and on the CPU also
+    by the key written into it."""
+    token = torch.empty(2, dtype=torch.int64, device=device)
+    with _pending_lock:
+        key = next(_keys)
+        _PENDING[key] = complete
+        _BY_PTR[token.data_ptr()] = key
+    if device.type == "cpu":
+        token[0], token[1] = TOKEN_CODE, key
+    return token
+
+
+def _complete(token: torch.Tensor) -> Any:
+    with _pending_lock:
+        key = _BY_PTR.pop(token.data_ptr(), None)
+        if key is None and token.device.type == "cpu" and int(token[0]) == TOKEN_CODE:
+            key = int(token[1])
+        complete = _PENDING.pop(key, None) if key is not None else None
+    if complete is None:
+        raise EpError("ep_fuse: an EP wait got a token no start of this process issued (each start is waited "
+                      "for once, in the same process)")
+    return complete()
+
+
+def _sync_start(run: Callable[[], Any]) -> Callable[[], Any]:
+    """An engine without an async form: run the synchronous op at the start (no overlap, same result)."""
+    out = run()
+    return lambda: out
+
+
+def ep_dispatch_start_impl(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+                           timeout_s):
+    """The kernel of ``ep_fuse::ep_dispatch_start``: the engine's async start, or the sync dispatch."""
+    args = (x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s)
+    entry = _ASYNC.get(backend)
+    if entry is not None:
+        complete = entry.dispatch_start(*args)
+    else:
+        complete = _sync_start(lambda: ep_provider(backend).dispatch(*args))
+    return _token(x.device, complete)
+
+
+def ep_dispatch_wait_impl(token, x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+                          timeout_s):
+    """The kernel of ``ep_fuse::ep_dispatch_wait``: what ``ep_dispatch`` returns."""
+    return tuple(_complete(token))
+
+
+def ep_combine_start_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+                          timeout_s, out_dtype):
+    """The kernel of ``ep_fuse::ep_combine_start``."""
+    args = (y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s, out_dtype)
+    entry = _ASYNC.get(backend)
+    if entry is not None:
+        complete = entry.combine_start(*args)
+    else:
+        complete = _sync_start(lambda: ep_provider(backend).combine(*args))
+    return _token(y.device, complete)
+
+
+def ep_combine_wait_impl(token, y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout,
+                         capacity, timeout_s, out_dtype):
+    """The kernel of ``ep_fuse::ep_combine_wait``: what ``ep_combine`` returns."""
+    return _complete(token)
+
+
+def _start_fake(x, *_args):
+    return x.new_empty(2, dtype=torch.int64)
+
+
+def _dispatch_wait_fake(token, *args):
+    return ep_dispatch_fake(*args)
+
+
+def _combine_wait_fake(token, *args):
+    return ep_combine_fake(*args)
+
+
+ep_dispatch_start = define_canonical("ep_dispatch_start", DISPATCH_START_SCHEMA, ep_dispatch_start_impl,
+                                     fake=_start_fake, traceable=never_traceable, engine=True)
+ep_dispatch_wait = define_canonical("ep_dispatch_wait", DISPATCH_WAIT_SCHEMA, ep_dispatch_wait_impl,
+                                    fake=_dispatch_wait_fake, traceable=never_traceable, engine=True)
+ep_combine_start = define_canonical("ep_combine_start", COMBINE_START_SCHEMA, ep_combine_start_impl,
+                                    fake=_start_fake, traceable=never_traceable, engine=True)
+ep_combine_wait = define_canonical("ep_combine_wait", COMBINE_WAIT_SCHEMA, ep_combine_wait_impl,
+                                   fake=_combine_wait_fake, traceable=never_traceable, engine=True)
+for _op in (ep_dispatch_start, ep_dispatch_wait, ep_combine_start, ep_combine_wait):
+    torch.fx.node.has_side_effect(_op.op)

@@ -60,7 +60,7 @@ def moe_permute_ref(
     positions = torch.arange(t * k, device=x.device, dtype=torch.int64)
     inverse = torch.empty_like(order).scatter(0, order, positions)
     src2dst = torch.where(valid, inverse, -1)
-    rows = x.reshape(t, -1)[order // k]
+    rows = x.reshape(t, x.shape[-1])[order // k]  # (not -1: an empty batch has no inferable width)
     rows = torch.where((sorted_key < num_experts).unsqueeze(-1), rows, torch.zeros((), dtype=x.dtype, device=x.device))
     return rows, src2dst, seg_indptr
 

@@ -3,8 +3,6 @@ references, which are the semantics and the test oracles)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ep_fuse.ops.registry import define_canonical

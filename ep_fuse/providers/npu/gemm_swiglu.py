@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any
 
 import torch

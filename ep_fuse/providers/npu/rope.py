@@ -12,7 +12,6 @@ from ep_fuse.ops import rope as ops
 from ep_fuse.ops.registry import register_provider
 from ep_fuse.ops.rope import CACHE_FORMS
 from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
-from ep_fuse.symbolic import known, same_shape
 
 
 # --------------------------------------------------------------------------- RoPE

@@ -184,7 +184,7 @@ def _hf_serve(manager_cls: type) -> Iterator[type]:
 
 def start(model: str, options: dict[str, Any] | None = None, **serve_kwargs: Any) -> Any:
     """Start HF's server for ``model`` in a background thread; returns HF's ``Serve`` (stop it with
-    ``kill_server()``). ``serve_kwargs`` are ``transformers serve``'s options by their Python names
+    :func:`stop`). ``serve_kwargs`` are ``transformers serve``'s options by their Python names
     (``port=8000``, ``cb_num_blocks=64``, ...); ``continuous_batching`` defaults to ``True``."""
     from transformers.utils.import_utils import is_serve_available
 
@@ -207,6 +207,24 @@ def start(model: str, options: dict[str, Any] | None = None, **serve_kwargs: Any
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ServeError(f"cannot load {model!r}: {type(exc).__name__}: {first}", EXIT_MODEL) from exc
     return server
+
+
+def stop(server: Any, timeout: float = 30.0) -> None:
+    """Stop a server :func:`start` returned and wait up to ``timeout`` s for its thread: HF's ``kill_server``
+    waits 2 s only, short for uvicorn's graceful shutdown on a busy machine."""
+    server.kill_server()
+    thread = getattr(server, "_thread", None)  # HF's Serve keeps its uvicorn thread there (no public name)
+    if thread is not None:
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("ep_fuse.serve: the server thread is still running %.0f s after shutdown", timeout)
+
+
+def wait(server: Any) -> None:
+    """Block until the server's thread ends (Ctrl-C raises ``KeyboardInterrupt`` here)."""
+    thread = getattr(server, "_thread", None)
+    while thread is not None and thread.is_alive():
+        thread.join(0.5)
 
 
 # --------------------------------------------------------------------------- command line
@@ -283,11 +301,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ep-fuse serve: {exc}", file=sys.stderr)
         return exc.code
     try:
-        server._thread.join()
+        wait(server)
     except KeyboardInterrupt:
         print("ep-fuse serve: stopping", file=sys.stderr)
     finally:
-        server.kill_server()
+        stop(server)
     return EXIT_OK
 
 

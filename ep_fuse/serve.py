@@ -228,7 +228,8 @@ def wait(server: Any) -> None:
 
 
 # --------------------------------------------------------------------------- command line
-def _parse_options(pairs: list[str]) -> dict[str, Any]:
+def parse_options(pairs: list[str]) -> dict[str, Any]:
+    """``["KEY=VALUE", ...]`` -> ep_fuse options (values parsed as JSON where they are JSON)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         if "=" not in pair:
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         ours, rest = build_parser().parse_known_args(argv)
-        options = _parse_options(ours.ep_fuse_option)
+        options = parse_options(ours.ep_fuse_option)
         if any(a in ("-h", "--help") for a in rest):
             print("ep-fuse serve MODEL [--ep-fuse-option KEY=VALUE ...] [transformers serve options]\n"
                   "  --ep-fuse-option KEY=VALUE  an ep_fuse option (JSON value) for both compiled paths, repeatable;\n"

@@ -35,7 +35,7 @@ TESTED_TRANSFORMERS = "5.24"
 """The transformers release whose ``Serve`` assembly :func:`_hf_serve` was written against."""
 
 _HOOK_LOCK = threading.Lock()
-_prepare_lock = threading.Lock()
+_PREPARE_LOCK = threading.Lock()
 
 
 class ServeError(Exception):
@@ -84,7 +84,7 @@ def prepare_for_serving(model: Any, options: dict[str, Any] | None = None, http:
     if not callable(getattr(model, "init_continuous_batching", None)):
         raise ServeError(f"{type(model).__name__} has no continuous batching (init_continuous_batching): "
                          "ep-fuse serve needs a causal language model of transformers 5.x", EXIT_MODEL)
-    with _prepare_lock:
+    with _PREPARE_LOCK:
         if getattr(model, "_ep_fuse_serving", None) is not None:
             return model
         ep_fuse.prepare(model)

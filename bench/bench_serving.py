@@ -71,7 +71,8 @@ def span(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
-def workload(n: int, vocab: int, prompt: tuple[int, int], new: tuple[int, int], seed: int = 0) -> list[tuple[list[int], int]]:
+def workload(n: int, vocab: int, prompt: tuple[int, int], new: tuple[int, int],
+             seed: int = 0) -> list[tuple[list[int], int]]:
     """``n`` requests ``(prompt ids, max_new_tokens)``, the same for every mode."""
     rng = random.Random(seed)
     return [([rng.randrange(1, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*new)) for _ in range(n)]

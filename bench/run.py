@@ -65,6 +65,8 @@ FAMILIES: dict[str, list[Bench]] = {
     "forward": [Bench("bench_forward.py", ["--models", "mixtral_8x7b"])],
     "generate": [Bench("bench_generate.py", ["--models", "qwen3_30b_a3b", "--batches", "1,8", "--new", "32",
                                              "--prompt", "32", "--repeats", "1"])],
+    "serving": [Bench("bench_serving.py", ["--models", "qwen3_30b_a3b", "--requests", "64", "--concurrency", "1,16",
+                                           "--new", "64-128"])],
 }
 
 

@@ -4,6 +4,7 @@
     ep-fuse patterns [--family NAME]
     ep-fuse explain TARGET --pattern NAME [--node NODE]
     ep-fuse diff DIR                     (per graph: pass deltas, fused sites, EP overlap schedules)
+    ep-fuse serve MODEL [--ep-fuse-option KEY=VALUE] [transformers serve options]   (ep_fuse/serve.py)
 
 TARGET is ``path/to/file.py:factory``, ``package.module:factory`` (a callable returning
 ``(model, inputs)``) or a built-in tiny HF model ``hf:<name>`` (``ep_fuse.models.tiny.TINY_MODELS``).
@@ -270,10 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("diff", help="op histogram before/after each pass of a dump")
     p.add_argument("dir")
     p.set_defaults(fn=cmd_diff)
+    sub.add_parser("serve", help="HF's OpenAI-compatible server compiled by ep_fuse (ep-fuse serve --help)",
+                   add_help=False)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # its options are transformers serve's: parsed there
+        from ep_fuse import serve
+
+        return serve.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

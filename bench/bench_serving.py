@@ -1,0 +1,254 @@
+"""HF continuous batching (the engine behind ``transformers serve --continuous-batching``), three ways in one run.
+
+    python bench/bench_serving.py [--models qwen3_30b_a3b,mixtral_8x7b] [--requests 256] [--concurrency 1,16,64]
+                                  [--prompt 32-512] [--new 64-256] [--modes eager,inductor,ep_fuse]
+                                  [--ep-fuse-option KEY=VALUE ...] [--tiny]
+
+For each real-sized model (``hf_models.py``: Qwen3-30B-A3B with 4 layers, Mixtral-8x7B with 2, random
+weights, bf16) and mode, one ``ContinuousBatchingManager`` (``model.init_continuous_batching``) serves
+``--requests`` greedy requests of random tokens (prompt and new-token lengths uniform in the ranges, EOS off,
+one seed for every mode) at each concurrency: at most C requests in flight, a new one submitted as one ends.
+
+* ``eager``: no compile;
+* ``inductor``: HF's compile of both paths, ``CompileConfig(fullgraph=False, mode="default")``;
+* ``ep_fuse``: ``ep_fuse.serve.with_ep_fuse_compile`` (the configs ``ep-fuse serve`` uses).
+
+CUDA graphs are HF's own capture (``use_cuda_graph`` resolved by HF; reported as kept per path). Reported per
+(model, mode, concurrency), after one warm-up round (its time is the ``first_s`` column: compile included):
+output tokens/s (generated tokens / wall time), time to first token and inter-token latency p50/p99 (from
+HF's per-token timestamps), and accuracy against eager: the fraction of requests whose tokens equal eager's
+and the largest |logprob difference| of the chosen tokens over the steps where tokens agree
+(``return_logprobs``; greedy tokens of random models may flip on near ties, so a flip is not an error by
+itself). Writes ``$OUT/serving.json`` and ``serving.md``.
+
+``--tiny``: ep_fuse's tiny 1-layer Qwen3-MoE (``--models qwen3_moe,mixtral`` adds Mixtral), fp32, on CPU, 6
+short requests at 1 and 4 concurrent, modes eager and ep_fuse with ``executor="eager"`` (Inductor's CPU compile
+alone takes minutes): a check that the bench runs (about 20 s of CPU time per model, most of it ep_fuse's
+compile of the 8 graph pieces).
+
+GPU machine with an older transformers: the image's transformers fails under any compile backend in
+continuous batching, so carry a newer wheel. On a machine with network access run
+``pip download 'transformers==5.24.*' --no-deps -d .whl`` in the repository root (``.whl/`` is ignored by
+git); ``tools/run_on_device.sh`` installs every ``.whl/*.whl`` into ``/tmp/site`` (``--no-deps``) and puts it
+first on ``PYTHONPATH``, so ``bash tools/run_on_device.sh bench/bench_serving.py`` measures with it (with the
+device tool: ``carry=[".whl"]``). The bench prints the transformers version it ran with.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_models  # noqa: E402
+from common import bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
+
+import ep_fuse  # noqa: E402
+from ep_fuse.serve import parse_options, with_ep_fuse_compile  # noqa: E402
+
+MODES = ("eager", "inductor", "ep_fuse")
+
+
+def log(*a: Any) -> None:
+    print(*a, flush=True)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
+def workload(n: int, vocab: int, prompt: tuple[int, int], new: tuple[int, int],
+             seed: int = 0) -> list[tuple[list[int], int]]:
+    """``n`` requests ``(prompt ids, max_new_tokens)``, the same for every mode."""
+    rng = random.Random(seed)
+    return [([rng.randrange(1, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*new)) for _ in range(n)]
+
+
+def cb_config(mode: str, base: dict[str, Any], options: dict[str, Any]) -> Any:
+    import transformers as tf
+
+    cfg = tf.ContinuousBatchingConfig(return_logprobs=True, **base)
+    if mode == "inductor":
+        cfg.varlen_compile_config = tf.CompileConfig(fullgraph=False, mode="default")
+        cfg.decode_compile_config = tf.CompileConfig(fullgraph=False, mode="default")
+    elif mode == "ep_fuse":
+        cfg = with_ep_fuse_compile(cfg, options)
+    return cfg
+
+
+def serve_requests(manager: Any, reqs: list[tuple[list[int], int]], concurrency: int,
+                   timeout: float = 1800) -> tuple[float, dict[int, Any]]:
+    """Submit ``reqs`` keeping at most ``concurrency`` in flight; returns wall seconds and outputs by index."""
+    pending = list(enumerate(reqs))[::-1]
+    ids: dict[str, int] = {}
+    done: dict[int, Any] = {}
+
+    def submit() -> None:
+        i, (prompt, new) = pending.pop()
+        rid = manager.add_request(prompt, request_id=f"r{i}_{time.monotonic_ns()}", max_new_tokens=new,
+                                  record_timestamps=True)
+        ids[rid] = i
+
+    t0 = time.perf_counter()
+    while pending and len(ids) - len(done) < concurrency:
+        submit()
+    deadline = t0 + timeout
+    while len(done) < len(reqs):
+        out = manager.get_result(timeout=1.0)
+        if out is None:
+            if manager.background_thread_status.fatal_error is not None:
+                raise RuntimeError(f"continuous batching stopped: {manager.background_thread_status.fatal_error}")
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"{len(reqs) - len(done)} requests unfinished after {timeout} s")
+            continue
+        if not out.is_finished() or out.request_id not in ids:
+            continue
+        if out.error is not None:
+            raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+        done[ids[out.request_id]] = out
+        if pending:
+            submit()
+    return time.perf_counter() - t0, done
+
+
+def metrics(wall: float, outs: dict[int, Any]) -> dict[str, Any]:
+    tokens = sum(len(o.generated_tokens) for o in outs.values())
+    ttft = [(o.timestamps[0] - o.created_time) * 1e3 for o in outs.values() if o.timestamps]
+    itl = [(b - a) * 1e3 for o in outs.values() if o.timestamps for a, b in zip(o.timestamps, o.timestamps[1:])]
+    return dict(tokens_s=tokens / wall, wall_s=wall, ttft_ms_p50=percentile(ttft, 50),
+                ttft_ms_p99=percentile(ttft, 99), itl_ms_p50=percentile(itl, 50), itl_ms_p99=percentile(itl, 99))
+
+
+def accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]:
+    same, worst = 0, 0.0
+    for i, o in outs.items():
+        r = ref[i]
+        same += o.generated_tokens == r.generated_tokens
+        for a, b, ta, tb in zip(o.logprobs, r.logprobs, o.generated_tokens, r.generated_tokens):
+            if ta != tb:
+                break
+            worst = max(worst, abs(float(a) - float(b)))
+    return dict(tokens_equal=f"{same}/{len(outs)}", logprob_diff_max=worst)
+
+
+def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]], concurrency: list[int],
+             base: dict[str, Any], options: dict[str, Any], ref: dict[int, dict[int, Any]]) -> list[dict[str, Any]]:
+    import transformers as tf
+
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    gen = tf.GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(n for _, n in reqs),
+                              pad_token_id=0)
+    cls = type(model)  # the class method: ep_fuse.serve.prepare_for_serving may have wrapped the instance's
+    manager = cls.init_continuous_batching(model, generation_config=gen,
+                                           continuous_batching_config=cb_config(mode, base, options))
+    rows = []
+    manager.start()
+    try:
+        warm = reqs[: max(concurrency)]
+        t_first, _ = serve_requests(manager, warm, max(concurrency))
+        graphs = manager.continuous_batching_config.cuda_graph_booleans
+        for c in concurrency:
+            wall, outs = serve_requests(manager, reqs, c)
+            row = dict(model=name, mode=mode, concurrency=c, first_s=t_first,
+                       cuda_graphs=f"varlen={graphs[0]} decode={graphs[1]}", **metrics(wall, outs))
+            if mode == "eager":
+                ref[c] = outs
+            if c in ref:
+                row.update(accuracy(outs, ref[c]))
+            if mode == "ep_fuse":
+                reps = ep_fuse.reports()
+                counts: dict[str, int] = {}
+                for r in reps:
+                    for k, v in r.counts().items():
+                        counts[k] = counts.get(k, 0) + v
+                row["note"] = f"{len(reps)} graphs; " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            rows.append(row)
+            log({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+    except Exception as exc:  # one failing mode must not hide the others
+        log(f"{name} {mode}: failed: {type(exc).__name__}: {exc}")
+        rows.append(dict(model=name, mode=mode, note=f"failed: {type(exc).__name__}: {exc}"[:200]))
+    finally:
+        manager.stop(block=True, timeout=30)
+    return rows
+
+
+def main() -> None:
+    ap = bench_parser(__doc__)
+    ap.add_argument("--models", default="qwen3_30b_a3b,mixtral_8x7b")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--prompt", default="32-512", help="prompt lengths, uniform in LO-HI")
+    ap.add_argument("--new", default="64-256", help="new tokens per request, uniform in LO-HI")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--ep-fuse-option", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--tiny", action="store_true", help="CPU check: tiny models, a few short requests")
+    args = ap.parse_args()
+    start(args, needs_cuda=not args.tiny)
+    options = parse_options(args.ep_fuse_option)
+    if args.tiny:
+        args.models = "qwen3_moe" if args.models == ap.get_default("models") else args.models
+        args.requests = 6 if args.requests == 256 else args.requests
+        args.concurrency = "1,4" if args.concurrency == "1,16,64" else args.concurrency
+        args.prompt = "8-24" if args.prompt == "32-512" else args.prompt
+        args.new = "4-8" if args.new == "64-256" else args.new
+        args.modes = "eager,ep_fuse" if args.modes == ",".join(MODES) else args.modes
+        options.setdefault("executor", "eager")
+        base = dict(num_blocks=32, page_size=32, max_batch_tokens=64)
+    else:
+        base = {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    info = env_info()
+    log(info)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        if args.tiny:
+            from ep_fuse.models import tiny as tiny_models
+
+            model = tiny_models.build(name, dtype=torch.float32, device=device, num_hidden_layers=1)
+        else:
+            model = hf_models.build(name, device=device)
+        reqs = workload(args.requests, model.config.vocab_size, span(args.prompt), span(args.new))
+        ref: dict[int, dict[int, Any]] = {}
+        modes = args.modes.split(",")
+        for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference
+            rows += run_mode(model, name, mode, reqs, concurrency, base, options, ref)
+            write_json("serving.json", dict(env=info, args=vars(args), rows=rows))
+        del model
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    table = []
+    for r in rows:
+        hf = next((x for x in rows if x["model"] == r["model"] and x.get("concurrency") == r.get("concurrency")
+                   and x["mode"] == "inductor" and x.get("tokens_s")), None)
+        vs = r["tokens_s"] / hf["tokens_s"] if hf and r.get("tokens_s") else None
+        table.append([r["model"], r.get("concurrency"), r["mode"], r.get("tokens_s"), vs and f"{vs:.2f}x",
+                      r.get("ttft_ms_p50"), r.get("itl_ms_p50"), r.get("itl_ms_p99"), r.get("first_s"),
+                      r.get("cuda_graphs"), r.get("tokens_equal"),
+                      r.get("logprob_diff_max") is not None and f"{r['logprob_diff_max']:.2e}" or None,
+                      r.get("note", "")[:80]])
+    md = markdown_table(["model", "concurrent", "mode", "tokens/s", "vs HF compile", "TTFT p50 ms", "ITL p50 ms",
+                         "ITL p99 ms", "first s", "CUDA graphs", "tokens = eager", "logprob diff max", "note"],
+                        table)
+    (out_dir() / "serving.md").write_text(f"{info}\n\n{md}\n")
+    log(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -147,8 +147,10 @@ def test_compile_configs_name_ep_fuse_for_both_paths():
     varlen, decode = serve.cb_compile_configs({"executor": "eager"})
     for cc in (varlen, decode):
         assert (cc.backend, cc.fullgraph, cc.mode, cc.options) == ("ep_fuse", False, None, {"executor": "eager"})
-    plain = serve.cb_compile_configs()
-    assert all((cc.backend, cc.mode, cc.options) == ("ep_fuse", "default", None) for cc in plain)
+    plain = serve.cb_compile_configs()  # mode None = Inductor's default (HF's own default is reduce-overhead)
+    assert all((cc.backend, cc.mode, cc.options) == ("ep_fuse", None, None) for cc in plain)
+    with pytest.raises(ValueError, match="use_cuda_graph"):
+        serve.cb_compile_configs({"mode": "reduce-overhead"})
 
 
 def test_with_ep_fuse_compile_keeps_what_the_caller_set():

@@ -311,6 +311,7 @@ def _run(scenarios, timeout_s=300.0):
 @pytest.fixture(scope="module")
 def hf_ep2():
     pytest.importorskip("transformers.distributed.expert_parallel")
+    pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate (the test extra)")
     return _run(SCENARIOS)
 
 
@@ -331,6 +332,7 @@ def test_killed_rank_raises_on_its_peer(hf_ep2):
 @pytest.mark.slow
 def test_slow_scenarios():
     pytest.importorskip("transformers.distributed.expert_parallel")
+    pytest.importorskip("accelerate", reason="transformers' distributed loading needs accelerate (the test extra)")
     from support.dist_harness import check
 
     results = _run(SLOW_SCENARIOS)

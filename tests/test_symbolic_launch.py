@@ -55,6 +55,8 @@ CASES: dict[str, tuple[Callable[[], tuple[Any, ...]], ...]] = {
     "moe_gating": (lambda: (torch.randn(T, E), None, K, "softmax", 1, 1, "none", True, 1e-20, 1.0, None, False),
                    lambda: (torch.randn(T, 64), torch.randn(64), 8, "sigmoid", 8, 4, "sum_top2", True, 1e-20, 2.5,
                             None, False)),
+    "moe_gating_sink": (lambda: (torch.randn(T, E + 2), None, K, 2, 2.5, torch.rand(1), None),
+                        lambda: (torch.randn(T, E + 1), torch.randn(E), K, 1, 1.0, None, BF16)),
     "moe_permute": (lambda: (torch.randn(T, H, dtype=BF16), torch.randint(0, E, (T, K)), E),),
     "moe_unpermute": (lambda: (torch.randn(T * K, H, dtype=BF16), torch.randint(0, T * K, (T * K,)),
                                torch.rand(T, K), K, None),),

@@ -30,7 +30,7 @@ import torch
 
 import ep_fuse
 from ep_fuse.catalog import PATTERN_FAMILIES, all_patterns, pattern_names
-from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.config import ConfigError, EpFuseConfig, parse_key_values
 from ep_fuse.debug.targets import FactoryError, TargetError, load
 from ep_fuse.ops.registry import canonical_ops, default_priority
 
@@ -85,16 +85,10 @@ class _Progress:
 
 
 def _parse_options(pairs: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise CliError(f"--option takes KEY=VALUE (JSON values allowed), got {pair!r}", EXIT_USAGE)
-        key, value = pair.split("=", 1)
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
+    try:
+        return parse_key_values(pairs, "--option")
+    except ConfigError as e:
+        raise CliError(str(e), EXIT_USAGE) from e
 
 
 def _compile(args: argparse.Namespace, options: dict[str, Any], progress: _Progress) -> tuple[Any, list[Any]]:

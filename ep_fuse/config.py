@@ -295,3 +295,21 @@ def _normalise(options: dict[str, Any]) -> dict[str, Any]:
     if out.get("mode") == "default":
         out["mode"] = None
     return out
+
+
+def parse_key_values(pairs: list[str], flag: str) -> dict[str, Any]:
+    """Command-line ``KEY=VALUE`` options (``flag``: the option's name, for the error) -> ep_fuse options; values
+    are parsed as JSON where they are JSON, else kept as strings. Raises :class:`ConfigError` on a pair without
+    ``=``."""
+    import json
+
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"{flag} takes KEY=VALUE (JSON values allowed), got {pair!r}")
+        key, value = pair.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out

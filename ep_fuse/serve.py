@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
-import json
 import logging
 import sys
 import threading
@@ -26,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import ep_fuse
-from ep_fuse.config import ConfigError, EpFuseConfig
+from ep_fuse.config import ConfigError, EpFuseConfig, parse_key_values
 from ep_fuse.models import paged_attention
 
 log = logging.getLogger("ep_fuse")
@@ -224,16 +223,10 @@ def wait(server: Any) -> None:
 # --------------------------------------------------------------------------- command line
 def parse_options(pairs: list[str]) -> dict[str, Any]:
     """``["KEY=VALUE", ...]`` -> ep_fuse options (values parsed as JSON where they are JSON)."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ServeError(f"--ep-fuse-option takes KEY=VALUE (JSON values allowed), got {pair!r}", EXIT_USAGE)
-        key, value = pair.split("=", 1)
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
+    try:
+        return parse_key_values(pairs, "--ep-fuse-option")
+    except ConfigError as e:
+        raise ServeError(str(e), EXIT_USAGE) from e
 
 
 def _hf_options(argv: list[str]) -> dict[str, Any]:

@@ -107,6 +107,7 @@ def server(request, model_dir):
     patch = pytest.MonkeyPatch()
     if request.param == "uncompiled":
         patch.setattr(serve, "cb_compile_configs", lambda options=None: (None, None))
+    before = set(threading.enumerate())  # threads of earlier tests in this process are not the server's
     try:
         srv = serve.start(model_dir, {"executor": "eager"}, host="127.0.0.1", port=port, device="cpu",
                           dtype="float32", **CB)
@@ -114,6 +115,7 @@ def server(request, model_dir):
         patch.undo()
         raise
     srv.port, srv.model, srv.compiled = port, model_dir, request.param == "ep_fuse"
+    srv.threads_before = before
     yield srv
     serve.stop(srv)
     patch.undo()
@@ -270,8 +272,8 @@ def test_shutdown_is_clean(server):
     # AnyIO's worker threads (sync endpoints such as /health run there) end within their 10 s idle time
     deadline = time.monotonic() + 20
     while True:
-        leftover = [t for t in threading.enumerate()
-                    if t.is_alive() and not t.daemon and t is not threading.main_thread()]
+        leftover = [t for t in threading.enumerate() if t.is_alive() and not t.daemon
+                    and t is not threading.main_thread() and t not in server.threads_before]
         if not leftover or time.monotonic() > deadline:
             break
         time.sleep(0.2)

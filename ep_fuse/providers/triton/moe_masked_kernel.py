@@ -33,11 +33,9 @@ from ep_fuse.providers.triton.gemm_tiles import (
     operand_ptrs,
     swiglu_rounded,
 )
+from ep_fuse.providers.triton.grouped_gemm_kernel import MIN_BLOCK_E  # counts one program scans in registers: at
+# least this many, at most the grouped GEMMs' MAX_EXPERTS (the host check, grouped_gemm.expert_weight_limits)
 from ep_fuse.providers.triton.jit_helpers import DTYPE_CODES, INTERPRET, for_store, round_as
-
-MIN_BLOCK_E = 16
-"""Counts one program scans in registers: at least this many, at most the grouped GEMMs' ``MAX_EXPERTS`` (the host
-check, ``grouped_gemm.expert_weight_limits``)."""
 
 
 @triton.jit

@@ -1,19 +1,28 @@
 """HF continuous batching (the engine behind ``transformers serve --continuous-batching``), three ways in one run.
 
     python bench/bench_serving.py [--models qwen3_30b_a3b,mixtral_8x7b] [--requests 256] [--concurrency 1,16,64]
-                                  [--prompt 32-512] [--new 64-256] [--modes eager,inductor,ep_fuse]
-                                  [--ep-fuse-option KEY=VALUE ...] [--tiny]
+                                  [--prompt 32-512] [--new 64-256] [--modes eager,hf,inductor,ep_fuse]
+                                  [--cuda-graph auto|on|off] [--profile] [--ep-fuse-option KEY=VALUE ...] [--tiny]
 
 For each real-sized model (``hf_models.py``: Qwen3-30B-A3B with 4 layers, Mixtral-8x7B with 2, random
 weights, bf16) and mode, one ``ContinuousBatchingManager`` (``model.init_continuous_batching``) serves
 ``--requests`` greedy requests of random tokens (prompt and new-token lengths uniform in the ranges, EOS off,
 one seed for every mode) at each concurrency: at most C requests in flight, a new one submitted as one ends.
+``--requests`` is one count for every concurrency or a list, one per concurrency (``8,64,256``).
 
 * ``eager``: no compile;
-* ``inductor``: HF's compile of both paths, ``CompileConfig(fullgraph=False, mode="default")``;
+* ``hf``: HF's own default compile, as HF ships it (``default_compile_level=1``: ``CompileConfig(mode="default",
+  fullgraph=False, dynamic=True)`` on both paths, Inductor), its paged attention a graph break per layer
+  (ep_fuse's in-graph cache update uninstalled for this mode);
+* ``inductor``: Inductor over the one graph per forward that ``ep_fuse.prepare`` makes (the cache-update op),
+  ``CompileConfig(fullgraph=False, mode="default")``: what the op alone gives;
 * ``ep_fuse``: ``ep_fuse.serve.with_ep_fuse_compile`` (the configs ``ep-fuse serve`` uses).
 
-CUDA graphs are HF's own capture (``use_cuda_graph`` resolved by HF; reported as kept per path). Reported per
+CUDA graphs are HF's own capture: ``--cuda-graph auto`` leaves ``use_cuda_graph`` to HF (off for attention that
+needs a mask, such as ``paged|sdpa``), ``on`` / ``off`` set it for every mode, and a mode named ``MODE+graphs``
+(``ep_fuse+graphs``, ``hf+graphs``) turns it on for that mode alone; reported as kept per path.
+``--profile``: one more round per mode at the largest concurrency under ``torch.profiler``; the rows get the GPU
+busy fraction of that round and ``$OUT/serving_profile_<model>_<mode>.txt`` the top kernels. Reported per
 (model, mode, concurrency), after one warm-up round (its time is the ``first_s`` column: compile included):
 output tokens/s (generated tokens / wall time), time to first token and inter-token latency p50/p99 (from
 HF's per-token timestamps), and accuracy against eager: the fraction of requests whose tokens equal eager's
@@ -52,7 +61,7 @@ from common import bench_parser, env_info, markdown_table, out_dir, start, write
 import ep_fuse  # noqa: E402
 from ep_fuse.serve import parse_options, with_ep_fuse_compile  # noqa: E402
 
-MODES = ("eager", "inductor", "ep_fuse")
+MODES = ("eager", "hf", "inductor", "ep_fuse")
 
 
 def log(*a: Any) -> None:
@@ -81,8 +90,15 @@ def workload(n: int, vocab: int, prompt: tuple[int, int], new: tuple[int, int],
 def cb_config(mode: str, base: dict[str, Any], options: dict[str, Any]) -> Any:
     import transformers as tf
 
+    mode, _, graphs = mode.partition("+")
     cfg = tf.ContinuousBatchingConfig(return_logprobs=True, **base)
-    if mode == "inductor":
+    if graphs:
+        if graphs != "graphs":
+            raise ValueError(f"mode {mode}+{graphs}: the only suffix is +graphs")
+        cfg.use_cuda_graph = True
+    if mode == "hf":
+        cfg.default_compile_level = 1
+    elif mode == "inductor":
         cfg.varlen_compile_config = tf.CompileConfig(fullgraph=False, mode="default")
         cfg.decode_compile_config = tf.CompileConfig(fullgraph=False, mode="default")
     elif mode == "ep_fuse":
@@ -145,10 +161,33 @@ def accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]:
     return dict(tokens_equal=f"{same}/{len(outs)}", logprob_diff_max=worst)
 
 
+def profile_round(manager: Any, reqs: list[tuple[list[int], int]], concurrency: int, path: Path) -> float:
+    """Serve ``reqs`` under ``torch.profiler``; writes the top kernels to ``path``, returns GPU busy / wall."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        wall, _ = serve_requests(manager, reqs, concurrency)
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    table = events.table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                         row_limit=40)
+    path.write_text(f"wall {wall * 1e3:.1f} ms, GPU busy {busy_us / 1e3:.1f} ms\n\n{table}\n")
+    return busy_us / 1e6 / wall
+
+
 def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]], concurrency: list[int],
-             base: dict[str, Any], options: dict[str, Any], ref: dict[int, dict[int, Any]]) -> list[dict[str, Any]]:
+             base: dict[str, Any], options: dict[str, Any], ref: dict[int, dict[int, Any]],
+             counts: list[int] | None = None, profile: bool = False) -> list[dict[str, Any]]:
     import transformers as tf
 
+    from ep_fuse.models import paged_attention
+
+    if mode.partition("+")[0] == "hf":
+        paged_attention.uninstall()  # HF as it ships: its compiler-disabled cache update
+    else:
+        paged_attention.install()
+    counts = counts or [len(reqs)] * len(concurrency)
     torch._dynamo.reset()
     ep_fuse.reset_reports()
     gen = tf.GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(n for _, n in reqs),
@@ -162,15 +201,15 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
         warm = reqs[: max(concurrency)]
         t_first, _ = serve_requests(manager, warm, max(concurrency))
         graphs = manager.continuous_batching_config.cuda_graph_booleans
-        for c in concurrency:
-            wall, outs = serve_requests(manager, reqs, c)
+        for c, n in zip(concurrency, counts):
+            wall, outs = serve_requests(manager, reqs[:n], c)
             row = dict(model=name, mode=mode, concurrency=c, first_s=t_first,
                        cuda_graphs=f"varlen={graphs[0]} decode={graphs[1]}", **metrics(wall, outs))
             if mode == "eager":
                 ref[c] = outs
             if c in ref:
                 row.update(accuracy(outs, ref[c]))
-            if mode == "ep_fuse":
+            if mode.startswith("ep_fuse"):
                 reps = ep_fuse.reports()
                 counts: dict[str, int] = {}
                 for r in reps:
@@ -179,22 +218,32 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
                 row["note"] = f"{len(reps)} graphs; " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             rows.append(row)
             log({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+        if profile and mode != "eager":
+            c = max(concurrency)
+            busy = profile_round(manager, reqs[:c], c, out_dir() / f"serving_profile_{name}_{mode}.txt")
+            for row in rows:
+                row["gpu_busy"] = round(busy, 3)
+            log(f"{name} {mode}: GPU busy {busy:.1%} of the profiled round")
     except Exception as exc:  # one failing mode must not hide the others
         log(f"{name} {mode}: failed: {type(exc).__name__}: {exc}")
         rows.append(dict(model=name, mode=mode, note=f"failed: {type(exc).__name__}: {exc}"[:200]))
     finally:
         manager.stop(block=True, timeout=30)
+        paged_attention.install()
     return rows
 
 
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--models", default="qwen3_30b_a3b,mixtral_8x7b")
-    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--requests", default="256", help="one count, or one per concurrency")
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--prompt", default="32-512", help="prompt lengths, uniform in LO-HI")
     ap.add_argument("--new", default="64-256", help="new tokens per request, uniform in LO-HI")
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
+                    help="HF's own CUDA graphs (use_cuda_graph) for every mode; auto: HF decides")
+    ap.add_argument("--profile", action="store_true", help="one profiled round per mode (GPU busy, top kernels)")
     ap.add_argument("--ep-fuse-option", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--tiny", action="store_true", help="CPU check: tiny models, a few short requests")
     args = ap.parse_args()
@@ -202,7 +251,7 @@ def main() -> None:
     options = parse_options(args.ep_fuse_option)
     if args.tiny:
         args.models = "qwen3_moe" if args.models == ap.get_default("models") else args.models
-        args.requests = 6 if args.requests == 256 else args.requests
+        args.requests = "6" if args.requests == "256" else args.requests
         args.concurrency = "1,4" if args.concurrency == "1,16,64" else args.concurrency
         args.prompt = "8-24" if args.prompt == "32-512" else args.prompt
         args.new = "4-8" if args.new == "64-256" else args.new
@@ -215,6 +264,12 @@ def main() -> None:
     info = env_info()
     log(info)
     concurrency = [int(c) for c in args.concurrency.split(",")]
+    counts = [int(n) for n in args.requests.split(",")]
+    counts = counts * len(concurrency) if len(counts) == 1 else counts
+    if len(counts) != len(concurrency):
+        ap.error(f"--requests: {len(counts)} counts for {len(concurrency)} concurrency levels")
+    if args.cuda_graph != "auto":
+        base["use_cuda_graph"] = args.cuda_graph == "on"
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         if args.tiny:
@@ -223,11 +278,11 @@ def main() -> None:
             model = tiny_models.build(name, dtype=torch.float32, device=device, num_hidden_layers=1)
         else:
             model = hf_models.build(name, device=device)
-        reqs = workload(args.requests, model.config.vocab_size, span(args.prompt), span(args.new))
+        reqs = workload(max(counts + concurrency), model.config.vocab_size, span(args.prompt), span(args.new))
         ref: dict[int, dict[int, Any]] = {}
         modes = args.modes.split(",")
         for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference
-            rows += run_mode(model, name, mode, reqs, concurrency, base, options, ref)
+            rows += run_mode(model, name, mode, reqs, concurrency, base, options, ref, counts, args.profile)
             write_json("serving.json", dict(env=info, args=vars(args), rows=rows))
         del model
         gc.collect()
@@ -236,15 +291,15 @@ def main() -> None:
     table = []
     for r in rows:
         hf = next((x for x in rows if x["model"] == r["model"] and x.get("concurrency") == r.get("concurrency")
-                   and x["mode"] == "inductor" and x.get("tokens_s")), None)
+                   and x["mode"] == "hf" and x.get("tokens_s")), None)
         vs = r["tokens_s"] / hf["tokens_s"] if hf and r.get("tokens_s") else None
         table.append([r["model"], r.get("concurrency"), r["mode"], r.get("tokens_s"), vs and f"{vs:.2f}x",
                       r.get("ttft_ms_p50"), r.get("itl_ms_p50"), r.get("itl_ms_p99"), r.get("first_s"),
-                      r.get("cuda_graphs"), r.get("tokens_equal"),
+                      r.get("cuda_graphs"), r.get("gpu_busy"), r.get("tokens_equal"),
                       r.get("logprob_diff_max") is not None and f"{r['logprob_diff_max']:.2e}" or None,
                       r.get("note", "")[:80]])
-    md = markdown_table(["model", "concurrent", "mode", "tokens/s", "vs HF compile", "TTFT p50 ms", "ITL p50 ms",
-                         "ITL p99 ms", "first s", "CUDA graphs", "tokens = eager", "logprob diff max", "note"],
+    md = markdown_table(["model", "concurrent", "mode", "tokens/s", "vs hf", "TTFT p50 ms", "ITL p50 ms",
+                         "ITL p99 ms", "first s", "CUDA graphs", "GPU busy", "tokens = eager", "logprob diff max", "note"],
                         table)
     (out_dir() / "serving.md").write_text(f"{info}\n\n{md}\n")
     log(md)

@@ -47,7 +47,7 @@ def test_main_prints_the_check_and_exits_zero(capsys):
 @pytest.mark.parametrize("e,k,ranks,g", [(256, 8, 8, 8), (256, 8, 32, 8), (128, 8, 64, 8), (16, 4, 4, 2)])
 def test_dedup_matches_monte_carlo_of_uniform_top_k(e, k, ranks, g):
     rng = random.Random(1234 + ranks)
-    per_rank, nodes = e // ranks, ranks // g
+    per_rank = e // ranks
     n = 4000
     tot_r = tot_n = 0
     for _ in range(n):
@@ -110,7 +110,7 @@ def test_overlap_never_hides_more_than_it_can(layer, tokens, fabric):
     p = proj.project(layer, tokens, fabric, CAL)
     # shared never slower than none, and no schedule hides more than min(comm, overlappable compute)
     assert p.layer_us["shared"] <= p.layer_us["none"] + 1e-9
-    for m in proj.MODES:
+    for m in proj.MODES + proj.WHAT_IF:
         assert p.efficiency[m] <= p.ideal_efficiency + 1e-9
     assert 0 < p.ideal_efficiency <= 1
 
@@ -136,3 +136,5 @@ def test_two_batch_schedule():
     assert proj.two_batch_us(1, 2, 0, 0, 0) == 6
     # the shared work hides both dispatches; the last combine stays exposed
     assert proj.two_batch_us(1, 1, 10, 3, 0.5) == 3 + 10 + 10 + 1 + 0.5
+    # with part of it after the last combine's start, that combine hides under it
+    assert proj.two_batch_us(1, 1, 10, 3, 0.5, tail=1.5) == 1.5 + 10 + 10 + 1.5 + 0.5

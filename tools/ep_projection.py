@@ -38,6 +38,9 @@ The model, per rank, ``T`` tokens per rank, ``R`` ranks, ``G`` ranks per node, `
   ``ep_overlap`` emits (``start d0, start d1, shared, wait d0, experts 0, start c0, wait d1, experts 1, start c1,
   wait c0, wait c1, cat``), plus ``split_overhead_us``. Each micro-batch pays its own transfer latency and
   reads its experts' weights again: at decode (weight-read bound) that makes two_batch slower than none.
+  ``two_batch_tail`` (:data:`WHAT_IF`, not emitted by the pass): half the shared work under the last combine.
+* ideal efficiency: ``min(dispatch + combine, experts + shared) / (dispatch + combine)``, what any schedule of
+  this block's own work could hide (the comm in excess of the compute stays exposed whatever the mode).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ import math
 from collections.abc import Iterable, Sequence
 
 MODES = ("none", "shared", "two_batch")
+"""The ``ep_overlap`` modes, as the pass schedules them."""
+WHAT_IF = ("two_batch_tail",)
+"""Schedules the pass does not emit: ``two_batch_tail`` is two_batch with half of the independent work moved under
+the last micro-batch's combine (which two_batch leaves exposed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,16 +233,20 @@ def shared_us(layer: Layer, tokens: int, cal: Calibration) -> float:
     return max(weights / (cal.hbm_gbps * 1e3), flops / (cal.tflops * 1e6))
 
 
-def two_batch_us(d: float, c: float, e: float, s: float, overhead: float) -> float:
+def two_batch_us(d: float, c: float, e: float, s: float, overhead: float, tail: float = 0.0) -> float:
     """The two-micro-batch schedule on one comm and one compute stream; ``d``, ``c``, ``e``: one micro-batch's
-    dispatch, combine and experts, ``s``: the independent (shared) work, ``overhead``: the split's own cost."""
+    dispatch, combine and experts, ``s``: the independent (shared) work, ``overhead``: the split's own cost.
+
+    ``tail``: the part of ``s`` placed after the last combine's start instead of under the dispatches (not what
+    ``ep_overlap`` emits, which puts all of it before the first wait: a what-if, :data:`WHAT_IF`)."""
+    head = s - tail
     d0 = d
     d1 = d0 + d
-    e0 = max(s, d0) + e
+    e0 = max(head, d0) + e
     c0 = max(d1, e0) + c
     e1 = max(e0, d1) + e
     c1 = max(c0, e1) + c
-    return max(c1, e1) + overhead
+    return max(c1, e1 + tail) + overhead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,8 +279,10 @@ def project(layer: Layer, tokens: int, fabric: Fabric, cal: Calibration,
         "shared": max(d, s / 2) + e + max(c, s / 2) if s else d + e + c,
         "two_batch": two_batch_us(dispatch_us(layer, half, fabric, cal), combine_us(layer, half, fabric, cal),
                                   expert_us(layer, half, r, cal), s, split_overhead_us),
+        "two_batch_tail": two_batch_us(dispatch_us(layer, half, fabric, cal), combine_us(layer, half, fabric, cal),
+                                       expert_us(layer, half, r, cal), s, split_overhead_us, tail=s / 2),
     }
-    eff = {m: (t["none"] - t[m]) / (d + c) for m in MODES}
+    eff = {m: (t["none"] - t[m]) / (d + c) for m in MODES + WHAT_IF}
     ideal = min(d + c, e + s) / (d + c)
     return Projection(layer, tokens, fabric, traffic(layer, tokens, fabric), d, c, e, s, t, eff, ideal)
 
@@ -377,8 +390,9 @@ def check_lines(checks: Sequence[Check], markdown: bool) -> list[str]:
 def table_lines(rows: Sequence[Projection], markdown: bool) -> list[str]:
     """The projection as text or markdown lines."""
     head = ["layer", "T/rank", "R", "nodes", "ranks/token", "nodes/token", "NVLink MB", "RDMA MB", "dispatch µs",
-            "combine µs", "experts µs", "shared µs", "none µs", "shared µs", "two_batch µs", "eff shared",
-            "eff two_batch", "eff ideal", "comm / compute"]
+            "combine µs", "experts µs", "shared expert µs", "t(none) µs", "t(shared) µs",
+            "t(two_batch) µs", "eff shared",
+            "eff two_batch", "eff two_batch_tail", "eff ideal", "comm / compute"]
     body = []
     for p in rows:
         lay, f = p.layer, p.fabric
@@ -389,8 +403,30 @@ def table_lines(rows: Sequence[Projection], markdown: bool) -> list[str]:
                      f"{p.traffic.nvlink_bytes / 1e6:.1f}", f"{p.traffic.rdma_bytes / 1e6:.1f}",
                      _fmt(p.dispatch_us), _fmt(p.combine_us), _fmt(p.expert_us), _fmt(p.shared_us),
                      _fmt(p.layer_us["none"]), _fmt(p.layer_us["shared"]), _fmt(p.layer_us["two_batch"]),
-                     f"{p.efficiency['shared']:.2f}", f"{p.efficiency['two_batch']:.2f}", f"{p.ideal_efficiency:.2f}",
+                     f"{p.efficiency['shared']:.2f}", f"{p.efficiency['two_batch']:.2f}",
+                     f"{p.efficiency['two_batch_tail']:.2f}", f"{p.ideal_efficiency:.2f}",
                      f"{comm / (p.expert_us + p.shared_us):.2f}"])
+    return _lines(head, body, markdown)
+
+
+def summary_lines(cal: Calibration, markdown: bool, split_overhead_us: float = 10.0) -> list[str]:
+    """Per case and group size, on every fabric of :data:`FABRICS`: dispatch + combine, the better overlap mode
+    with its efficiency, and the ideal efficiency (what any schedule could hide)."""
+    tables = {label: projection_table(cal, nvl, rdma, split_overhead_us=split_overhead_us)
+              for label, (nvl, rdma) in FABRICS.items()}
+    head = ["layer", "T/rank", "R"]
+    for label in FABRICS:
+        short = label.replace("NVLink as measured", "NVL fit").replace(" (400 Gb/s NIC)", "")
+        head += [f"{short}: d+c µs", "best mode (eff)", "ideal"]
+    body = []
+    for i, p in enumerate(next(iter(tables.values()))):
+        row = [p.layer.name, str(p.tokens), str(p.fabric.ranks)]
+        for rows in tables.values():
+            q = rows[i]
+            best = max(("shared", "two_batch"), key=lambda m: q.efficiency[m])
+            row += [_fmt(q.dispatch_us + q.combine_us), f"{best} {q.efficiency[best]:.2f}",
+                    f"{q.ideal_efficiency:.2f}"]
+        body.append(row)
     return _lines(head, body, markdown)
 
 
@@ -424,6 +460,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(two_batch split overhead {args.split_overhead_us:g} µs):")
         print("\n".join(table_lines(projection_table(cal, nvl, rdma, split_overhead_us=args.split_overhead_us),
                                     args.markdown)))
+    print()
+    print("What overlap saves, per fabric (d+c: dispatch + combine; eff: (t(none) - t(mode)) / t(d+c)):")
+    print("\n".join(summary_lines(cal, args.markdown, args.split_overhead_us)))
     print()
     print("all_to_all past one node (rank dedup only, every row to a remote node over RDMA), RDMA 50 GB/s:")
     print("\n".join(table_lines(projection_table(cal, None, 50.0, ranks=RANKS[2:], node_dedup=False,

@@ -149,7 +149,7 @@ QWEN3_30B = Layer("Qwen3-30B-A3B", 2048, 768, 128, 8)
 _ROUTED_DS = dataclasses.replace(DEEPSEEK_V3, shared_i=0)
 
 MEASURED: list[Measured] = [
-    # docs/ep.md "Measured on 2 x H200": all_to_all with a capacity (CUDA-graph replays). Qwen3's split of
+    # docs/ep.md "Measured on 2 x ... (NCCL, NVLink)": all_to_all with a capacity (CUDA-graph replays). Qwen3's split of
     # dispatch + combine comes from its recv GB/s (rows received x H x 2 B over each time).
     Measured(_ROUTED_DS, 128, 31.4, 29.4, 2847.0, "DeepSeek-V3 decode, all_to_all capacity"),
     Measured(_ROUTED_DS, 4096, 292.0, 435.0, 8218.0, "DeepSeek-V3 prefill, all_to_all capacity"),
@@ -377,6 +377,7 @@ def projection_table(cal: Calibration, nvlink_gbps: float | None = None, rdma_gb
 
 
 def _fmt(x: float) -> str:
+    """µs as in docs/ep.md: thousands separated by a space from 100 up, one decimal below."""
     return f"{x:,.0f}".replace(",", " ") if abs(x) >= 100 else f"{x:.1f}"
 
 
@@ -431,6 +432,7 @@ def summary_lines(cal: Calibration, markdown: bool, split_overhead_us: float = 1
 
 
 def _lines(head: list[str], body: list[list[str]], markdown: bool) -> list[str]:
+    """A table as markdown rows or right-aligned text columns."""
     if markdown:
         return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |"
                                                                               for r in body]
@@ -439,6 +441,7 @@ def _lines(head: list[str], body: list[list[str]], markdown: bool) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Print the calibration, its check against the measured rows and the projections; 1 if a check is off."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--markdown", action="store_true", help="markdown tables (as in docs/ep.md)")
     ap.add_argument("--split-overhead-us", type=float, default=10.0, help="two_batch's own cost per layer")

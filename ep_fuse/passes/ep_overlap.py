@@ -19,8 +19,23 @@ Runs after the EP pass (and the quant pass), before Expand. Per EP block (``ep_d
       wait(d1); experts(mb1); start(c1); wait(c0); wait(c1); out = cat(out0, out1)
 
   The dispatch of micro-batch 1 runs under the experts of micro-batch 0, the combine of 0 under the experts
-  of 1. The split is per MoE block (router, attention and the rest of the layer run once on all tokens); a
-  block whose micro-batch would be empty on some rank stays one batch.
+  of 1. This per-block split (router, attention and the rest of the layer run once on all tokens) is the
+  fallback; a block whose micro-batch would be empty on some rank stays one batch.
+
+  First, over the *layer range* (:func:`find_range`: from the first EP block's ``[B, S, H]`` layer input to the
+  last block's combine), the batch is split (``B // 2`` sequences, the same on every rank as ranks trace the same
+  shapes): every node derived from the layer input is cloned per micro-batch (values from before the range cut
+  by rows where their leading size is ``B`` or ``B*S``: masks, positions; weights and tables shared; the first
+  entry of view / reshape / expand sizes substituted), and per block::
+
+      ... attention(mb0); start(d0); attention(mb1); start(d1); wait(d0); experts(mb0); start(c0)
+      wait(d1); experts(mb1); start(c1); wait(c0); attention'(mb0); start(d0'); wait(c1); attention'(mb1) ...
+
+  the values read after the range are ``cat`` s of the two. Every clone's fake value must equal the original's
+  with the batch substituted and every ``cat`` the original's shape, dtype and strides; the split declines (the
+  reason in ``EpRecord.range_split``, the graph untouched, per-block two_batch instead) at batch < 2 (one
+  sequence, or packed / varlen sequences in one row), a node without a batch dim, a step along dim 0 (a
+  reduction, a transpose, tensor indexing, a cat), an impure call in the range, or any failing check.
 * ``auto``: per block and token count from :data:`MEASURED_RULES` (no rule measured yet: ``none``).
 
 Engines without an async form on the graph's device keep the synchronous ops (one INFO line). Each decision
@@ -309,6 +324,11 @@ class EpOverlap(GraphPass):
         cuts: list[dict[fx.Node, fx.Node]] = [{}, {}]
         lo_order = {n: i for i, n in enumerate(graph.nodes)}
         window = list(graph.nodes)[lo_order[rng.h0] + 1:lo_order[end] + 1]
+        for k, blk in enumerate(rng.blocks):
+            cap = int(blk.dispatch.args[7])
+            if cap and parts[1] * s > math.ceil(cap / 2):
+                raise RangeDeclined(f"{rng.labels[k]}: a micro-batch of {parts[1] * s} tokens exceeds half the "
+                                    f"capacity {cap} (each micro-batch gets {math.ceil(cap / 2)}, as per block)")
         impure = [n.name for n in window if n.op == "call_function" and n not in ep_nodes and not range_pure(n)]
         if impure:
             raise RangeDeclined(f"the range holds impure calls ({', '.join(impure[:3])}): moving them is not checked")
@@ -357,7 +377,7 @@ class EpOverlap(GraphPass):
                 clone(i, n)
             d = rng.blocks[k].dispatch
             cap = int(d.args[7])
-            dargs = (*(arg(i, a, d) for a in d.args[:3]), *d.args[3:7], min(cap, parts[i] * s) if cap else 0,
+            dargs = (*(arg(i, a, d) for a in d.args[:3]), *d.args[3:7], math.ceil(cap / 2) if cap else 0,
                      *d.args[8:])
             st = call(ep_ops.ep_dispatch_start.op, dargs, d)
             for n in rng.mid[k]:

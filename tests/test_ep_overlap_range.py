@@ -218,6 +218,23 @@ def sc_failed_analysis_declines(world):
     _assert_declined(rep, "analysis failed: RuntimeError: injected")
 
 
+def sc_failed_rewrite_restores(world):
+    """A rewrite that raises after it changed the graph: the copy taken before goes back (one warning), per-block
+    two_batch, results still equal."""
+    from ep_fuse.passes import ep_overlap
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("injected")
+
+    saved = ep_overlap.EpOverlap.__dict__["_range_schedule"]  # the staticmethod itself
+    ep_overlap.EpOverlap._range_schedule = staticmethod(broken)
+    try:
+        rep, _ = _decoder(world, batch=2)
+    finally:
+        ep_overlap.EpOverlap._range_schedule = saved
+    _assert_declined(rep, "the rewrite failed (RuntimeError: injected); the graph was put back")
+
+
 def sc_inductor(world):
     """The Inductor executor runs the split range (batch 2)."""
     rep, _ = _decoder(world, batch=2, executor="inductor")
@@ -268,7 +285,8 @@ def sc_hf_inductor(world):
 
 
 SCENARIOS_2 = [sc_decoder_eager, sc_decoder_three_layers, sc_uneven_and_empty_rank, sc_capacity, sc_mask_input,
-               sc_batch_one_declines, sc_mixed_batch_declines, sc_failed_analysis_declines, sc_hf_qwen3_moe]
+               sc_batch_one_declines, sc_mixed_batch_declines, sc_failed_analysis_declines,
+               sc_failed_rewrite_restores, sc_hf_qwen3_moe]
 SLOW_2 = [sc_inductor, sc_hf_qwen2_moe_batch3, sc_hf_inductor]
 """Inductor compiles and the second HF model: minutes on two shared cores (``-m slow``)."""
 SCENARIOS_4 = [sc_decoder_eager, sc_uneven_and_empty_rank, sc_capacity]

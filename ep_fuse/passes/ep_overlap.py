@@ -219,15 +219,10 @@ class EpOverlap(GraphPass):
         changed = 0
         sync_said: set[str] = set()
         if mode == "two_batch" and blocks and all(ep_ops.ep_async(b.dispatch.args[5], ctx.device) for b in blocks):
-            self._mutating = False
-            try:
-                if self._range(gm, blocks, ctx):
-                    gm.graph.lint()
-                    return len(blocks)
-            except Exception as exc:  # noqa: BLE001 - only raised once the rewrite has begun
-                raise EpError(f"ep_fuse: ep_overlap failed while splitting the layer range along the batch "
-                              f"({type(exc).__name__}: {exc}); compile with ep_overlap='none' and please report "
-                              "it") from exc
+            if self._range(gm, blocks, ctx):
+                gm.graph.lint()
+                return len(blocks)
+            blocks = find_blocks(gm.graph, list(ctx.report.ep))  # the graph may be the copy put back
         for block in blocks:
             self._mutating = False
             try:
@@ -279,6 +274,8 @@ class EpOverlap(GraphPass):
         """Split the layer range of ``blocks`` along the batch (every block then ``two_batch``); ``False``, the
         graph untouched and the reason on each record, where it declines."""
         new: list[fx.Node] = []
+        backup = copy_graph(gm)
+        self._mutating = False
         try:
             rng = find_range(blocks)
             for k, b in enumerate(rng.blocks):
@@ -286,12 +283,19 @@ class EpOverlap(GraphPass):
                 if reason is not None:
                     raise RangeDeclined(f"{rng.labels[k]}: {reason}")
             schedules = self._range_split(gm.graph, rng, ctx, new)
-        except Exception as exc:  # noqa: BLE001 - any failure before the first use is replaced: per-block two_batch
-            if self._mutating:
-                raise
-            for n in reversed(new):
-                gm.graph.erase_node(n)
-            why = str(exc) if isinstance(exc, RangeDeclined) else f"analysis failed: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - any failure: the graph as it was, per-block two_batch
+            if self._mutating:  # half rewritten: the copy taken before goes back
+                gm.graph = backup
+                gm.recompile()
+                self._mutating = False
+                why = f"the rewrite failed ({type(exc).__name__}: {exc}); the graph was put back"
+            elif isinstance(exc, RangeDeclined):
+                why = str(exc)
+            else:
+                why = f"analysis failed: {type(exc).__name__}: {exc}"
+            if gm.graph is not backup:
+                for n in reversed(new):
+                    gm.graph.erase_node(n)
             (log.info if isinstance(exc, RangeDeclined) else log.warning)(
                 "ep_fuse: two_batch over the layer range declined (%s); two_batch per EP block instead", why)
             for b in blocks:
@@ -799,6 +803,13 @@ def _static_rows(node: Any) -> int | None:
         return None
     size = v.shape[0]
     return int(size) if isinstance(size, int) else None
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph (node names kept; metadata shared with the original)."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return graph
 
 
 def _shape(v: Any) -> str:

@@ -12,6 +12,7 @@ packed sequences, a step that mixes the batch, a failing analysis), each back to
 from __future__ import annotations
 
 import copy
+import operator
 
 import pytest
 import torch
@@ -362,6 +363,13 @@ def test_batch_rows_and_batch_dim_use():
         "index1": g.call_function(aten.index.Tensor, (x, [None, x])),
         "cat0": g.call_function(aten.cat.default, ([x, x], 0)),
         "cat_last": g.call_function(aten.cat.default, ([x, x], -1)),
+        "roll_flat": g.call_function(aten.roll.default, (x, [1])),
+        "roll_last": g.call_function(aten.roll.default, (x, [1], [-1])),
+        "flatten": g.call_function(aten.flatten.using_ints, (x,)),  # start_dim 0 by default
+        "strided": g.call_function(aten.as_strided.default, (x, [4, 6], [1, 4])),
+        "getitem": g.call_function(operator.getitem, (x, 0)),
+        "python": g.call_function(operator.add, (x, x)),
     }
     declined = {k for k, n in calls.items() if ep_overlap.batch_dim_use(n) is not None}
-    assert declined == {"mean0", "t01", "perm_move", "index0", "cat0"}, declined
+    assert declined == {"mean0", "t01", "perm_move", "index0", "cat0", "roll_flat", "flatten", "strided",
+                        "python"}, declined

@@ -35,7 +35,8 @@ Runs after the EP pass (and the quant pass), before Expand. Per EP block (``ep_d
   with the batch substituted and every ``cat`` the original's shape, dtype and strides; the split declines (the
   reason in ``EpRecord.range_split``, the graph untouched, per-block two_batch instead) at batch < 2 (one
   sequence, or packed / varlen sequences in one row), a node without a batch dim, a step along dim 0 (a
-  reduction, a transpose, tensor indexing, a cat), an impure call in the range, or any failing check.
+  reduction, a transpose, tensor indexing, a cat), an op of another library, an impure call in the range, or
+  any failing check.
 * ``auto``: per block and token count from :data:`MEASURED_RULES` (no rule measured yet: ``none``).
 
 Engines without an async form on the graph's device keep the synchronous ops (one INFO line). Each decision
@@ -617,6 +618,10 @@ ROW_INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.def
 """Ops that index with tensors: a derived node may not index the batch dim with them (indices are batch-wide)."""
 
 DIM_ARGS = ("dim", "dims", "dim0", "dim1", "start_dim")
+"""Schema arguments naming the dims an op works along (dim 0 there: the op mixes or moves the batch)."""
+
+KNOWN_NAMESPACES = ("aten", "prims", "ep_fuse")
+"""Ops of other libraries (a varlen attention with ``cu_seqlens``, ...) may mix rows across sequences."""
 
 
 @dataclasses.dataclass
@@ -677,11 +682,17 @@ def batch_dim_use(node: fx.Node) -> str | None:
     if t in ROW_INDEXING:
         idx = node.args[1]
         return "indexes the batch dim with a tensor" if idx and idx[0] is not None else None
-    if t is aten.take.default:
+    if t is operator.getitem:
+        return None
+    if not isinstance(t, torch._ops.OpOverload) or t.namespace not in KNOWN_NAMESPACES:
+        return f"is not an aten or ep_fuse op (its rows may mix sequences: {t})"
+    if t in (aten.take.default, aten.as_strided.default):
         return "indexes the flattened tensor"
-    if not isinstance(t, torch._ops.OpOverload) or not nd:
+    if not nd:
         return None
     args = op_args(node)
+    if t is aten.roll.default and not args.get("dims"):
+        return "rolls the flattened tensor"
     for name in DIM_ARGS:
         d = args.get(name)
         dims = d if isinstance(d, (list, tuple)) else [d]

@@ -304,8 +304,8 @@ class EpOverlap(GraphPass):
                     b.record.range_split = f"declined: {why}"
             return False
         b0 = rng.batch // 2
-        summary = (f"layers {rng.labels[0]}-{rng.labels[-1]}, batch {rng.batch} = {b0} + {rng.batch - b0} "
-                   f"sequences of {rng.seq} tokens")
+        layers = f"layers {rng.labels[0]}-{rng.labels[-1]}" if len(rng.labels) > 1 else f"layer {rng.labels[0]}"
+        summary = f"{layers}, batch {rng.batch} = {b0} + {rng.batch - b0} sequences of {rng.seq} tokens"
         for b, steps in zip(rng.blocks, schedules):
             if b.record is not None:
                 b.record.overlap, b.record.overlap_reason = "two_batch", ""

@@ -71,8 +71,8 @@ def _check_range_order(order, layers=2):
     mb0's combine under mb1's experts, mb1's combine waited after mb0's next-layer attention."""
     ops = torch.ops.ep_fuse
     attn = _at(order, lambda t: "scaled_dot_product" in str(t))
-    ds, dw = _at(order, lambda t: t is ops.ep_dispatch_start.default), _at(order, lambda t: t is ops.ep_dispatch_wait.default)
-    cs, cw = _at(order, lambda t: t is ops.ep_combine_start.default), _at(order, lambda t: t is ops.ep_combine_wait.default)
+    ds, dw = (_at(order, lambda t, op=op: t is op.default) for op in (ops.ep_dispatch_start, ops.ep_dispatch_wait))
+    cs, cw = (_at(order, lambda t, op=op: t is op.default) for op in (ops.ep_combine_start, ops.ep_combine_wait))
     ex = _at(order, lambda t: t is ops.moe_experts.default)
     assert len(attn) == len(ds) == len(dw) == len(cs) == len(cw) == len(ex) == 2 * layers, (attn, ds, ex)
     for k in range(layers):
@@ -255,9 +255,9 @@ def _hf(world, name, batch, seq=8, executor="eager", packed=False):
     ep_fuse.shard_experts(model)
     torch._dynamo.reset()
     opts = ep_fuse.ep_options(model, backend="all_to_all", timeout_s=TIMEOUT_S)
+    options = {"executor": executor, "providers": {"cpu": ["reference"]}, "ep_overlap": "two_batch", **opts}
     with _Order() as order, torch.no_grad():
-        out = torch.compile(model, backend="ep_fuse", options={
-            "executor": executor, "providers": {"cpu": ["reference"]}, "ep_overlap": "two_batch", **opts})(**inputs).logits
+        out = torch.compile(model, backend="ep_fuse", options=options)(**inputs).logits
     _close(out, ref)
     return ep_fuse.last_report(), order.graphs
 

@@ -229,6 +229,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         for e in rep.get("ep", []):  # the EP overlap schedule per block (ep_overlap)
             why = f" ({e['overlap_reason']})" if e.get("overlap_reason") else ""
             print(f"  EP {e['module_path'] or e['block']}: {e['backend']}, overlap {e.get('overlap', 'none')}{why}")
+            if e.get("range_split"):
+                print(f"    range split: {e['range_split']}")
             for step in e.get("schedule", []):
                 print(f"    {step}")
     return EXIT_OK

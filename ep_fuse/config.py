@@ -62,8 +62,9 @@ class EpFuseConfig:
             must fit).
         ep_timeout_s: seconds any EP collective may wait before it raises.
         ep_overlap: ``"none"``, ``"shared"`` (work independent of the routed tokens runs between the start and
-            the wait of each dispatch/combine), ``"two_batch"`` (each EP block in two interleaved micro-batches)
-            or ``"auto"`` (per block from measured rules); see :mod:`ep_fuse.passes.ep_overlap`.
+            the wait of each dispatch/combine), ``"two_batch"`` (the decoder-layer range split along the batch into
+            two interleaved micro-batches, else each EP block's tokens) or ``"auto"`` (per block from measured
+            rules); see :mod:`ep_fuse.passes.ep_overlap`.
         quant: ``None`` (no quantization), ``"w8a8_int8"``: routed-expert weights int8 with
             per-output-channel fp32 scales (made once at compile time), activations quantized per
             token; see :mod:`ep_fuse.passes.quant`. ``"fp8_block"``: routed-expert weights E4M3 with

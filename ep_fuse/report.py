@@ -78,6 +78,9 @@ class EpRecord:
     """Why ``overlap`` differs from the option (an ``auto`` rule, a decline), else empty."""
     schedule: list[str] = dataclasses.field(default_factory=list)
     """The block's steps in graph order, naming the GEMM-like nodes that run under each transfer."""
+    range_split: str = ""
+    """``two_batch`` over a decoder-layer range: the range and batch split (``"layers L0-L1, batch 4 = 2 + 2
+    ..."``), ``"declined: <why>"`` where the block fell back to the per-block split, empty when not tried."""
 
 
 @dataclasses.dataclass
@@ -258,6 +261,7 @@ class GraphReport:
         """The EP blocks' overlap schedules, one block per paragraph (empty without EP)."""
         return "\n".join(f"EP block {e.module_path or e.block}: overlap {e.overlap}"
                          + (f" ({e.overlap_reason})" if e.overlap_reason else "")
+                         + (f"\n  range split: {e.range_split}" if e.range_split else "")
                          + "".join(f"\n  {step}" for step in e.schedule) for e in self.ep)
 
     def __str__(self) -> str:

@@ -19,8 +19,24 @@ Runs after the EP pass (and the quant pass), before Expand. Per EP block (``ep_d
       wait(d1); experts(mb1); start(c1); wait(c0); wait(c1); out = cat(out0, out1)
 
   The dispatch of micro-batch 1 runs under the experts of micro-batch 0, the combine of 0 under the experts
-  of 1. The split is per MoE block (router, attention and the rest of the layer run once on all tokens); a
-  block whose micro-batch would be empty on some rank stays one batch.
+  of 1. This per-block split (router, attention and the rest of the layer run once on all tokens) is the
+  fallback; a block whose micro-batch would be empty on some rank stays one batch.
+
+  First, over the *layer range* (:func:`find_range`: from the first EP block's ``[B, S, H]`` layer input to the
+  last block's combine), the batch is split (``B // 2`` sequences, the same on every rank as ranks trace the same
+  shapes): every node derived from the layer input is cloned per micro-batch (values from before the range cut
+  by rows where their leading size is ``B`` or ``B*S``: masks, positions; weights and tables shared; the first
+  entry of view / reshape / expand sizes substituted), and per block::
+
+      ... attention(mb0); start(d0); attention(mb1); start(d1); wait(d0); experts(mb0); start(c0)
+      wait(d1); experts(mb1); start(c1); wait(c0); attention'(mb0); start(d0'); wait(c1); attention'(mb1) ...
+
+  the values read after the range are ``cat`` s of the two. Every clone's fake value must equal the original's
+  with the batch substituted and every ``cat`` the original's shape, dtype and strides; the split declines (the
+  reason in ``EpRecord.range_split``, the graph untouched, per-block two_batch instead) at batch < 2 (one
+  sequence, or packed / varlen sequences in one row), a node without a batch dim, a step along dim 0 (a
+  reduction, a transpose, tensor indexing, a cat), an op of another library, an impure call in the range, or
+  any failing check.
 * ``auto``: per block and token count from :data:`MEASURED_RULES` (no rule measured yet: ``none``).
 
 Engines without an async form on the graph's device keep the synchronous ops (one INFO line). Each decision
@@ -33,6 +49,7 @@ import dataclasses
 import logging
 import math
 import operator
+import re
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -40,7 +57,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ep_fuse.fx_utils import module_path, val
+from ep_fuse.fx_utils import module_path, op_args, val
 from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
@@ -202,6 +219,11 @@ class EpOverlap(GraphPass):
         blocks = find_blocks(gm.graph, list(ctx.report.ep))
         changed = 0
         sync_said: set[str] = set()
+        if mode == "two_batch" and blocks and all(ep_ops.ep_async(b.dispatch.args[5], ctx.device) for b in blocks):
+            if self._range(gm, blocks, ctx):
+                gm.graph.lint()
+                return len(blocks)
+            blocks = find_blocks(gm.graph, list(ctx.report.ep))  # the graph may be the copy put back
         for block in blocks:
             self._mutating = False
             try:
@@ -247,6 +269,206 @@ class EpOverlap(GraphPass):
         log.info("ep_fuse: EP overlap at %s: %s%s", (rec.module_path if rec else "") or block.combine.name,
                  chosen, f" ({why})" if why else "")
         return int(chosen != "none")
+
+    # ------------------------------------------------------------------ two_batch over a layer range
+    def _range(self, gm: fx.GraphModule, blocks: list[EpBlock], ctx: PassContext) -> bool:
+        """Split the layer range of ``blocks`` along the batch (every block then ``two_batch``); ``False``, the
+        graph untouched and the reason on each record, where it declines."""
+        new: list[fx.Node] = []
+        backup = copy_graph(gm)
+        self._mutating = False
+        try:
+            rng = find_range(blocks)
+            for k, b in enumerate(rng.blocks):
+                reason = self._two_batch_blocker(b, int(b.dispatch.args[7]))
+                if reason is not None:
+                    raise RangeDeclined(f"{rng.labels[k]}: {reason}")
+            schedules = self._range_split(gm.graph, rng, ctx, new)
+        except Exception as exc:  # noqa: BLE001 - any failure: the graph as it was, per-block two_batch
+            if self._mutating:  # half rewritten: the copy taken before goes back
+                gm.graph = backup
+                gm.recompile()
+                self._mutating = False
+                why = f"the rewrite failed ({type(exc).__name__}: {exc}); the graph was put back"
+            elif isinstance(exc, RangeDeclined):
+                why = str(exc)
+            else:
+                why = f"analysis failed: {type(exc).__name__}: {exc}"
+            if gm.graph is not backup:
+                for n in reversed(new):
+                    gm.graph.erase_node(n)
+            (log.info if isinstance(exc, RangeDeclined) else log.warning)(
+                "ep_fuse: two_batch over the layer range declined (%s); two_batch per EP block instead", why)
+            for b in blocks:
+                if b.record is not None:
+                    b.record.range_split = f"declined: {why}"
+            return False
+        b0 = rng.batch // 2
+        layers = f"layers {rng.labels[0]}-{rng.labels[-1]}" if len(rng.labels) > 1 else f"layer {rng.labels[0]}"
+        summary = f"{layers}, batch {rng.batch} = {b0} + {rng.batch - b0} sequences of {rng.seq} tokens"
+        for b, steps in zip(rng.blocks, schedules):
+            if b.record is not None:
+                b.record.overlap, b.record.overlap_reason = "two_batch", ""
+                b.record.range_split, b.record.schedule = summary, steps
+        log.info("ep_fuse: two_batch over the layer range: %s", summary)
+        return True
+
+    def _range_split(self, graph: fx.Graph, rng: LayerRange, ctx: PassContext, new: list[fx.Node]) -> list[list[str]]:
+        """Clone the range per micro-batch (inserted before the last combine), interleave the start/wait pairs,
+        check every clone's fake value against the original's with the batch substituted, then (only then)
+        redirect the readers after the range to ``cat`` s of the two values and erase the originals."""
+        b, s = rng.batch, rng.seq
+        b0 = b // 2
+        spans = ((0, b0), (b0, b))
+        parts = (b0, b - b0)
+        params = {name for name, t in ctx.inputs.items() if t is not None}  # parameters, buffers
+        derived = set(rng.derived)
+        ep_nodes = {n for blk in rng.blocks for n in (blk.dispatch, *blk.parts.values(), *blk.local, blk.combine)}
+        end = rng.blocks[-1].combine
+        envs: list[dict[fx.Node, fx.Node]] = [{}, {}]
+        cuts: list[dict[fx.Node, fx.Node]] = [{}, {}]
+        lo_order = {n: i for i, n in enumerate(graph.nodes)}
+        window = list(graph.nodes)[lo_order[rng.h0] + 1:lo_order[end] + 1]
+        for k, blk in enumerate(rng.blocks):
+            cap = int(blk.dispatch.args[7])
+            if cap and parts[1] * s > math.ceil(cap / 2):
+                raise RangeDeclined(f"{rng.labels[k]}: a micro-batch of {parts[1] * s} tokens exceeds half the "
+                                    f"capacity {cap} (each micro-batch gets {math.ceil(cap / 2)}, as per block)")
+        impure = [n.name for n in window if n.op == "call_function" and n not in ep_nodes and not range_pure(n)]
+        if impure:
+            raise RangeDeclined(f"the range holds impure calls ({', '.join(impure[:3])}): moving them is not checked")
+
+        def call(target: Any, args: tuple, like: fx.Node) -> fx.Node:
+            n = graph.call_function(target, args)
+            _meta_from(like, n)
+            new.append(n)
+            return n
+
+        def arg(i: int, a: Any, user: fx.Node) -> Any:
+            if a in envs[i]:
+                return envs[i][a]
+            if a in derived:
+                raise RangeDeclined(f"{user.name} reads {a.name} before its micro-batch value exists")
+            unit = 1 if a is rng.h0 else slice_spec(a, rng, params)
+            if unit is None:
+                return a
+            if a not in cuts[i]:
+                lo, hi = spans[i]
+                cuts[i][a] = call(aten.slice.Tensor, (a, 0, lo * unit, hi * unit), user)
+            return cuts[i][a]
+
+        def local_arg(i: int, a: Any, user: fx.Node) -> Any:
+            if a in envs[i]:
+                return envs[i][a]
+            if a in derived or a is rng.h0:
+                raise RangeDeclined(f"the local block's {user.name} reads {a.name} of the range directly")
+            return a
+
+        def clone(i: int, n: fx.Node, local: bool = False) -> None:
+            c = graph.node_copy(n, lambda a: (local_arg if local else arg)(i, a, n))
+            c.meta.pop("tensor_meta", None)
+            pos = SIZE_LIST_ARG.get(n.target)
+            if pos is not None and len(c.args) > pos and isinstance(c.args[pos], (list, tuple)) and c.args[pos]:
+                sizes, first = list(c.args[pos]), c.args[pos][0]
+                if isinstance(first, int) and first in (b, b * s):
+                    sizes[0] = parts[i] if first == b else parts[i] * s
+                    c.args = (*c.args[:pos], sizes, *c.args[pos + 1:])
+            new.append(c)
+            envs[i][n] = c
+
+        def front(k: int, i: int) -> tuple[fx.Node, tuple]:
+            """Micro-batch ``i``'s work before block ``k``'s dispatch, the dispatch start, the work beside it."""
+            for n in rng.pre[k]:
+                clone(i, n)
+            d = rng.blocks[k].dispatch
+            cap = int(d.args[7])
+            dargs = (*(arg(i, a, d) for a in d.args[:3]), *d.args[3:7], math.ceil(cap / 2) if cap else 0,
+                     *d.args[8:])
+            st = call(ep_ops.ep_dispatch_start.op, dargs, d)
+            for n in rng.mid[k]:
+                clone(i, n)
+            return st, dargs
+
+        def experts(k: int, i: int, started: tuple[fx.Node, tuple]) -> tuple[fx.Node, tuple]:
+            """Wait for micro-batch ``i``'s tokens of block ``k``, its local experts, its combine start."""
+            blk = rng.blocks[k]
+            st, dargs = started
+            wait = call(ep_ops.ep_dispatch_wait.op, (st, *dargs), blk.dispatch)
+            for j, p in blk.parts.items():
+                envs[i][p] = call(operator.getitem, (wait, j), p)
+            for n in blk.local:
+                clone(i, n, local=True)
+            c = blk.combine
+            cargs = (local_arg(i, c.args[0], c), envs[i][blk.parts[3]], arg(i, c.args[2], c), arg(i, c.args[3], c),
+                     *c.args[4:8], dargs[7], *c.args[9:])
+            return call(ep_ops.ep_combine_start.op, cargs, c), cargs
+
+        def combine_wait(k: int, i: int, started: tuple[fx.Node, tuple]) -> None:
+            c = rng.blocks[k].combine
+            envs[i][c] = call(ep_ops.ep_combine_wait.op, (started[0], *started[1]), c)
+
+        count = len(rng.blocks)
+        with graph.inserting_before(end):
+            starts = [front(0, 0), front(0, 1)]
+            for k in range(count):
+                combines = [experts(k, 0, starts[0]), experts(k, 1, starts[1])]
+                if k + 1 < count:
+                    nxt = []
+                    for i in (0, 1):
+                        combine_wait(k, i, combines[i])
+                        nxt.append(front(k + 1, i))
+                    starts = nxt
+                else:
+                    for i in (0, 1):
+                        combine_wait(k, i, combines[i])
+            cats = {n: call(aten.cat.default, ([envs[0][n], envs[1][n]], 0), n) for n in rng.outputs}
+        _fake(ctx, *new)
+        for i in (0, 1):
+            for n in rng.derived:
+                if n in ep_nodes and n not in {blk.combine for blk in rng.blocks}:
+                    continue
+                like, got = val(n), val(envs[i][n])
+                want = _substituted(like, b, s, parts[i])
+                if isinstance(like, (tuple, list)):
+                    used = {u.args[1] for u in n.users if u.target is operator.getitem}
+                    ok = isinstance(got, (tuple, list)) and all(_same(got[j], want[j], like[j]) for j in used)
+                else:
+                    ok = _same(got, want, like)
+                if not ok:
+                    raise RangeDeclined(f"micro-batch {i}'s {envs[i][n].name} is {_shape(got)}, not {_shape(like)} "
+                                        f"with the batch {b} -> {parts[i]}")
+        for n, cat in cats.items():
+            like, got = val(n), val(cat)
+            if (tuple(got.shape), got.dtype, got.stride()) != (tuple(like.shape), like.dtype, like.stride()):
+                raise RangeDeclined(f"the cat of {n.name} is {_shape(got)} stride {got.stride()}, not {_shape(like)} "
+                                    f"stride {like.stride()}")
+        self._mutating = True
+        made = set(new)
+        for n, cat in cats.items():
+            for u in [u for u in n.users if u not in derived and u not in made]:
+                u.replace_input_with(n, cat)
+        for n in reversed(rng.derived):
+            graph.erase_node(n)
+        return self._range_schedule(rng)
+
+    @staticmethod
+    def _range_schedule(rng: LayerRange) -> list[list[str]]:
+        """Per block: what each transfer runs under (``c1 under mb0 attention L1``), in graph order."""
+        out = []
+        labels = rng.labels
+        for k, blk in enumerate(rng.blocks):
+            here = labels[k]
+            front = _names([*rng.pre[k], *rng.mid[k]])
+            steps = [f"{here} d0 under mb1 attention {here} ({front})", f"{here} d1 under mb0 experts {here}",
+                     f"{here} c0 under mb1 experts {here}"]
+            if k + 1 < len(rng.blocks):
+                nxt = labels[k + 1]
+                steps.append(f"{here} c1 under mb0 attention {nxt} "
+                             f"({_names([*rng.pre[k + 1], *rng.mid[k + 1]])})")
+            else:
+                steps.append(f"{here} c1 under nothing (the end of the range); cat of {len(rng.outputs)} value(s)")
+            out.append(steps)
+        return out
 
     # ------------------------------------------------------------------ decisions
     @staticmethod
@@ -381,6 +603,207 @@ class EpOverlap(GraphPass):
                 "combine wait mb0", "combine wait mb1", "cat"]
 
 
+# ====================================================================== two_batch over a decoder-layer range
+class RangeDeclined(Exception):
+    """The range split is not proven right on this graph (the message says why): per-block two_batch instead."""
+
+
+SIZE_LIST_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
+                 aten.expand.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1,
+                 aten.new_empty.default: 1, aten.new_full.default: 1}
+"""Ops whose size list (at this argument) names the batch in its first entry: ``B`` or ``B*S`` there becomes
+the micro-batch's."""
+
+ROW_INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default}
+"""Ops that index with tensors: a derived node may not index the batch dim with them (indices are batch-wide)."""
+
+DIM_ARGS = ("dim", "dims", "dim0", "dim1", "start_dim")
+"""Schema arguments naming the dims an op works along (dim 0 there: the op mixes or moves the batch)."""
+
+KNOWN_NAMESPACES = ("aten", "prims", "ep_fuse")
+"""Ops of other libraries (a varlen attention with ``cu_seqlens``, ...) may mix rows across sequences."""
+
+
+@dataclasses.dataclass
+class LayerRange:
+    """What the range split found: the layer input, the batch, the derived (batch-carrying) nodes by stage."""
+
+    h0: fx.Node
+    batch: int
+    seq: int
+    blocks: list[EpBlock]
+    derived: list[fx.Node]
+    """Every node of the range that carries the batch, in graph order (EP nodes included)."""
+    pre: list[list[fx.Node]]
+    """Per block: the derived nodes before its dispatch (after the previous combine): attention, norms, router."""
+    mid: list[list[fx.Node]]
+    """Per block: derived nodes between dispatch and combine that are not the local block (not routed work)."""
+    outputs: list[fx.Node]
+    """Derived nodes read after the range (each becomes a ``cat`` of its two micro-batch values)."""
+    labels: list[str]
+
+
+def layer_label(block: EpBlock, index: int) -> str:
+    """``L3`` for a block under ``...layers.3...``, else ``B<index>``."""
+    path = (block.record.module_path if block.record else "") or module_path(block.combine)
+    m = re.search(r"layers?[._](\d+)", path)
+    return f"L{m.group(1)}" if m else f"B{index}"
+
+
+def batch_rows(v: Any, batch: int, seq: int, part: int) -> int | None:
+    """The leading size of ``v`` for a micro-batch of ``part`` sequences: ``part`` where it is ``batch``,
+    ``part * seq`` where it is the flattened token count ``batch * seq``, else ``None`` (no batch role)."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0 or not isinstance(v.shape[0], int):
+        return None
+    if v.shape[0] == batch:
+        return part
+    if v.shape[0] == batch * seq:
+        return part * seq
+    return None
+
+
+def _substituted(v: Any, batch: int, seq: int, part: int) -> Any:
+    if isinstance(v, torch.Tensor):
+        rows = batch_rows(v, batch, seq, part)
+        return None if rows is None else (rows, *v.shape[1:])
+    if isinstance(v, (tuple, list)):
+        return tuple(_substituted(e, batch, seq, part) for e in v)
+    return v
+
+
+def batch_dim_use(node: fx.Node) -> str | None:
+    """Why ``node`` works along the batch dim (reduces, indexes, moves or concatenates it), else ``None``."""
+    t = node.target
+    first = next((val(a) for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)), None)
+    nd = first.dim() if isinstance(first, torch.Tensor) else 0
+    if t is aten.permute.default:
+        dims = list(node.args[1])
+        return None if dims and nd and dims[0] % nd == 0 else "permutes the batch dim"
+    if t in ROW_INDEXING:
+        idx = node.args[1]
+        return "indexes the batch dim with a tensor" if idx and idx[0] is not None else None
+    if t is operator.getitem:
+        return None
+    if not isinstance(t, torch._ops.OpOverload) or t.namespace not in KNOWN_NAMESPACES:
+        return f"is not an aten or ep_fuse op (its rows may mix sequences: {t})"
+    if t in (aten.take.default, aten.as_strided.default):
+        return "indexes the flattened tensor"
+    if not nd:
+        return None
+    args = op_args(node)
+    if t is aten.roll.default and not args.get("dims"):
+        return "rolls the flattened tensor"
+    for name in DIM_ARGS:
+        d = args.get(name)
+        dims = d if isinstance(d, (list, tuple)) else [d]
+        if any(isinstance(x, int) and not isinstance(x, bool) and x % nd == 0 for x in dims):
+            return f"works along dim 0 ({name}={d})"
+    return None
+
+
+def find_range(blocks: list[EpBlock], batch_hint: Any = None) -> LayerRange:
+    """The layer range from the first EP block's layer input to the last block's combine, or
+    :class:`RangeDeclined` saying why it cannot be split along the batch."""
+    graph = blocks[0].dispatch.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    blocks = sorted(blocks, key=lambda b: order[b.dispatch])
+    first, end = blocks[0].dispatch, blocks[-1].combine
+    x = val(first.args[0])
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not all(isinstance(s, int) for s in x.shape):
+        raise RangeDeclined("the first dispatch's tokens are not a static [T, H] tensor")
+    tokens, hidden = x.shape
+    # the layer input: the earliest [B, S, H] ancestor of the first dispatch's tokens
+    cands = [a for a in _ancestors(first.args[0], -1) | {first.args[0]}
+             if (v := val(a)) is not None and isinstance(v, torch.Tensor) and v.dim() == 3
+             and all(isinstance(s, int) for s in v.shape) and v.shape[2] == hidden
+             and v.shape[0] * v.shape[1] == tokens]
+    if not cands:
+        raise RangeDeclined(f"no [B, S, {hidden}] layer input feeds the first dispatch's {tokens} tokens")
+    h0 = min(cands, key=order.__getitem__)
+    batch, seq = val(h0).shape[:2]
+    if batch < 2:
+        raise RangeDeclined(f"batch {batch} (one sequence, or packed / varlen sequences in one row): nothing to "
+                            "split along the batch dim")
+    ep_nodes: dict[fx.Node, int] = {}
+    for k, b in enumerate(blocks):
+        for n in (b.dispatch, *b.parts.values(), *b.local, b.combine):
+            ep_nodes[n] = k
+    derived: list[fx.Node] = []
+    seen = {h0}
+    lo, hi = order[h0], order[end]
+    for n in list(graph.nodes)[lo + 1:hi + 1]:
+        if any(a in seen for a in n.all_input_nodes):
+            seen.add(n)
+            derived.append(n)
+    missing = [b.dispatch.name for b in blocks if b.dispatch not in seen]
+    if missing:
+        raise RangeDeclined(f"the tokens of {', '.join(missing)} do not come from the layer input {h0.name}")
+    pre: list[list[fx.Node]] = [[] for _ in blocks]
+    mid: list[list[fx.Node]] = [[] for _ in blocks]
+    for n in derived:
+        if n in ep_nodes:
+            continue
+        if n.op != "call_function" or not range_pure(n):
+            raise RangeDeclined(f"{n.name} ({n.target}) is not a pure call (a mutation or a side effect)")
+        why = batch_dim_use(n)
+        if why is not None:
+            raise RangeDeclined(f"{n.name} ({n.target}) {why}")
+        v = val(n)
+        if isinstance(v, (tuple, list)):
+            used = {u.args[1] for u in n.users if u.target is operator.getitem}
+            bad = [i for i in used if batch_rows(v[i], batch, seq, 1) is None]
+        else:
+            bad = [0] if batch_rows(v, batch, seq, 1) is None else []
+        if bad:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            raise RangeDeclined(f"{n.name} ({n.target}, {shape}) has no batch dim (its leading size is neither "
+                                f"B={batch} nor B*S={batch * seq})")
+        k = next((k for k, b in enumerate(blocks) if order[n] < order[b.combine]), None)
+        if k is None:
+            raise RangeDeclined(f"{n.name} lies after the last combine")
+        (pre if order[n] < order[blocks[k].dispatch] else mid)[k].append(n)
+    outputs = []
+    for n in derived:
+        if any(order[u] > hi for u in n.users):
+            v = val(n)
+            if n in ep_nodes and n is not blocks[ep_nodes[n]].combine:
+                raise RangeDeclined(f"{n.name} of an EP block is read after the range")
+            if not isinstance(v, torch.Tensor):
+                raise RangeDeclined(f"{n.name} (not a tensor) is read after the range")
+            outputs.append(n)
+    return LayerRange(h0, batch, seq, blocks, derived, pre, mid, outputs,
+                      [layer_label(b, k) for k, b in enumerate(blocks)])
+
+
+def slice_spec(node: fx.Node, rng: LayerRange, params: set[str]) -> int | None:
+    """The row unit (1 per sequence, ``S`` per flattened token) in which a value from outside the range is cut per
+    micro-batch, or ``None`` where it is shared (weights, tables and masks without the batch dim)."""
+    if node.op == "get_attr" or (node.op == "placeholder" and node.name in params):
+        return None
+    v = val(node)
+    if batch_rows(v, rng.batch, rng.seq, 1) is None:
+        return None
+    return 1 if v.shape[0] == rng.batch else rng.seq
+
+
+def range_pure(node: fx.Node) -> bool:
+    """Pure enough to move and clone: a pure call, or a seeded one that draws nothing (attention, dropout 0)."""
+    if _pure(node):
+        return True
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    seeded = torch.Tag.nondeterministic_seeded in target.tags
+    return seeded and op_args(node).get("dropout_p", None) in (0, 0.0)
+
+
+def _same(got: Any, want: Any, like: Any) -> bool:
+    """``got`` (a micro-batch's fake value) has the shapes ``want`` and the dtypes of ``like`` (the original)."""
+    if isinstance(like, torch.Tensor):
+        return isinstance(got, torch.Tensor) and tuple(got.shape) == want and got.dtype == like.dtype
+    return True
+
+
 _END = sys.maxsize
 """A slice end past any batch (slices clamp to the tensor's size)."""
 
@@ -391,6 +814,21 @@ def _static_rows(node: Any) -> int | None:
         return None
     size = v.shape[0]
     return int(size) if isinstance(size, int) else None
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph (node names kept; metadata shared with the original)."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return graph
+
+
+def _shape(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return str(list(v.shape))
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_shape(e) for e in v) + ")"
+    return type(v).__name__
 
 
 def _meta_from(like: fx.Node, *nodes: fx.Node) -> None:

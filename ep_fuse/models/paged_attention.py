@@ -196,8 +196,12 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def cb_compile_configs(options: dict[str, Any] | None = None, mode: str | None = None,
-                       dynamic: bool | None = None) -> tuple[Any, Any]:
+                       dynamic: bool | None = True) -> tuple[Any, Any]:
     """The ``(varlen_compile_config, decode_compile_config)`` pair compiling both CB paths with ep_fuse.
+
+    ``dynamic=True`` (as HF's own default compile): the padded query and KV sizes vary from batch to batch, and
+    with ``None`` (automatic dynamic) the first sizes compile static graphs before the dynamic one (3 graphs per
+    path instead of 1, each paying a full compile).
 
     ``options`` are ep_fuse's backend options (``EpFuseConfig``). CUDA-graph modes are refused: Inductor's
     CUDA-graph trees do not run in CB's generation thread; HF captures its own graphs of the padded sizes

@@ -8,7 +8,8 @@ The model is loaded by HF's own model manager, then :func:`prepare_for_serving` 
 :func:`ep_fuse.prepare` and makes both continuous-batching paths (varlen/prefill and decode) compile with
 ``backend="ep_fuse"`` (:func:`cb_compile_configs`). Every other option (``--cb-*``, ``--attn-implementation``,
 ``--host``, ``--port``, ``--device``, ``--dtype``, ...) is HF's and is passed through unchanged;
-``--continuous-batching`` is implied. Needs the ``serving`` extra (``pip install ep-fuse[serving]``).
+``--continuous-batching`` is implied. On CUDA, HF's own CUDA graphs are on unless ``--cb-use-cuda-graph``
+says otherwise. Needs the ``serving`` extra (``pip install ep-fuse[serving]``).
 
 Exit codes: 0 stopped cleanly; 2 bad or unknown option; 3 the model could not be loaded or prepared.
 """
@@ -54,9 +55,11 @@ def cb_compile_configs(options: dict[str, Any] | None = None) -> tuple[Any, Any]
     return paged_attention.cb_compile_configs(options)
 
 
-def with_ep_fuse_compile(cb_config: Any, options: dict[str, Any] | None = None) -> Any:
+def with_ep_fuse_compile(cb_config: Any, options: dict[str, Any] | None = None,
+                         use_cuda_graph: bool | None = None) -> Any:
     """A copy of ``cb_config`` (a ``ContinuousBatchingConfig`` or ``None``) whose unset varlen / decode compile
-    configs are :func:`cb_compile_configs`; compile configs the caller set are kept."""
+    configs are :func:`cb_compile_configs`; compile configs the caller set are kept. ``use_cuda_graph`` is the
+    value for HF's own CUDA graphs where the caller left ``cb_config.use_cuda_graph`` unset (``None``: HF decides)."""
     import copy
 
     from transformers import ContinuousBatchingConfig
@@ -67,12 +70,22 @@ def with_ep_fuse_compile(cb_config: Any, options: dict[str, Any] | None = None) 
         out.varlen_compile_config = varlen
     if out.decode_compile_config is None:
         out.decode_compile_config = decode
+    if out.use_cuda_graph is None and use_cuda_graph is not None:
+        out.use_cuda_graph = use_cuda_graph
     return out
+
+
+def _on_cuda(model: Any) -> bool:
+    try:
+        return next(model.parameters()).device.type == "cuda"
+    except (StopIteration, AttributeError, TypeError):
+        return False
 
 
 def prepare_for_serving(model: Any, options: dict[str, Any] | None = None, http: bool = False) -> Any:
     """Apply :func:`ep_fuse.prepare` to ``model`` and make its ``init_continuous_batching`` (hence
-    ``generate_batch`` and HF's server) compile both paths with ep_fuse, its managers guarded by
+    ``generate_batch`` and HF's server) compile both paths with ep_fuse (on CUDA with HF's own CUDA graphs
+    where the caller's config leaves ``use_cuda_graph`` unset), its managers guarded by
     :func:`guard_cache_capacity` (``http``: refusals are HTTP 400s). Idempotent; returns the model."""
     if not callable(getattr(model, "init_continuous_batching", None)):
         raise ServeError(f"{type(model).__name__} has no continuous batching (init_continuous_batching): "
@@ -86,8 +99,11 @@ def prepare_for_serving(model: Any, options: dict[str, Any] | None = None, http:
 
         def init_continuous_batching(generation_config: Any = None, continuous_batching_config: Any = None,
                                      workload_hints: Any = None) -> Any:
-            manager = init_cb(generation_config=generation_config,
-                              continuous_batching_config=with_ep_fuse_compile(continuous_batching_config, opts),
+            # HF's CUDA graphs of the padded sizes: HF turns them off for attention that needs a mask (paged|sdpa);
+            # around ep_fuse's one graph per forward they were faster at every measured point (docs/serving.md)
+            cfg = with_ep_fuse_compile(continuous_batching_config, opts,
+                                       use_cuda_graph=True if _on_cuda(model) else None)
+            manager = init_cb(generation_config=generation_config, continuous_batching_config=cfg,
                               workload_hints=workload_hints)
             return guard_cache_capacity(manager, http)
 

@@ -150,7 +150,7 @@ def test_compile_configs_name_ep_fuse_for_both_paths():
     for cc in (varlen, decode):
         assert (cc.backend, cc.fullgraph, cc.mode, cc.options) == ("ep_fuse", False, None, {"executor": "eager"})
     plain = serve.cb_compile_configs()  # mode None = Inductor's default (HF's own default is reduce-overhead)
-    assert all((cc.backend, cc.mode, cc.options) == ("ep_fuse", None, None) for cc in plain)
+    assert all((cc.backend, cc.mode, cc.options, cc.dynamic) == ("ep_fuse", None, {}, True) for cc in plain)
     with pytest.raises(ValueError, match="use_cuda_graph"):
         serve.cb_compile_configs({"mode": "reduce-overhead"})
 
@@ -163,6 +163,22 @@ def test_with_ep_fuse_compile_keeps_what_the_caller_set():
     assert out.num_blocks == 8 and out.varlen_compile_config.backend == "inductor"
     assert out.decode_compile_config.backend == "ep_fuse"
     assert serve.with_ep_fuse_compile(None).varlen_compile_config.backend == "ep_fuse"
+
+
+def test_hf_cuda_graph_decision_reads_our_compile_configs(monkeypatch):
+    """On a CUDA machine HF decides ``use_cuda_graph`` from the compile configs' ``options`` (``options.get``): it
+    crashed on ``options=None`` (found on an H200); here the accelerator check is forced on."""
+    from transformers.generation.continuous_batching import initialization
+
+    monkeypatch.setattr(initialization, "get_accelerator_graph_name", lambda: "cuda")
+    cfg = serve.with_ep_fuse_compile(None, {"executor": "eager"})
+    initialization.decide_use_cuda_graphs(cfg, is_attn_mask_needed=True, cuda_graph_requested=False)
+    assert cfg.use_cuda_graph == (False, False)  # HF's own rule for masked attention, when nobody asked
+    cfg = serve.with_ep_fuse_compile(None, use_cuda_graph=True)
+    initialization.decide_use_cuda_graphs(cfg, is_attn_mask_needed=True, cuda_graph_requested=False)
+    assert cfg.use_cuda_graph == (True, True)
+    off = transformers.ContinuousBatchingConfig(use_cuda_graph=False)
+    assert serve.with_ep_fuse_compile(off, use_cuda_graph=True).use_cuda_graph is False  # the caller's choice wins
 
 
 def test_prepare_for_serving_rejects_a_model_without_continuous_batching():

@@ -85,7 +85,9 @@ def test_minimax_m3_experts_fuse(impl, dtype, provider):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
-    if provider == "reference" and impl == "grouped_mm":
+    if provider == "reference" and impl == "grouped_mm" and dtype != torch.float32:
+        # bf16: the same rounding points as HF, bit for bit; fp32 (checked at 1e-5 above) differs by an ulp on CPUs
+        # whose GEMM kernels sum _grouped_mm's fallback and mm in different orders (seen on AMD EPYC)
         assert torch.equal(out, ref), "the reference rounds as HF does"
     x, ids, w = args
     plain = moe_experts_ref(x, ids, w, mod.gate_up_proj, mod.down_proj, x.dtype, "silu_clamp", 0.75)

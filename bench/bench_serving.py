@@ -14,9 +14,10 @@ one seed for every mode) at each concurrency: at most C requests in flight, a ne
 * ``hf``: HF's own default compile, as HF ships it (``default_compile_level=1``: ``CompileConfig(mode="default",
   fullgraph=False, dynamic=True)`` on both paths, Inductor), its paged attention a graph break per layer
   (ep_fuse's in-graph cache update uninstalled for this mode);
-* ``inductor``: Inductor over the one graph per forward that ``ep_fuse.prepare`` makes (the cache-update op),
-  ``CompileConfig(fullgraph=False, mode="default")``: what the op alone gives;
-* ``ep_fuse``: ``ep_fuse.serve.with_ep_fuse_compile`` (the configs ``ep-fuse serve`` uses).
+* ``inductor``: Inductor over the one graph per forward that ``ep_fuse.prepare``'s cache-update op makes,
+  ``CompileConfig(fullgraph=False, mode="default")``, HF's SDPA over its dense mask: what the op alone gives;
+* ``ep_fuse``: ``ep_fuse.serve.with_ep_fuse_compile`` (the configs ``ep-fuse serve`` uses) and what
+  ``ep_fuse.prepare`` sets up (the cache-update op, ``ep_fuse::varlen_attention`` with no mask built).
 
 CUDA graphs are HF's own capture: ``--cuda-graph auto`` leaves ``use_cuda_graph`` to HF (off for attention that
 needs a mask, such as ``paged|sdpa``), ``on`` / ``off`` set it for every mode, and a mode named ``MODE+graphs``
@@ -181,15 +182,23 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
              counts: list[int] | None = None, profile: bool = False) -> list[dict[str, Any]]:
     import transformers as tf
 
-    from ep_fuse.models import paged_attention
+    from ep_fuse.models import paged_attention, varlen_attention
 
     if mode.partition("+")[0] == "hf":
         paged_attention.uninstall()  # HF as it ships: its compiler-disabled cache update
     else:
         paged_attention.install()
+    if mode.partition("+")[0] == "ep_fuse":
+        varlen_attention.enable(model)  # what ep_fuse.prepare sets up: varlen attention, no host-built mask
+    else:
+        varlen_attention.uninstall()  # HF's SDPA over its dense mask
     counts = counts or [len(reqs)] * len(concurrency)
     torch._dynamo.reset()
     ep_fuse.reset_reports()
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    compilation_time_metrics.clear()
+    graphs0 = counters["stats"]["unique_graphs"]
     gen = tf.GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(n for _, n in reqs),
                               pad_token_id=0)
     cls = type(model)  # the class method: ep_fuse.serve.prepare_for_serving may have wrapped the instance's
@@ -204,6 +213,8 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
         for c, n in zip(concurrency, counts):
             wall, outs = serve_requests(manager, reqs[:n], c)
             row = dict(model=name, mode=mode, concurrency=c, first_s=t_first,
+                       dynamo_graphs=counters["stats"]["unique_graphs"] - graphs0,
+                       compile_times={k: round(sum(v), 2) for k, v in compilation_time_metrics.items()},
                        cuda_graphs=f"varlen={graphs[0]} decode={graphs[1]}", **metrics(wall, outs))
             if mode == "eager":
                 ref[c] = outs
@@ -215,7 +226,19 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
                 for r in reps:
                     for k, v in r.counts().items():
                         counts[k] = counts.get(k, 0) + v
-                row["note"] = f"{len(reps)} graphs; " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                attn: dict[str, int] = {}
+                secs: dict[str, float] = {}
+                for r in reps:
+                    for op, n in r.ops_after.items():
+                        if op.endswith(".varlen_attention.default"):
+                            ns = op.split(".")[0]
+                            prov = "reference" if ns == "ep_fuse" else ns.removeprefix("ep_fuse_")
+                            attn[prov] = attn.get(prov, 0) + n
+                    for k, v in r.compile_seconds.items():
+                        secs[k] = secs.get(k, 0.0) + v
+                row["compile_s"] = {k: round(v, 1) for k, v in secs.items()}
+                row["note"] = (f"{len(reps)} graphs; " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+                               + "".join(f", varlen_attention:{p} {n}" for p, n in sorted(attn.items())))
             rows.append(row)
             log({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
         if profile and mode != "eager":

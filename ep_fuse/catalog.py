@@ -19,17 +19,17 @@ from ep_fuse import runtime
 from ep_fuse.matching import PairRule, Pattern
 from ep_fuse.ops import registry
 
-FAMILIES = ("moe", "moe_gating", "rms_norm", "rope", "gemm_swiglu", "w8a8", "fp8", "ep")
+FAMILIES = ("moe", "moe_gating", "rms_norm", "rope", "gemm_swiglu", "w8a8", "fp8", "ep", "varlen_attention")
 """Op families, in the order their patterns are tried (bigger fusions first). A family has ``ops/<name>.py`` and any
 of ``providers/<provider>/<name>.py`` and ``patterns/<name>.py``."""
 
-PROVIDERS = ("triton", "npu", "deepgemm")
+PROVIDERS = ("triton", "npu", "deepgemm", "flash")
 """Fused providers (``ep_fuse/providers/<name>/``)."""
 
 ENGINES = ("all_to_all", "deepep", "npu", "symm_mem")
 """EP dispatch/combine engines (``ep_fuse/ep/<name>.py``)."""
 
-PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("deepgemm", "triton"), "npu": ("npu",), "cpu": ()}
+PRIORITY: dict[str, tuple[str, ...]] = {"cuda": ("deepgemm", "triton", "flash"), "npu": ("npu",), "cpu": ()}
 """Provider order per device type (``reference`` is always last); ``options={"providers": ...}`` overrides it."""
 
 

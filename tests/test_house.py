@@ -164,7 +164,8 @@ def test_importing_the_registry_loads_no_provider_or_engine():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-@pytest.mark.parametrize("family", ["rms_norm", "rope", "gemm_swiglu", "moe", "moe_gating", "w8a8", "fp8", "ep"])
+@pytest.mark.parametrize("family", ["rms_norm", "rope", "gemm_swiglu", "moe", "moe_gating", "w8a8", "fp8", "ep",
+                                    "varlen_attention"])
 def test_a_family_has_one_name_in_every_layer(family):
     from ep_fuse import catalog
 

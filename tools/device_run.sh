@@ -19,7 +19,8 @@
 # deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
 # (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: tools/profile_grouped_gemm_tma.py
 # with $NCU_GG_ARGS), all (bench/run.py: every bench family at its default size, $RUN_ARGS, results in
-# $OUT/run), serving (bench_serving.py with $SERVING_ARGS, $SERVING_TIMEOUT), sweep (tools/sweep_models.py on CUDA in bf16 against backend="inductor", $SWEEP_SHARDS processes). Wheels
+# $OUT/run), serving (bench_serving.py with $SERVING_ARGS, $SERVING_TIMEOUT), varlen_attention
+# (bench_varlen_attention.py with $VA_ARGS), sweep (tools/sweep_models.py on CUDA in bf16 against backend="inductor", $SWEEP_SHARDS processes). Wheels
 # in .whl/ are installed first (--no-deps). Bench scripts are under bench/, diagnostics and build scripts under tools/.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -71,6 +72,8 @@ for s in "$@"; do
       fi
       export PYTHONPATH=$deepep_dest${PYTHONPATH:+:$PYTHONPATH}
       python3 -c 'import deep_ep; print("deep_ep imports:", deep_ep.Buffer.is_sm90_compiled())' ;;
+    varlen_attention)  # bench_varlen_attention.py with $VA_ARGS
+      step varlen_attention python3 "$repo/bench/bench_varlen_attention.py" ${VA_ARGS:-} ;;
     serving)  # bench_serving.py with $SERVING_ARGS, stopped after $SERVING_TIMEOUT s (default 540) so that the
       # JSON of the modes that finished still comes back
       step serving timeout "${SERVING_TIMEOUT:-540}" python3 "$repo/bench/bench_serving.py" ${SERVING_ARGS:-} ;;

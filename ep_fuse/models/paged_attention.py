@@ -56,8 +56,11 @@ def _update_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, re
 
 
 def _update_fake(cache, key, value, read_index, write_index, k_row, v_row, sentinel):
-    shape = (read_index.shape[0], *cache.shape[-2:])  # rows of the cache: its dtype and device
-    return cache.new_empty(shape), cache.new_empty(shape)
+    # rows of the cache (its dtype and device), whose head count and dim are the written states': those are static
+    # sizes of the projections, where the cache's own are symbolic under dynamic=True (a kernel choosing by head
+    # dim would see a symbol)
+    return cache.new_empty((read_index.shape[0], *key.shape[-2:])), cache.new_empty((read_index.shape[0],
+                                                                                      *value.shape[-2:]))
 
 
 def _write_impl(cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, write_index: torch.Tensor,

@@ -13,6 +13,7 @@ import torch
 from ep_fuse.models.expert_loops import convert_expert_loops
 from ep_fuse.models.fp8_experts import convert_fp8_experts
 from ep_fuse.models.paged_attention import install as install_paged_cache_update
+from ep_fuse.models.varlen_attention import enable as enable_varlen_attention
 
 log = logging.getLogger("ep_fuse")
 
@@ -40,7 +41,9 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
       (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
     * continuous batching (``generate_batch``, ``transformers serve``): HF's paged KV-cache update, a graph
       break per layer, becomes one opaque op so each forward is one graph
-      (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent).
+      (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent), and its SDPA over a dense
+      ``[tokens, keys read]`` mask becomes ``ep_fuse::varlen_attention`` over each request's own keys, with no
+      mask built where every layer takes it (:mod:`ep_fuse.models.varlen_attention`).
 
     Models without experts are returned unchanged.
     """
@@ -57,6 +60,7 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
         log.info("ep_fuse.prepare: %s uses experts_implementation=%s", type(model).__name__, experts_implementation)
     fp8 = convert_fp8_experts(model, experts_implementation, strict)
     install_paged_cache_update()
+    enable_varlen_attention(model)
     if not convert_expert_loops(model, experts_implementation, strict) and not switched and not fp8:
         log.info("ep_fuse.prepare: %s has no switchable experts and no per-expert loops; unchanged",
                  type(model).__name__)

@@ -129,5 +129,8 @@ def test_generate_batch_on_cuda_is_one_graph_and_matches_eager(cuda_graph):
     assert counters["stats"]["unique_graphs"] == graphs, "the second batch compiled a new graph"
     reps = ep_fuse.reports()
     assert reps and all(r.counts() == tiny_models.EXPECTED_SITES["qwen3_moe"][0] for r in reps), reps
+    layers = model.config.num_hidden_layers
+    assert all(r.ops_after.get("ep_fuse_flash.varlen_attention.default") == layers for r in reps), \
+        [r.ops_after for r in reps]  # the attention on FlashAttention-2's varlen kernel, no mask built
     same = sum(a == b for a, b in zip(got1 + got2, ref1 + ref2))
     assert same >= len(ref1 + ref2) - 1, (got1 + got2, ref1 + ref2)

@@ -29,7 +29,9 @@ expert_scale/softmax_sum_top2_fill0`` (``tests/gpu/test_gpu_moe_gating_forms.py`
 ``moe_experts_masked:triton`` (the masked expert layout's grouped GEMMs, ``tests/gpu/test_gpu_moe_masked.py``, then
 measured faster than the permute over padding by ``bench/bench_moe_experts.py --masked``), and the forms of issue 35's
 second round: ``grouped_gemm_swiglu:relu2/swigluoai`` (``tests/gpu/test_gpu_moe_forms.py``), ``moe_gating:nd_logits``
-and ``moe_gating_sink:triton`` (``tests/gpu/test_gpu_moe_gating_forms.py``). A new variant is added here until its GPU
+and ``moe_gating_sink:triton`` (``tests/gpu/test_gpu_moe_gating_forms.py``), and ``varlen_attention:flash``
+(``tests/gpu/test_gpu_varlen_attention.py``, then measured faster than HF's masked SDPA and Inductor's compile of
+the reference by ``bench/bench_varlen_attention.py``). A new variant is added here until its GPU
 check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"

@@ -153,7 +153,11 @@ def _generate(model, prompts) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def model():
-    return ep_fuse.prepare(tiny.build("qwen3_moe", dtype=torch.float32))
+    m = tiny.build("qwen3_moe", dtype=torch.float32)  # prepared
+    assert varlen_attention.runs_fused(m) is not None  # fp32 on CPU: HF's mask and SDPA unless forced
+    assert input_outputs.attn_mask_is_needed(m.config) is True
+    assert varlen_attention.enable(m, force=True)
+    return m
 
 
 def _spy(monkeypatch) -> list:
@@ -193,18 +197,18 @@ def test_compiled_generate_batch_is_one_graph_with_the_op_in_every_layer(model):
 
 
 def test_a_sliding_window_model_keeps_hf_mask_and_equals_generate(monkeypatch):
-    """Sliding-window layers are HF's SDPA over its mask (the op declines them); the full layers take the op."""
+    """A model with sliding-window layers is not cleared: HF builds its mask and every layer is HF's SDPA."""
     m = tiny.build("cohere2_moe", dtype=torch.float32, sliding_window=8,
                    layer_types=["sliding_attention", "full_attention"])
     assert {layer.self_attn.sliding_window for layer in m.model.layers} == {8, None}
-    ep_fuse.prepare(m)
+    assert not varlen_attention.enable(m, force=True)
     assert "sliding_attention" in varlen_attention.mask_free_reason(m)
     assert input_outputs.attn_mask_is_needed(m.config) is True
     calls = _spy(monkeypatch)
     prompts = [list(range(5, 5 + n)) for n in (3, 12, 17)]
     out = m.generate_batch(prompts, generation_config=_gen(), continuous_batching_config=_cb())
     assert _tokens(out) == _generate(m, prompts)
-    assert calls, "the full-attention layer did not take the op"
+    assert not calls, "a layer ran the op over HF's mask"
 
 
 def test_disable_and_uninstall_restore_hf(model):
@@ -217,7 +221,7 @@ def test_disable_and_uninstall_restore_hf(model):
     assert input_outputs.attn_mask_is_needed.__module__ == "transformers.generation.continuous_batching.utils"
     out = model.generate_batch(PROMPTS, generation_config=_gen(), continuous_batching_config=_cb())
     assert _tokens(out) == _generate(model, PROMPTS)
-    assert varlen_attention.enable(model) and input_outputs.attn_mask_is_needed(model.config) is False
+    assert varlen_attention.enable(model, force=True) and input_outputs.attn_mask_is_needed(model.config) is False
 
 
 # -- the flash provider's limits --------------------------------------------------------------------------------
@@ -254,6 +258,7 @@ def test_lowering_picks_the_flash_provider_in_the_cb_graph(monkeypatch, caplog):
     monkeypatch.setitem(VARLEN_ATTENTION.providers, "flash", dataclasses.replace(
         prov, devices=lambda: frozenset({"cpu", "cuda"}), available=lambda: None))
     m = tiny.build("qwen3_moe", dtype=torch.bfloat16)
+    assert varlen_attention.runs_fused(m) is None  # the provider "runs on CPU" here: cleared without force
     prompts = PROMPTS[:2]
     want = _generate(m, prompts)
     opts = {"executor": "eager", "providers": {"cpu": ("flash", "reference")}}

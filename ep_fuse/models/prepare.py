@@ -41,9 +41,10 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
       (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
     * continuous batching (``generate_batch``, ``transformers serve``): HF's paged KV-cache update, a graph
       break per layer, becomes one opaque op so each forward is one graph
-      (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent), and its SDPA over a dense
-      ``[tokens, keys read]`` mask becomes ``ep_fuse::varlen_attention`` over each request's own keys, with no
-      mask built where every layer takes it (:mod:`ep_fuse.models.varlen_attention`).
+      (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent), and where every layer can take it and
+      a fused provider runs it (CUDA, fp16/bf16), its SDPA over a dense host-built ``[tokens, keys read]`` mask
+      becomes ``ep_fuse::varlen_attention`` over each request's own keys, no mask built
+      (:mod:`ep_fuse.models.varlen_attention`).
 
     Models without experts are returned unchanged.
     """

@@ -3,16 +3,18 @@
 With ``attn_implementation="sdpa"`` (the default; flash-attn is often not installed) HF continuous batching packs
 every scheduled request's new tokens into one row, reads all their cached keys into one ``[keys read]`` tensor,
 and builds on the host a dense ``[tokens, keys read]`` additive mask (block-diagonal, causal) that it copies to the
-device every step; SDPA then scores every query against every key read. On one H200 serving a Qwen3-30B-A3B-sized
-model this was half the GPU time of ep_fuse's compiled forward (``docs/benchmarks.md``).
+device every step; SDPA then scores every query against every key read, the KV heads repeated. Serving a
+Qwen3-30B-A3B-sized model, that attention and its mask were most of the GPU time of ep_fuse's compiled forward
+(``docs/benchmarks.md``).
 
-:func:`install` (process-wide, idempotent; called by :func:`ep_fuse.prepare`) puts a wrapper in front of HF's
-``sdpa`` attention function: a call from continuous batching (its kwargs carry ``cu_seq_lens_q``/``cu_seq_lens_k``
-and the cache's ``read_index``) on a full-attention layer runs ``ep_fuse::varlen_attention`` with those lengths
-(on CUDA lowered to FlashAttention-2's varlen kernel, :mod:`ep_fuse.providers.flash.varlen_attention`); every other
-call is HF's own SDPA, unchanged. :func:`enable` (per model, by ``prepare``) also stops HF building the mask for that
-model, where every layer takes the op (full attention, no soft-capping, no attention sinks, ``sdpa``); without the
-mask a layer that cannot take it raises rather than attend across requests.
+:func:`enable` (per model, called by :func:`ep_fuse.prepare`) clears a model whose every layer takes the op (full
+attention, no soft-capping, no attention sinks, ``sdpa``). When its continuous batching starts on a device and dtype
+where a fused provider runs the op (CUDA fp16/bf16: FlashAttention-2's varlen kernel,
+:mod:`ep_fuse.providers.flash.varlen_attention`), HF's ``attn_mask_is_needed`` answers False for it, so no mask is
+built, and the wrapper :func:`install` puts in front of HF's ``sdpa`` attention function (process-wide) runs each
+such call (no mask; ``cu_seq_lens_q``/``cu_seq_lens_k`` and the cache's ``read_index`` in its kwargs) as the op.
+Every call that comes with a mask, or not from continuous batching, is HF's own SDPA unchanged. Without the mask, a
+layer that cannot take the op raises rather than attend across requests.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from typing import Any
 
 import torch
 
-from ep_fuse.ops.varlen_attention import varlen_attention
+from ep_fuse.ops.varlen_attention import VARLEN_ATTENTION, varlen_attention
 
 log = logging.getLogger("ep_fuse")
 
-_NO_MASK: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-"""``id(config) -> config`` of the models whose continuous batching builds no attention mask (:func:`enable`)."""
+_ENABLED: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+"""``id(config) -> model`` of the models :func:`enable` cleared for the op (their continuous batching builds no mask
+where a provider runs the op on the model's device and dtype, or everywhere with ``force``)."""
+_FORCED: weakref.WeakSet[Any] = weakref.WeakSet()
+FAST_DTYPES = (torch.float16, torch.bfloat16)
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -55,14 +60,16 @@ def _decline(module: Any, query: torch.Tensor, key: torch.Tensor, dropout: float
 def _attention(original: Any, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    cb = "read_index" in kwargs and "cu_seq_lens_q" in kwargs
+    if attention_mask is not None or not cb:
+        # HF built its mask (the op is not cleared for this model here), or not continuous batching
+        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     reason = _decline(module, query, key, dropout, kwargs)
     if reason is not None:
-        if attention_mask is None and "read_index" in kwargs and "cu_seq_lens_q" in kwargs:
-            raise RuntimeError(
-                f"ep_fuse: continuous batching built no attention mask for this model but a layer cannot take "
-                f"ep_fuse::varlen_attention ({reason}); call ep_fuse.models.varlen_attention.disable(model) before "
-                "init_continuous_batching")
-        return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        raise RuntimeError(
+            f"ep_fuse: continuous batching built no attention mask for this model but a layer cannot take "
+            f"ep_fuse::varlen_attention ({reason}); call ep_fuse.models.varlen_attention.disable(model) before "
+            "init_continuous_batching")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [rows, heads, head_dim]
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     # the longest sequence bounded by the row counts, not HF's max_length_q/k: those are ints that would enter
@@ -72,9 +79,29 @@ def _attention(original: Any, module: Any, query: torch.Tensor, key: torch.Tenso
     return out.unsqueeze(0), None
 
 
+def runs_fused(model: Any) -> str | None:
+    """Why no fused provider of the op runs ``model``'s attention where it is now (``None``: one does)."""
+    try:
+        param = next(model.parameters())
+    except (StopIteration, AttributeError):
+        return "no parameters"
+    if param.dtype not in FAST_DTYPES:
+        return f"dtype {param.dtype} (the fused kernels take fp16/bf16)"
+    device = param.device.type
+    for prov in VARLEN_ATTENTION.providers.values():
+        if device in prov.devices() and prov.available() is None:
+            return None
+    return f"no varlen_attention provider runs on {device} here"
+
+
 def _mask_is_needed(original: Any, config: Any) -> bool:
-    if _NO_MASK.get(id(config)) is config:
-        return False
+    model = _ENABLED.get(id(config))
+    if model is not None and getattr(model, "config", None) is config:
+        reason = None if model in _FORCED else runs_fused(model)
+        if reason is None:
+            return False
+        log.info("ep_fuse: continuous batching keeps HF's attention mask and SDPA for %s (%s)",
+                 type(model).__name__, reason)
     return original(config)
 
 
@@ -116,7 +143,7 @@ def uninstall() -> None:
     ALL_ATTENTION_FUNCTIONS["sdpa"] = _ORIGINALS["sdpa"]
     input_outputs.attn_mask_is_needed = _ORIGINALS["mask"]
     _ORIGINALS.clear()
-    _NO_MASK.clear()
+    _ENABLED.clear()
 
 
 def mask_free_reason(model: Any) -> str | None:
@@ -143,22 +170,27 @@ def mask_free_reason(model: Any) -> str | None:
     return None
 
 
-def enable(model: Any) -> bool:
-    """Install the wrapper and, where every layer of ``model`` takes the op, let its continuous batching build no
-    attention mask (the host-side build and copy of a ``[tokens, keys read]`` tensor every step). Returns whether
-    the mask is dropped."""
+def enable(model: Any, force: bool = False) -> bool:
+    """Install the wrapper and clear ``model`` for the op where every one of its layers takes it: its continuous
+    batching then builds no attention mask (the host-side build and copy of a ``[tokens, keys read]`` tensor every
+    step) and runs the op, when it starts on a device and dtype where a fused provider runs the op (decided at
+    ``init_continuous_batching``, after the model moved; elsewhere HF's mask and SDPA, which the reference would not
+    beat), or everywhere with ``force`` (tests, debugging). Returns whether ``model`` was cleared."""
     if not install():
         return False
     reason = mask_free_reason(model)
     if reason is not None:
         log.info("ep_fuse: %s keeps HF's continuous-batching attention mask (%s)", type(model).__name__, reason)
         return False
-    _NO_MASK[id(model.config)] = model.config
+    _ENABLED[id(model.config)] = model
+    if force:
+        _FORCED.add(model)
     return True
 
 
 def disable(model: Any) -> None:
     """Let ``model``'s continuous batching build HF's attention mask again (the wrapper stays installed)."""
     config = getattr(model, "config", None)
-    if config is not None and _NO_MASK.get(id(config)) is config:
-        del _NO_MASK[id(config)]
+    if config is not None and _ENABLED.get(id(config)) is model:
+        del _ENABLED[id(config)]
+    _FORCED.discard(model)

@@ -159,6 +159,108 @@ def test_backend_inductor_keeps_the_op_in_one_graph(model):
     assert _frames() - frames == 1
 
 
+# -- first-call compile: one trace, one graph per request stream -----------------------------------------------
+
+STREAM_TAIL = [3, 30, 12, 50, 9, 70, 5, 22]
+"""Requests added once the first batch ran: batches mixing their prefills with decodes, 128 then 64 padded tokens."""
+
+
+def _restarts() -> int:
+    """Dynamo analyses restarted in this process (the second attempt of a frame is timed as ``compile_attempt_1``)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return len(compilation_time_metrics.get("compile_attempt_1", []))
+
+
+def test_cb_forward_is_traced_once(model):
+    """Under ``dynamic=True`` the model's float attributes (``nn.Embedding.norm_type``, the attention ``scaling``
+    that ``ep_fuse::varlen_attention`` needs as a Python float) made Dynamo restart the analysis of every CB
+    forward ("Restarting analysis due to _tensorify_python_scalars"): the forward was traced twice."""
+    torch._dynamo.reset()  # a fresh trace (the compiled frame is cached on HF's method's code object)
+    frames, restarts = _frames(), _restarts()
+    out = model.generate_batch(PROMPTS, generation_config=_gen(),
+                               continuous_batching_config=_cb(*paged_attention.cb_compile_configs(FAST)))
+    assert _tokens(out) == _generate(model, PROMPTS)
+    assert _frames() - frames == 1
+    assert _restarts() == restarts, "Dynamo restarted the analysis of the CB forward"
+
+
+def _stream(model, first: list[int], later: list[int]) -> tuple[dict, list[tuple[int, int]]]:
+    """A server's request stream on one manager: ``first`` alone in the first batch, ``later`` added after it ran.
+    Returns ``{request_id: output}`` and the padded ``(query tokens, cache rows read)`` of every batch."""
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    sizes = []
+    compute_batch = ModelRunner.compute_batch
+
+    def recording(self, model_, batch_data):
+        sizes.append((batch_data["input_ids"].shape[-1], batch_data["read_index"][0].shape[0]))
+        return compute_batch(self, model_, batch_data)
+
+    varlen, decode = paged_attention.cb_compile_configs(FAST)
+    cfg = ContinuousBatchingConfig(num_blocks=16, page_size=32, max_batch_tokens=128, varlen_compile_config=varlen,
+                                   decode_compile_config=decode)
+    ModelRunner.compute_batch = recording
+    manager = model.init_continuous_batching(generation_config=_gen(), continuous_batching_config=cfg)
+    try:
+        ids = [manager.add_request(list(range(5, 5 + n)), streaming=True) for n in first]
+        manager.start()
+        while (res := manager.get_result(timeout=120)) is not None and res.request_id != ids[0]:
+            pass
+        assert res is not None, "the first batch produced nothing"
+        ids += [manager.add_request(list(range(5, 5 + n)), streaming=True) for n in later]
+        done = {}
+        while len(done) < len(ids) and (res := manager.get_result(timeout=120)) is not None:
+            if res.is_finished():
+                done[res.request_id] = res
+    finally:
+        manager.stop(block=True, timeout=60)
+        ModelRunner.compute_batch = compute_batch
+    return {i: done[i] for i in ids if i in done}, sizes
+
+
+@pytest.mark.parametrize("first", [[7], [40, 50]], ids=["one-request-first-batch", "full-first-batch"])
+def test_request_stream_compiles_one_graph(model, first):
+    """A stream whose batches pad to different sizes (64 and 128 query tokens) is one graph, whichever comes
+    first. A first batch filling the padded sizes (``read_index`` = a whole row of HF's ``read_index_storage``)
+    compiled a graph where duck sizing made the slice's size the storage's symbol, guarded
+    ``read_index._base.size()[1] == read_index.size()[0]``, and the next smaller batch recompiled."""
+    torch._dynamo.reset()
+    frames = _frames()
+    out, sizes = _stream(model, first, STREAM_TAIL)
+    prompts = [list(range(5, 5 + n)) for n in first + STREAM_TAIL]
+    assert [o.generated_tokens for o in out.values()] == _generate(model, prompts)
+    assert {q for q, _ in sizes} == {64, 128}, sizes  # both paddings were run
+    assert (sizes[0][0] == 128) == (len(first) > 1), sizes
+    assert _frames() - frames == 1, f"{_frames() - frames} graphs for batches {sizes}"
+
+
+def test_warmup_graph_serves_smaller_batches(model):
+    """HF's warmup (``generate_batch``'s default) compiles at the largest padded sizes; the batches after it, padded
+    smaller, run that graph (they recompiled: the duck-sized guard of :func:`test_request_stream_compiles_one_graph`)."""
+    torch._dynamo.reset()
+    frames, restarts = _frames(), _restarts()
+    varlen, decode = paged_attention.cb_compile_configs(FAST)
+    cfg = ContinuousBatchingConfig(num_blocks=16, page_size=32, max_batch_tokens=128, varlen_compile_config=varlen,
+                                   decode_compile_config=decode)
+    out = model.generate_batch(PROMPTS, generation_config=_gen(), continuous_batching_config=cfg)
+    assert _tokens(out) == _generate(model, PROMPTS)
+    assert _frames() - frames == 1 and _restarts() == restarts
+
+
+def test_compiled_cb_forwards_are_wrapped_for_ep_fuse_only(model):
+    from transformers.generation.configuration_utils import CompileConfig
+
+    manager = model.init_continuous_batching(
+        generation_config=_gen(), continuous_batching_config=_cb(*paged_attention.cb_compile_configs(FAST)))
+    runner = manager._create_batch_processor().model_runner
+    assert getattr(runner._compiled_varlen, "ep_fuse_cb_forward", False)
+    other = CompileConfig(backend="inductor", fullgraph=True, mode="default")
+    manager = model.init_continuous_batching(generation_config=_gen(), continuous_batching_config=_cb(other, other))
+    runner = manager._create_batch_processor().model_runner
+    assert not hasattr(runner._compiled_varlen, "ep_fuse_cb_forward")
+
+
 # -- CUDA-graph modes -------------------------------------------------------------------------------------------
 
 

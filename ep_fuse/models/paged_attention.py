@@ -154,9 +154,61 @@ def _checked_init(original_init: Any, self: Any, *args: Any, **kwargs: Any) -> N
 
 _ORIGINALS: dict[str, Any] = {}
 
+BACKEND = "ep_fuse"
+"""The ``CompileConfig.backend`` whose compiled CB forwards :func:`compiled_cb_forward` wraps (in ``ModelRunner``)."""
+
+
+def _storage_slices(batch_data: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of ``batch_data`` that are slices of HF's preallocated per-IO storages (``t._base`` set)."""
+    out: list[torch.Tensor] = []
+    for value in batch_data.values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        out.extend(t for t in items if isinstance(t, torch.Tensor) and t._base is not None)
+    return out
+
+
+def compiled_cb_forward(compiled: Any) -> Any:
+    """``compiled`` (HF's ``torch.compile`` of ``ModelRunner._forward_process_and_sample``) called so that a CB
+    forward is traced once and its one graph serves every later batch.
+
+    * Floats as constants (``torch._dynamo.config.specialize_float``, thread-local, only around this call):
+      under ``dynamic=True`` Dynamo turns the model's float attributes into symbolic floats, and one it cannot
+      tensorify away makes it trace the whole forward a second time ("Restarting analysis due to
+      _tensorify_python_scalars"). Two always do: ``nn.Embedding.forward`` hands ``self.norm_type`` to
+      ``F.embedding`` where it is dead code without ``max_norm`` (torch's code), and the attention ``scaling``
+      must be a Python float for ``ep_fuse::varlen_attention`` (FlashAttention's ``softmax_scale``), which
+      specializes it (a guard, hence the restart). These floats are fixed per model: nothing is lost.
+    * Slice sizes not duck-shaped (``maybe_mark_dynamic`` on the slices of HF's preallocated storages: the
+      padded ``read_index`` / ``write_index`` / ``input_ids`` ... of this batch): Dynamo gives equal sizes one
+      symbol, so a first batch whose padded sizes fill the storage (``read_index`` = the whole row of
+      ``read_index_storage``: ``max_batch_tokens`` query tokens, as HF's warmup or a full first batch has)
+      compiles a graph guarded on ``read_index._base.size()[1] == read_index.size()[0]``, and every smaller
+      batch recompiles."""
+    def forward(model: Any, batch_data: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        for t in _storage_slices(batch_data):
+            dims = [d for d in range(t.dim()) if t.shape[d] > 1]
+            if dims:
+                torch._dynamo.maybe_mark_dynamic(t, dims)
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(model, batch_data, *args, **kwargs)
+
+    forward.__wrapped__ = compiled
+    forward.ep_fuse_cb_forward = True
+    return forward
+
+
+def _wrap_compiled_forwards(original_init: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    original_init(self, *args, **kwargs)
+    cb_config = getattr(self, "cb_config", None)
+    for attr, cfg_name in (("_compiled_varlen", "varlen_compile_config"), ("_compiled_decode", "decode_compile_config")):
+        compiled, cfg = getattr(self, attr, None), getattr(cb_config, cfg_name, None)
+        if compiled is not None and getattr(cfg, "backend", None) == BACKEND:
+            setattr(self, attr, compiled_cb_forward(compiled))
+
 
 def install() -> bool:
-    """Route HF continuous batching's paged cache update through :data:`paged_kv_update` (process-wide, idempotent).
+    """Route HF continuous batching's paged cache update through :data:`paged_kv_update` and the forwards it
+    compiles with ``backend="ep_fuse"`` through :func:`compiled_cb_forward` (process-wide, idempotent).
 
     Returns False when this transformers has no continuous batching (nothing to do)."""
     try:
@@ -165,8 +217,10 @@ def install() -> bool:
         return False
     if _ORIGINALS:
         return True
-    update, init = PagedAttentionCache.update, PagedAttentionCache.__init__
-    _ORIGINALS.update(update=update, init=init)
+    from transformers.generation.continuous_batching.model_runner import ModelRunner  # same release as the cache
+
+    update, init, runner_init = PagedAttentionCache.update, PagedAttentionCache.__init__, ModelRunner.__init__
+    _ORIGINALS.update(update=update, init=init, runner_init=runner_init)
 
     def update_in_graph(self, key_states, value_states, layer_idx, kwargs):
         # delegating to HF's (compiler-disabled) method keeps its graph break where the op does not apply
@@ -175,23 +229,32 @@ def install() -> bool:
     def init_checked(self, *args, **kwargs):
         _checked_init(init, self, *args, **kwargs)
 
+    def runner_init_wrapping(self, *args, **kwargs):
+        _wrap_compiled_forwards(runner_init, self, *args, **kwargs)
+
     update_in_graph.__doc__ = _traceable_update.__doc__
     init_checked.__doc__ = init.__doc__
+    runner_init_wrapping.__doc__ = runner_init.__doc__
     PagedAttentionCache.update = update_in_graph
     PagedAttentionCache.__init__ = init_checked
+    # the forwards HF compiles with backend="ep_fuse" run through compiled_cb_forward (one trace, one graph)
+    ModelRunner.__init__ = runner_init_wrapping
     log.info("ep_fuse: continuous batching's paged KV-cache update runs as %s::paged_kv_update (one graph per "
              "forward)", NAMESPACE)
     return True
 
 
 def uninstall() -> None:
-    """Restore HF's own ``PagedAttentionCache.update`` / ``__init__`` (caches made since keep their offsets)."""
+    """Restore HF's own ``PagedAttentionCache.update`` / ``__init__`` and ``ModelRunner.__init__`` (caches and
+    runners made since keep their offsets and wrapped forwards)."""
     if not _ORIGINALS:
         return
     from transformers.generation.continuous_batching.cache import PagedAttentionCache  # optional dependency
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
 
     PagedAttentionCache.update = _ORIGINALS.pop("update")
     PagedAttentionCache.__init__ = _ORIGINALS.pop("init")
+    ModelRunner.__init__ = _ORIGINALS.pop("runner_init")
 
 
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -12,14 +12,14 @@ from ep_fuse.backend import cudagraphs_off_thread
 from ep_fuse.models import paged_attention, tiny
 
 pytest.importorskip("transformers.generation.continuous_batching")
-from transformers import GenerationConfig  # noqa: E402
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching.cache_allocators.full_attention import (  # noqa: E402
     FullAttentionCacheAllocator)
 from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (  # noqa: E402
     SlidingAttentionCacheAllocator)
 
-NEW = 6
+from support.cb_requests import cb_config as _cb, eager_generate as _generate  # noqa: E402
+from support.cb_requests import gen_config as _gen, tokens_of as _tokens  # noqa: E402
 FAST = {"executor": "eager", "providers": {"cpu": ("reference",)}}
 """ep_fuse's whole pipeline, the fused ops run as their references (no Triton interpreter): seconds, not minutes."""
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 12, 17)]
@@ -32,30 +32,6 @@ def model():
     return tiny.build("qwen3_moe", dtype=torch.float32)
 
 
-def _gen() -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-
-def _cb(varlen=None, decode=None) -> ContinuousBatchingConfig:
-    # a fixed request count per batch, as a server has: generate_batch otherwise sizes it to the workload,
-    # and the padded cu_seq_lens change with it
-    # (small pages: the KV read is padded to the whole cache)
-    return ContinuousBatchingConfig(num_blocks=8, page_size=32, max_batch_tokens=64, max_requests_per_batch=8,
-                                    varlen_compile_config=varlen, decode_compile_config=decode)
-
-
-def _tokens(out: dict) -> list[list[int]]:
-    return [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.rsplit("_", 1)[-1]))]
-
-
-def _generate(model, prompts) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 generation_config=_gen())
-            outs.append(ids[0, len(p):].tolist())
-    return outs
 
 
 def _frames() -> int:

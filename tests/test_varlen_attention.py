@@ -16,11 +16,11 @@ from ep_fuse.ops.varlen_attention import VARLEN_ATTENTION, varlen_attention_ref
 from ep_fuse.providers.flash import varlen_attention as flash
 
 pytest.importorskip("transformers.generation.continuous_batching")
-from transformers import GenerationConfig  # noqa: E402
-from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
 from transformers.generation.continuous_batching import input_outputs  # noqa: E402
 from transformers.generation.continuous_batching.utils import build_attention_mask  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from support.cb_requests import NEW, cb_config as _cb, eager_generate as _generate  # noqa: E402
+from support.cb_requests import gen_config as _gen, tokens_of as _tokens  # noqa: E402
 
 FAST = {"executor": "eager", "providers": {"cpu": ("reference",)}}
 
@@ -124,31 +124,9 @@ def test_a_layer_that_cannot_take_the_op_without_a_mask_raises():
 
 # -- generate_batch ---------------------------------------------------------------------------------------------
 
-NEW = 6
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 12, 17)]
 
 
-def _gen() -> GenerationConfig:
-    return GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-
-def _cb(varlen=None, decode=None) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(num_blocks=8, page_size=32, max_batch_tokens=64, max_requests_per_batch=8,
-                                    varlen_compile_config=varlen, decode_compile_config=decode)
-
-
-def _tokens(out: dict) -> list[list[int]]:
-    return [out[k].generated_tokens for k in sorted(out, key=lambda r: int(r.rsplit("_", 1)[-1]))]
-
-
-def _generate(model, prompts) -> list[list[int]]:
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 generation_config=_gen())
-            outs.append(ids[0, len(p):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module")

@@ -183,6 +183,7 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
     import transformers as tf
 
     from ep_fuse.models import paged_attention, varlen_attention
+    from ep_fuse.report import compile_totals
 
     if mode.partition("+")[0] == "hf":
         paged_attention.uninstall()  # HF as it ships: its compiler-disabled cache update
@@ -227,16 +228,13 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
                     for k, v in r.counts().items():
                         counts[k] = counts.get(k, 0) + v
                 attn: dict[str, int] = {}
-                secs: dict[str, float] = {}
                 for r in reps:
                     for op, n in r.ops_after.items():
                         if op.endswith(".varlen_attention.default"):
                             ns = op.split(".")[0]
                             prov = "reference" if ns == "ep_fuse" else ns.removeprefix("ep_fuse_")
                             attn[prov] = attn.get(prov, 0) + n
-                    for k, v in r.compile_seconds.items():
-                        secs[k] = secs.get(k, 0.0) + v
-                row["compile_s"] = {k: round(v, 1) for k, v in secs.items()}
+                row["compile_s"] = {k: round(v, 1) for k, v in compile_totals(reps)[0].items()}
                 row["note"] = (f"{len(reps)} graphs; " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
                                + "".join(f", varlen_attention:{p} {n}" for p, n in sorted(attn.items())))
             rows.append(row)

@@ -288,6 +288,6 @@ def cb_compile_configs(options: dict[str, Any] | None = None, mode: str | None =
     def one() -> Any:
         # HF's CompileConfig defaults to mode="reduce-overhead"; torch.compile takes mode or options, not both;
         # options must be a dict (HF's CUDA-graph decision reads `options.get(...)` when the mode is None)
-        return CompileConfig(backend="ep_fuse", fullgraph=False, dynamic=dynamic, mode=None, options=opts)
+        return CompileConfig(backend=BACKEND, fullgraph=False, dynamic=dynamic, mode=None, options=opts)
 
     return one(), one()

@@ -41,8 +41,8 @@ _ORIGINALS: dict[str, Any] = {}
 def _decline(module: Any, query: torch.Tensor, key: torch.Tensor, dropout: float, kwargs: dict[str, Any]) -> str | None:
     """Why this attention call is not continuous batching's plain causal varlen attention (``None``: it is)."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor) or "read_index" not in kwargs:
-        return "not a continuous-batching call"
+    if not isinstance(cu_q, torch.Tensor) or not isinstance(cu_k, torch.Tensor):
+        return "cumulative sequence lengths are not tensors"
     if kwargs.get("block_table") is not None:
         return "the block-table decode path"
     if query.shape[0] != 1 or key.shape[0] != 1:

@@ -29,7 +29,11 @@ output tokens/s (generated tokens / wall time), time to first token and inter-to
 HF's per-token timestamps), and accuracy against eager: the fraction of requests whose tokens equal eager's
 and the largest |logprob difference| of the chosen tokens over the steps where tokens agree
 (``return_logprobs``; greedy tokens of random models may flip on near ties, so a flip is not an error by
-itself). Writes ``$OUT/serving.json`` and ``serving.md``.
+itself). Free-running outputs part at the first flip, so after the timed rounds every mode also serves the same
+teacher-forced requests (16 of eager's outputs, cut at 0, 1/4, 1/2 and 3/4 of its tokens, two new tokens: one
+from the varlen path over the forced prefix, one decode step): the forced column gives the argmax flips, the
+largest and the mean |logprob difference| against eager on identical prefixes, and the mean as a multiple of
+the ``hf`` mode's (HF's Inductor compile: the bound is 1.25x). Writes ``$OUT/serving.json`` and ``serving.md``.
 
 ``--tiny``: ep_fuse's tiny 1-layer Qwen3-MoE (``--models qwen3_moe,mixtral`` adds Mixtral), fp32, on CPU, 6
 short requests at 1 and 4 concurrent, modes eager and ep_fuse with ``executor="eager"`` (Inductor's CPU compile
@@ -162,6 +166,35 @@ def accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]:
     return dict(tokens_equal=f"{same}/{len(outs)}", logprob_diff_max=worst)
 
 
+def forced_requests(reqs: list[tuple[list[int], int]], ref: dict[int, Any], n: int = 16,
+                    cuts: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)) -> list[tuple[list[int], int]]:
+    """Teacher-forced requests: the first ``n`` prompts extended by eager's own tokens up to each cut of its
+    output, two new tokens each (one from the varlen path over the forced prefix, one decode step)."""
+    out = []
+    for i in sorted(ref)[:n]:
+        prompt, toks = reqs[i][0], list(ref[i].generated_tokens)
+        for c in cuts:
+            out.append((prompt + toks[: int(c * len(toks))], 2))
+    return out
+
+
+def forced_accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]:
+    """Chosen-token logprobs of the same forced prefixes against eager's: the first token (prefix prefilled) and
+    the second (a decode step, compared where the first tokens agree, so both saw the same prefix)."""
+    diffs: list[float] = []
+    flips = total = 0
+    for i, o in outs.items():
+        r = ref[i]
+        for a, b, ta, tb in zip(o.logprobs, r.logprobs, o.generated_tokens, r.generated_tokens):
+            total += 1
+            if ta != tb:
+                flips += 1
+                break
+            diffs.append(abs(float(a) - float(b)))
+    return dict(forced_steps=total, forced_flips=flips, forced_logprob_diff_max=max(diffs, default=0.0),
+                forced_logprob_diff_mean=sum(diffs) / max(len(diffs), 1))
+
+
 def profile_round(manager: Any, reqs: list[tuple[list[int], int]], concurrency: int, path: Path) -> float:
     """Serve ``reqs`` under ``torch.profiler``; writes the top kernels to ``path``, returns GPU busy / wall."""
     from torch.profiler import ProfilerActivity, profile
@@ -178,7 +211,7 @@ def profile_round(manager: Any, reqs: list[tuple[list[int], int]], concurrency: 
 
 
 def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]], concurrency: list[int],
-             base: dict[str, Any], options: dict[str, Any], ref: dict[int, dict[int, Any]],
+             base: dict[str, Any], options: dict[str, Any], ref: dict[Any, dict[int, Any]],
              counts: list[int] | None = None, profile: bool = False) -> list[dict[str, Any]]:
     import transformers as tf
 
@@ -239,6 +272,17 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
                                + "".join(f", varlen_attention:{p} {n}" for p, n in sorted(attn.items())))
             rows.append(row)
             log({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()})
+        c = max(concurrency)
+        if c in ref:  # teacher-forced logprobs: every mode on the same prefixes (eager's tokens)
+            forced = forced_requests(reqs, ref[c])
+            _, fouts = serve_requests(manager, forced, c)
+            if mode == "eager":
+                ref["forced"] = fouts
+            else:
+                acc = forced_accuracy(fouts, ref["forced"])
+                for row in rows:
+                    row.update(acc)
+                log(f"{name} {mode}: forced prefixes {acc}")
         if profile and mode != "eager":
             c = max(concurrency)
             busy = profile_round(manager, reqs[:c], c, out_dir() / f"serving_profile_{name}_{mode}.txt")
@@ -252,6 +296,18 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
         manager.stop(block=True, timeout=30)
         paged_attention.install()
     return rows
+
+
+def forced_cell(r: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
+    """The forced-prefix accuracy of a row, its mean difference also as a multiple of the ``hf`` row's."""
+    if "forced_steps" not in r:
+        return None
+    hf = next((x for x in rows if x["model"] == r["model"] and x["mode"].partition("+")[0] == "hf"
+               and "forced_steps" in x), None)
+    ratio = (f" ({r['forced_logprob_diff_mean'] / hf['forced_logprob_diff_mean']:.2f}x)"
+             if hf and hf["forced_logprob_diff_mean"] > 0 else "")
+    return (f"{r['forced_flips']}/{r['forced_steps']}, {r['forced_logprob_diff_max']:.2e} / "
+            f"{r['forced_logprob_diff_mean']:.2e}{ratio}")
 
 
 def main() -> None:
@@ -300,7 +356,7 @@ def main() -> None:
         else:
             model = hf_models.build(name, device=device)
         reqs = workload(max(counts + concurrency), model.config.vocab_size, span(args.prompt), span(args.new))
-        ref: dict[int, dict[int, Any]] = {}
+        ref: dict[Any, dict[int, Any]] = {}
         modes = args.modes.split(",")
         for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference
             rows += run_mode(model, name, mode, reqs, concurrency, base, options, ref, counts, args.profile)
@@ -318,9 +374,11 @@ def main() -> None:
                       r.get("ttft_ms_p50"), r.get("itl_ms_p50"), r.get("itl_ms_p99"), r.get("first_s"),
                       r.get("cuda_graphs"), r.get("gpu_busy"), r.get("tokens_equal"),
                       r.get("logprob_diff_max") is not None and f"{r['logprob_diff_max']:.2e}" or None,
+                      forced_cell(r, rows),
                       r.get("note", "")[:80]])
     md = markdown_table(["model", "concurrent", "mode", "tokens/s", "vs hf", "TTFT p50 ms", "ITL p50 ms",
-                         "ITL p99 ms", "first s", "CUDA graphs", "GPU busy", "tokens = eager", "logprob diff max", "note"],
+                         "ITL p99 ms", "first s", "CUDA graphs", "GPU busy", "tokens = eager", "logprob diff max",
+                         "forced: flips, diff max / mean (vs hf)", "note"],
                         table)
     (out_dir() / "serving.md").write_text(f"{info}\n\n{md}\n")
     log(md)

@@ -154,15 +154,20 @@ def metrics(wall: float, outs: dict[int, Any]) -> dict[str, Any]:
                 ttft_ms_p99=percentile(ttft, 99), itl_ms_p50=percentile(itl, 50), itl_ms_p99=percentile(itl, 99))
 
 
+def agreeing_diffs(o: Any, r: Any) -> tuple[list[float], bool]:
+    """|logprob differences| of the chosen tokens of ``o`` against ``r`` up to their first differing token, and
+    whether there was one (after it the two saw different prefixes)."""
+    diffs = []
+    for a, b, ta, tb in zip(o.logprobs, r.logprobs, o.generated_tokens, r.generated_tokens):
+        if ta != tb:
+            return diffs, True
+        diffs.append(abs(float(a) - float(b)))
+    return diffs, False
+
+
 def accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]:
-    same, worst = 0, 0.0
-    for i, o in outs.items():
-        r = ref[i]
-        same += o.generated_tokens == r.generated_tokens
-        for a, b, ta, tb in zip(o.logprobs, r.logprobs, o.generated_tokens, r.generated_tokens):
-            if ta != tb:
-                break
-            worst = max(worst, abs(float(a) - float(b)))
+    same = sum(o.generated_tokens == ref[i].generated_tokens for i, o in outs.items())
+    worst = max((d for i, o in outs.items() for d in agreeing_diffs(o, ref[i])[0]), default=0.0)
     return dict(tokens_equal=f"{same}/{len(outs)}", logprob_diff_max=worst)
 
 
@@ -184,13 +189,10 @@ def forced_accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]
     diffs: list[float] = []
     flips = total = 0
     for i, o in outs.items():
-        r = ref[i]
-        for a, b, ta, tb in zip(o.logprobs, r.logprobs, o.generated_tokens, r.generated_tokens):
-            total += 1
-            if ta != tb:
-                flips += 1
-                break
-            diffs.append(abs(float(a) - float(b)))
+        d, flipped = agreeing_diffs(o, ref[i])
+        diffs += d
+        flips += flipped
+        total += len(d) + flipped
     return dict(forced_steps=total, forced_flips=flips, forced_logprob_diff_max=max(diffs, default=0.0),
                 forced_logprob_diff_mean=sum(diffs) / max(len(diffs), 1))
 

@@ -286,7 +286,6 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
                     row.update(acc)
                 log(f"{name} {mode}: forced prefixes {acc}")
         if profile and mode != "eager":
-            c = max(concurrency)
             busy = profile_round(manager, reqs[:c], c, out_dir() / f"serving_profile_{name}_{mode}.txt")
             for row in rows:
                 row["gpu_busy"] = round(busy, 3)

@@ -32,8 +32,6 @@ def model():
     return tiny.build("qwen3_moe", dtype=torch.float32)
 
 
-
-
 def _frames() -> int:
     """Graphs Dynamo compiled in this process (``torch._dynamo.reset()`` keeps the counters: take differences)."""
     from torch._dynamo.utils import counters

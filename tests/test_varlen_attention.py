@@ -127,8 +127,6 @@ def test_a_layer_that_cannot_take_the_op_without_a_mask_raises():
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 12, 17)]
 
 
-
-
 @pytest.fixture(scope="module")
 def model():
     m = tiny.build("qwen3_moe", dtype=torch.float32)  # prepared

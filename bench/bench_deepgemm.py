@@ -22,21 +22,18 @@ Writes ``$OUT/deepgemm.json`` / ``deepgemm.md``.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe_experts import routed_rows  # noqa: E402
+from bench_moe_experts import routed_rows
 from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
-import ep_fuse.providers  # noqa: E402,F401
-from ep_fuse.ops import fp8 as R  # noqa: E402
+import ep_fuse.providers  # noqa: F401
+from ep_fuse.ops import fp8 as R
 from ep_fuse.providers.triton import fp8 as T  # noqa: E402
-from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel  # noqa: E402
+from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel
 
 BF16 = torch.bfloat16
 SHAPES = {

@@ -1,6 +1,6 @@
 """Expert parallelism on several GPUs, side by side with the same work on one GPU, in one run.
 
-    torchrun --nproc-per-node 2 bench/bench_ep.py [--quick] [--backends all_to_all,symm_mem,deepep,...]
+    torchrun --nproc-per-node 2 bench/bench_ep.py [--quick] [--engines all_to_all,symm_mem,deepep,...]
         [--shapes "DeepSeek-V3 decode,..."] [--iters 20] [--e2e] [--deepep-config SMS,CHUNK,SMS,CHUNK]
     python bench/bench_ep.py --quick          # one process: world size 1 (loopback; says so)
 
@@ -36,24 +36,22 @@ import os
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ[_k] = _v  # NVLink multicast off in every process (device README)
 
-import copy  # noqa: E402
+import copy
 import datetime  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import socket
+import time
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import bench_parser, start, write_json  # noqa: E402
+from common import bench_parser, start, write_json
 
-import ep_fuse  # noqa: E402
+import ep_fuse
 import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
-from ep_fuse.ep import deepep, handles, release_buffers  # noqa: E402
+from ep_fuse.ep import deepep, handles, release_buffers
 from ep_fuse.passes.ep import ep_sites  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -64,7 +62,7 @@ SHAPES = [  # (name, tokens per rank, H, I, E, K)
     ("Qwen3-30B-A3B prefill", 4096, 2048, 768, 128, 8),
 ]
 QUICK = [("small", 256, 2048, 512, 32, 4)]
-# (backend, capacity: True = T, False = data-dependent)
+# (engine, capacity: True = T, False = data-dependent)
 DECODE_MODES = [("deepep_low_latency", True), ("deepep", True), ("symm_mem", True), ("all_to_all", True),
                 ("all_to_all", False)]
 PREFILL_MODES = [("deepep", True), ("deepep", False), ("deepep_low_latency", True), ("symm_mem", True),
@@ -195,19 +193,19 @@ def run_shape(name, t, h, inter, e, k, modes, iters, device, fp8_wire=False) -> 
         ref = full(x, ids, w)
     log(f"{name}: one GPU, all experts: {base_us:.1f} us on T={t}; {base_total_us:.1f} us on T={t * world}")
     group_name = dist.group.WORLD.group_name
-    for backend, use_cap in modes:
+    for engine, use_cap in modes:
         cap = t if use_cap else 0
-        label = f"{backend} ({'capacity ' + str(cap) if cap else 'data-dependent'})"
+        label = f"{engine} ({'capacity ' + str(cap) if cap else 'data-dependent'})"
         row: dict[str, Any] = dict(shape=name, mode=label, world=world, tokens_per_rank=t,
                                    one_gpu_us=round(base_us, 1), one_gpu_total_us=round(base_total_us, 1))
         try:
             model = ep_fuse.shard_experts(copy.deepcopy(full))
-            opts = ep_fuse.ep_options(model, backend=backend, capacity=cap or None)
+            opts = ep_fuse.ep_options(model, engine=engine, capacity=cap or None)
             fn = torch.compile(model, backend="ep_fuse", options={**opts, "executor": "inductor"})
             with torch.no_grad():
                 out = fn(x, ids, w)
             sites = ep_sites(ep_fuse.last_report())
-            ran = sites[0].backend if sites else "none (world size 1)"
+            ran = sites[0].engine if sites else "none (world size 1)"
             layout = sites[0].layout if sites else "rank"
             row["ran"] = ran
             if sites and sites[0].declined:
@@ -260,7 +258,7 @@ def run_shape(name, t, h, inter, e, k, modes, iters, device, fp8_wire=False) -> 
                                    dispatch_fp8_gbs_recv=round(recv * packed.shape[1] / t8 / 1e9, 1))
             row.update(layer_us=round(layer * 1e6, 1), layer_vs_one_gpu=round(layer * 1e6 / base_us, 3),
                        graph=graph, tokens_s_per_rank=round(t / layer))
-        except Exception as exc:  # one backend failing must not hide the others
+        except Exception as exc:  # one engine failing must not hide the others
             row["failed"] = f"{type(exc).__name__}: {exc}"[:300]
             log(f"{name} {label}: failed: {row['failed']}")
         rows.append(row)
@@ -275,13 +273,13 @@ def run_e2e(iters: int, device: torch.device, cases: list[str]) -> list[dict[str
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
-    for label, (b, s), backend, cap, mode in [
+    for label, (b, s), engine, cap, mode in [
         ("prefill 2 x 2048 per rank", (2, 2048), "deepep", 4096, None),
         ("decode 128 x 1 per rank", (128, 1), "deepep_low_latency", 128, "reduce-overhead"),
     ]:
         if label.split()[0] not in cases:
             continue
-        row: dict[str, Any] = dict(case=label, world=world, backend=backend)
+        row: dict[str, Any] = dict(case=label, world=world, engine=engine)
         try:
             full = hf_models.build("qwen3_30b_a3b", device=str(device))
             g = torch.Generator(device=device).manual_seed(rank)
@@ -295,7 +293,7 @@ def run_e2e(iters: int, device: torch.device, cases: list[str]) -> list[dict[str
             torch._dynamo.reset()
             ep_model = ep_fuse.shard_experts(full)
             ep = torch.compile(ep_model, backend="ep_fuse",
-                               options={**opts, **ep_fuse.ep_options(ep_model, backend=backend, capacity=cap)})
+                               options={**opts, **ep_fuse.ep_options(ep_model, engine=engine, capacity=cap)})
             with torch.no_grad():
                 for _ in range(3 if mode else 1):
                     out = ep(input_ids=ids, use_cache=False).logits.clone()
@@ -304,7 +302,7 @@ def run_e2e(iters: int, device: torch.device, cases: list[str]) -> list[dict[str
             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
             errs = [torch.zeros(1, device=device) for _ in range(world)]
             dist.all_gather(errs, torch.tensor([err], device=device))
-            row.update(ran=sorted({s_.backend for s_ in sites}), rel_l2_per_rank=[f"{e.item():.1e}" for e in errs],
+            row.update(ran=sorted({s_.engine for s_ in sites}), rel_l2_per_rank=[f"{e.item():.1e}" for e in errs],
                        one_gpu_tokens_s=round(b * s / t_one), pair_tokens_s=round(world * b * s / t_ep),
                        speedup=round(world * t_one / t_ep, 2), one_gpu_ms=round(t_one * 1e3, 2),
                        ep_ms=round(t_ep * 1e3, 2))
@@ -322,7 +320,8 @@ def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--backends", default=None, help="restrict to these providers (default: all)")
+    ap.add_argument("--engines", "--backends", dest="engines", default=None,
+                    help="restrict to these EP engines (default: all)")
     ap.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--e2e", action="store_true", help="also the 4-layer Qwen3-30B-A3B-sized HF model")
     ap.add_argument("--fp8-wire", action="store_true", help="also time the dispatch of fp8 codes + scales rows")
@@ -343,7 +342,7 @@ def main() -> None:
             if world == 1 else f"{world} ranks, {dist.get_backend()}")
     log(f"bench_ep: {note}; device {device}; deep_ep: {deepep.available() or 'available'}; "
         f"DeepEP configs: {deepep.TUNED.get(world, 'defaults')}")
-    keep = set(args.backends.split(",")) if args.backends else None
+    keep = set(args.engines.split(",")) if args.engines else None
     if args.overlap:
         run_overlap(args, keep, device, note)
         return
@@ -372,7 +371,7 @@ def main() -> None:
                  "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(str(r.get(c, "")) for c in head) + " |" for r in rows]
         if e2e:
-            head2 = ["case", "backend", "ran", "one_gpu_tokens_s", "pair_tokens_s", "speedup", "one_gpu_ms", "ep_ms",
+            head2 = ["case", "engine", "ran", "one_gpu_tokens_s", "pair_tokens_s", "speedup", "one_gpu_ms", "ep_ms",
                      "rel_l2_per_rank", "failed"]
             lines += ["", "| " + " | ".join(head2) + " |", "|" + "---|" * len(head2)]
             lines += ["| " + " | ".join(str(r.get(c, "")) for c in head2) + " |" for r in e2e]

@@ -21,25 +21,23 @@ reference. NCCL on CUDA (NVLS / multicast off), gloo on CPU. Writes ``$OUT/ep_a2
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
 
-import torch  # noqa: E402
+import torch
 import torch.distributed as dist  # noqa: E402
 
 import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
-from ep_fuse import runtime  # noqa: E402
+from ep_fuse import runtime
 from ep_fuse.config import EpFuseConfig  # noqa: E402
-from ep_fuse.ep import all_to_all as a2a  # noqa: E402
+from ep_fuse.ep import all_to_all as a2a
 from ep_fuse.ep import groups  # noqa: E402
-from ep_fuse.ops.ep_layout import HEADER, packed_row  # noqa: E402
+from ep_fuse.ops.ep_layout import HEADER, packed_row
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep import init, loop_seconds, routing  # noqa: E402
+from bench_ep import init, loop_seconds, routing
 from common import bench_parser, start, write_json  # noqa: E402
 
 

@@ -13,18 +13,15 @@ keeps what it measured.
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_parser, bench_us, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
+from common import bench_parser, bench_us, env_info, markdown_table, out_dir, start, write_json
 from hf_models import build  # noqa: E402
 
-import ep_fuse  # noqa: E402
+import ep_fuse
 
 
 def log(*a: Any) -> None:

@@ -34,14 +34,11 @@ timed the same way, and its output (summed back per token) against the reference
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import balanced_topk_ids, bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)

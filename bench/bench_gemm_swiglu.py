@@ -27,20 +27,17 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe_grouped_gemm_tma import log, timed  # noqa: E402
+from bench_moe_grouped_gemm_tma import log, timed
 from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
-import ep_fuse  # noqa: E402
-import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
+import ep_fuse
+import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 # by module path: the package attribute ``gemm_swiglu_kernel`` is the provider function of that name
 dk = importlib.import_module("ep_fuse.providers.triton.gemm_swiglu_kernel")
 tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")

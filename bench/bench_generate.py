@@ -27,18 +27,16 @@ then, so with this flag the table's first call is a warm-cache one.
 from __future__ import annotations
 
 import gc
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hf_models  # noqa: E402
+import hf_models
 from common import bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
-import ep_fuse  # noqa: E402
+import ep_fuse
 from ep_fuse.report import compile_totals  # noqa: E402
 
 

@@ -11,7 +11,7 @@ experts (H7168 I2048 E256 k8) at decode (T128) and prefill (T4096) sizes, and a 
 layer (H2048 I768 E128 k8, T4096). Writes ``$OUT/moe.json`` / ``moe.md``.
 ``--fp8``: also ep_fuse with ``options={"quant": "fp8_block"}`` (its rel-L2 is against the bf16 eager layer, so
 it includes the FP8 quantization error). ``--only``: layers whose name contains one of the strings.
-``--no-checks``: skip the tiny-model and router checks. ``--tma-before``: also ep_fuse with the Hopper TMA
+``--no-checks``: skip the tiny-model checks and the router table (``bench_moe_gating.py``'s). ``--tma-before``: also ep_fuse with the Hopper TMA
 grouped GEMM walking as before 2026-12-01 (no expert-aligned groups, no swapped last tiles), compiled and timed
 in the same process; ``--tma-variant``: the same with any ``TmaGemmConfig`` fields set on every config the
 provider asks for (``flatten=0``: the K loop not fused with the walk). ``--repeat N``: the variant and the shipped
@@ -24,15 +24,14 @@ import contextlib
 import dataclasses
 import importlib
 import statistics
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from bench_moe_gating import HEAD as ROUTER_HEAD
+from bench_moe_gating import bench_routers
+from common import (
     bench_graph_us,
     check_hf_models,
     copy_bandwidth_gbs,
@@ -160,52 +159,6 @@ def check_tiny_models() -> list[str]:
     return lines
 
 
-def softmax_router(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mixtral / Qwen3-MoE: fp32 softmax, top-k, renormalise."""
-    w, ids = logits.float().softmax(-1).topk(k)
-    return w / w.sum(-1, keepdim=True), ids
-
-
-def deepseek_router(logits: torch.Tensor, bias: torch.Tensor, k: int, n_group: int, topk_group: int,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3: sigmoid, biased selection, group sum of top-2, kept groups, renormalise, scale."""
-    scores = logits.float().sigmoid()
-    sel = scores + bias
-    t, e = sel.shape
-    group = sel.view(t, n_group, -1).topk(2, -1)[0].sum(-1)
-    keep = torch.zeros_like(group).scatter_(1, group.topk(topk_group, -1, sorted=False)[1], 1)
-    mask = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e).bool()
-    ids = sel.masked_fill(~mask, float("-inf")).topk(k, -1, sorted=False)[1]
-    w = scores.gather(1, ids)
-    return w / (w.sum(-1, keepdim=True) + 1e-20) * scale, ids
-
-
-def bench_routers() -> list[list[Any]]:
-    """The fused gating kernel vs the router ops eager and under Inductor (same routing sets checked)."""
-    rows = []
-    op = torch.ops.ep_fuse_triton.moe_gating.default
-    for name, t, e, k in (("Mixtral softmax", 4096, 8, 2), ("Qwen3-MoE softmax", 4096, 128, 8),
-                          ("DeepSeek-V3 sigmoid group", 4096, 256, 8), ("DeepSeek-V3 decode", 128, 256, 8)):
-        g = torch.Generator(device="cuda").manual_seed(2)
-        logits = torch.randn(t, e, device="cuda", generator=g).to(BF16)
-        if "DeepSeek" in name:
-            bias = torch.randn(e, device="cuda", generator=g) * 0.1
-            eager = lambda: deepseek_router(logits, bias, k, 8, 4, 2.5)  # noqa: E731
-            fused = lambda: op(logits, bias, k, "sigmoid", 8, 4, "sum_top2", True, 1e-20, 2.5, None)  # noqa: E731
-        else:
-            eager = lambda: softmax_router(logits, k)  # noqa: E731
-            fused = lambda: op(logits, None, k, "softmax", 1, 1, "none", True, 0.0, 1.0, None)  # noqa: E731
-        compiled = torch.compile(eager)
-        (w_ref, i_ref), (w_f, i_f) = eager(), fused()
-        same = torch.equal(i_ref.sort(-1)[0], i_f.sort(-1)[0])
-        w_err = (w_ref.gather(1, i_ref.sort(-1)[1]) - w_f.gather(1, i_f.sort(-1)[1])).abs().max().item()
-        us = {"eager": bench_graph_us(eager), "inductor": bench_graph_us(compiled), "ep_fuse": bench_graph_us(fused)}
-        log(f"router {name} T{t} E{e} k{k}: {us} same ids {same} max weight diff {w_err:.2e}")
-        rows.append([name, f"T{t} E{e} k{k}", us["eager"], us["inductor"], us["ep_fuse"],
-                     f"{us['inductor'] / us['ep_fuse']:.2f}x", "yes" if same else "NO", f"{w_err:.1e}"])
-    return rows
-
-
 def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, checks: bool = True,
          variant: str = "", repeat: int = 1) -> None:
     torch.manual_seed(0)
@@ -221,7 +174,7 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
             tiny.append(f"check_hf_models FAILED: {exc}")
         for line in tiny[-8:]:
             log(line)
-        routers = bench_routers()
+        routers = bench_routers()  # bench_moe_gating.py's table, here too
     copy = copy_bandwidth_gbs()
     log(f"copy bandwidth {copy:.0f} GB/s")
     rows, table = [], []
@@ -306,8 +259,7 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
     md = markdown_table(["layer", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor", "ep_fuse TF/s",
                          "stage providers"], table)
     if routers:
-        md += "\n\n" + markdown_table(["router", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor",
-                                        "same expert sets", "max weight diff"], routers)
+        md += "\n\n" + markdown_table(ROUTER_HEAD, routers)
     (out_dir() / "moe.md").write_text(md + "\n")
     write_json("moe.json", {"env": env_info(), "copy_gbs": copy, "rows": rows, "tiny_models": tiny,
                             "routers": routers})

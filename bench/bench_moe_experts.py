@@ -16,14 +16,11 @@ Writes ``$OUT/moe_experts.json`` / ``moe_experts.md``.
 from __future__ import annotations
 
 import importlib
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     balanced_topk_ids,
     bench_graph_us,
@@ -225,10 +222,10 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="names from SHAPES (default: all, unless --shape is given)")
     ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra shape (repeatable)")
     ap.add_argument("--masked", action="store_true", help="the DeepEP low-latency receive layout's local experts: "
-                    "masked vs permute over padding vs one GPU (bench/masked_layout.py; tiny and on CPU without CUDA)")
+                    "masked vs permute over padding vs one GPU (bench/bench_moe_masked.py; tiny and on CPU without CUDA)")
     opts = ap.parse_args()
     if opts.masked:
-        return run_masked()
+        return run_masked(opts.json)
     start(opts)
     for spec in opts.shape:
         name, dims = spec.split("=")
@@ -262,21 +259,11 @@ def main() -> None:
     log(f"total {time.time() - t0:.0f}s")
 
 
-def run_masked() -> None:
-    """``--masked``: :mod:`masked_layout` at its real shapes on CUDA, at its tiny shape on a CPU."""
-    import masked_layout
+def run_masked(json_path: str | None) -> None:
+    """``--masked``: ``bench_moe_masked.py`` (at its real shapes on CUDA, at its tiny shape on a CPU)."""
+    import bench_moe_masked
 
-    cuda = torch.cuda.is_available()
-    rows = masked_layout.run(masked_layout.SHAPES if cuda else masked_layout.TINY, "cuda" if cuda else "cpu")
-    write_json("moe_masked.json", {"env": env_info(), "rows": rows})
-    head = ["shape", "T", "E_r", "rows", "valid rows", "masked µs", "padded µs", "one GPU µs", "padded / masked",
-            "masked / one GPU", "rel L2"]
-    table = markdown_table(head, [[r["shape"], r["T"], r["E_r"], r["rows"], r["valid_rows"], r["masked_us"],
-                                   r["padded_us"], r["one_gpu_us"], f"{r['masked_vs_padded']:.2f}×",
-                                   f"{r['masked_vs_one_gpu']:.2f}×", f"{r['rel_l2_masked_vs_padded']:.1e}"]
-                                  for r in rows])
-    (out_dir() / "moe_masked.md").write_text(table + "\n")
-    log(table)
+    bench_moe_masked.main(["--json", json_path] if json_path else [])
 
 
 if __name__ == "__main__":

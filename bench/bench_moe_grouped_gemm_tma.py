@@ -22,21 +22,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_moe_experts import make_weights, routed_rows  # noqa: E402
+from bench_moe_experts import make_weights, routed_rows
 from common import (  # noqa: E402
     bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, tma_config_fields, write_json)
 
-import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel  # noqa: E402
+import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
+from ep_fuse.providers.triton.grouped_gemm import grouped_gemm_kernel, grouped_gemm_swiglu_kernel
 
 gk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_kernel")
 tk = importlib.import_module("ep_fuse.providers.triton.grouped_gemm_tma_kernel")

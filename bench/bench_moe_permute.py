@@ -13,16 +13,13 @@ kernels' ``CopyConfig`` (BLOCK_H, num_warps, H blocks per program) and of the in
 from __future__ import annotations
 
 import importlib
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     bench_graph_us,
     bench_us,
     copy_bandwidth_gbs,
@@ -34,8 +31,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
-import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.moe import moe_permute_ref, moe_unpermute_ref  # noqa: E402
+import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
+from ep_fuse.ops.moe import moe_permute_ref, moe_unpermute_ref
 
 mk = importlib.import_module("ep_fuse.providers.triton.moe_permute_kernel")
 BF16 = torch.bfloat16

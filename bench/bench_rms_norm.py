@@ -8,16 +8,13 @@ inputs, Triton provider vs the reference, compiled models vs eager); a failed ch
 
 from __future__ import annotations
 
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     bench_graph_us,
     bench_us,
     check_hf_models,
@@ -30,7 +27,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-import ep_fuse  # noqa: E402
+import ep_fuse
 from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -10,16 +10,13 @@ on CUDA against eager (site counts included).
 
 from __future__ import annotations
 
-import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     bench_graph_us,
     bench_parser,
     bench_us,
@@ -29,12 +26,13 @@ from common import (  # noqa: E402
     markdown_table,
     out_dir,
     start,
+    test_support,
     write_json,
 )
 
-import ep_fuse  # noqa: E402
-import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.ops.rope import rope_qk_ref  # noqa: E402
+import ep_fuse
+import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
+from ep_fuse.ops.rope import rope_qk_ref
 
 BF16 = torch.bfloat16
 GRID = [  # (tokens, q heads, k heads, head dim): the H200 baseline grid rows, then a DeepSeek-V3-like MLA rope part
@@ -106,9 +104,7 @@ def check_kernels(rounding: int | None = None) -> int:
     """Kernel vs reference for every form/dtype/layout: bf16 and fp16 bitwise (fp32 and complex to 2e-6)."""
     from ep_fuse.providers.triton import rope as rope_host
 
-    rope_host.TUNING.clear()
-    if rounding is not None:
-        rope_host.TUNING["rounding"] = rounding
+    tuning = rope_host.RopeTuning(rounding=rounding)
     n = 0
     for form in ("half", "chunk", "deinterleave", "interleave", "complex"):
         for dtype in (BF16, torch.float16, torch.float32):
@@ -124,7 +120,7 @@ def check_kernels(rounding: int | None = None) -> int:
                     ang = torch.randn(2, 1, t, width, device="cuda", generator=g)
                     cos, sin, out_dtype = ang.cos().to(dtype), ang.sin().to(dtype), None
                 args = (q, k, cos, sin, form, rot, out_dtype)
-                out, ref = torch.ops.ep_fuse_triton.rope_qk(*args), rope_qk_ref(*args)
+                out, ref = rope_host.rope_qk_kernel(*args, tuning=tuning), rope_qk_ref(*args)
                 for o, e in zip(out, ref):
                     exact = dtype == BF16 or (dtype == torch.float16 and rounding in (None, 3))
                     if form == "complex" or not exact:  # fp32: the GPU may contract a*b+c to an FMA
@@ -134,7 +130,6 @@ def check_kernels(rounding: int | None = None) -> int:
                         raise AssertionError(f"rope {form} {dtype} {t}x{hq}x{d} rot {rot}: "
                                              f"max diff {(o.float() - e.float()).abs().max().item()}")
                 n += 1
-    rope_host.TUNING.clear()
     return n
 
 
@@ -210,8 +205,7 @@ def time_forms(copy_gbs: float) -> list[dict[str, Any]]:
 
 def time_cache(copy_gbs: float) -> list[dict[str, Any]]:
     """vLLM-style native RoPE with a cos/sin cache (q [T, 32*128], k [T, 8*128]): eager / Inductor / ep_fuse."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from support.rope_cache_modules import CacheRope
+    CacheRope = test_support("rope_cache_modules").CacheRope
 
     rows = []
     for t, neox in ((64, True), (16384, True), (16384, False)):
@@ -258,8 +252,9 @@ def sweep(copy_gbs: float) -> list[dict[str, Any]]:
                 for warps in (1, 2, 4):
                     if rows * d // 2 < 32 * warps:
                         continue
-                    rope_host.TUNING.update(rounding=rounding, rows=rows, num_warps=warps)
-                    fn = lambda: torch.ops.ep_fuse_triton.rope_qk(q, k, c4, s4, "half", d, None)  # noqa: E731
+                    tuning = rope_host.RopeTuning(rounding=rounding, rows=rows, num_warps=warps)
+                    fn = lambda: rope_host.rope_qk_kernel(q, k, c4, s4, "half", d, None,  # noqa: E731
+                                                          tuning=tuning)
                     o = fn()
                     exact = all(torch.equal(a, b) for a, b in zip(o, ref))
                     us = bench_graph_us(fn)
@@ -269,7 +264,6 @@ def sweep(copy_gbs: float) -> list[dict[str, Any]]:
                     out.append(rec)
                     if exact and (best is None or us < best["us"]):
                         best = rec
-        rope_host.TUNING.clear()
         log(f"sweep T{t} q{hq} k{hk} D{d}: best {best}")
         for rounding in (2, 3):
             log("  mode", rounding, sorted((r["us"], r["rows"], r["warps"]) for r in out

@@ -52,18 +52,16 @@ from __future__ import annotations
 
 import gc
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import hf_models  # noqa: E402
+import hf_models
 from common import bench_parser, env_info, markdown_table, out_dir, start, write_json  # noqa: E402
 
-import ep_fuse  # noqa: E402
+import ep_fuse
 from ep_fuse.serve import parse_options, with_ep_fuse_compile  # noqa: E402
 
 MODES = ("eager", "hf", "inductor", "ep_fuse")

@@ -11,13 +11,10 @@ Batches: decode steps of 16 and 64 requests with 100-800 cached tokens each, and
 from __future__ import annotations
 
 import itertools
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_parser, bench_us, env_info, markdown_table, start, write_json  # noqa: E402
+from common import bench_parser, bench_us, env_info, markdown_table, start, write_json
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:

@@ -17,14 +17,11 @@ tile-config sweep per int8 kernel. Writes ``$OUT/w8a8.json`` / ``w8a8.md``. Runs
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_graph_us, bench_parser, env_info, markdown_table, out_dir, start, write_json
 
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
@@ -204,7 +201,7 @@ def main() -> None:
     args = ap.parse_args()
     start(args)
     if not torch.cuda.is_available():
-        raise SystemExit("bench_w8a8.py needs a CUDA GPU (run tools/accuracy_w8a8.py for the CPU accuracy numbers)")
+        raise SystemExit("bench_w8a8.py needs a CUDA GPU (run experiments/2026-12/accuracy_w8a8.py for the CPU accuracy numbers)")
     t0 = time.time()
     info = env_info()
     log(info)

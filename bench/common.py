@@ -11,15 +11,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import platform
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root (the benches run from a checkout; they import the installed ``ep_fuse``)."""
+
+
+def test_support(name: str) -> types.ModuleType:
+    """The module ``tests/support/<name>.py`` (the hand-written model forms the tests compile), loaded from its file:
+    benches time the same forms the tests check, without putting ``tests/`` on ``sys.path``."""
+    path = ROOT / "tests" / "support" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"ep_fuse_bench_support_{name}", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"{path}: run the bench from a checkout of the repository (tests/support/ is not installed)")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def out_dir() -> Path:

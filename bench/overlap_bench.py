@@ -84,21 +84,21 @@ def run_layers(shapes: list[tuple], keep: set[str] | None, iters: int, device: t
             base_us = loop_seconds(lambda: one(x, ids, w), iters, device, True) * 1e6
         torch._dynamo.reset()
         engines = ENGINES["decode" if t <= 512 else "prefill"]
-        for backend, use_cap in [m for m in engines if keep is None or m[0] in keep]:
+        for engine, use_cap in [m for m in engines if keep is None or m[0] in keep]:
             cap = t if use_cap else 0
             t_none = t_dc = None
             for mode in MODES:
-                row: dict[str, Any] = dict(shape=name, engine=f"{backend} ({'capacity' if cap else 'data-dependent'})",
+                row: dict[str, Any] = dict(shape=name, engine=f"{engine} ({'capacity' if cap else 'data-dependent'})",
                                            overlap=mode, world=world, tokens_per_rank=t, one_gpu_us=round(base_us, 1))
                 try:
                     model = ep_fuse.shard_experts(copy.deepcopy(full))
-                    opts = ep_fuse.ep_options(model, backend=backend, capacity=cap or None)
+                    opts = ep_fuse.ep_options(model, engine=engine, capacity=cap or None)
                     fn = torch.compile(model, backend="ep_fuse",
                                        options={**opts, "executor": executor, "ep_overlap": mode})
                     with torch.no_grad():
                         out = fn(x, ids, w)
                     sites = ep_sites(ep_fuse.last_report())
-                    row["ran"] = f"{sites[0].backend}, {sites[0].overlap}" if sites else "no EP (world size 1)"
+                    row["ran"] = f"{sites[0].engine}, {sites[0].overlap}" if sites else "no EP (world size 1)"
                     err = ((out.float() - ref.float()).norm() / ref.float().norm().clamp(min=1e-30)).item()
                     row["rel_l2_vs_one_gpu"] = f"{err:.1e}"
                     if not err < 2e-2:
@@ -124,7 +124,7 @@ def run_layers(shapes: list[tuple], keep: set[str] | None, iters: int, device: t
 
 def _dispatch_combine(site: Any, x, ids, w, e, group_name, cap, iters, device, graph, loop_seconds) -> float:
     ops = torch.ops.ep_fuse
-    common = (e, group_name, site.backend, site.layout, cap, 300.0)
+    common = (e, group_name, site.engine, site.layout, cap, 300.0)
     out_dt = BF16 if site.layout == "expert" else None
     ys: dict[str, torch.Tensor] = {}
 
@@ -145,11 +145,11 @@ def run_e2e(tiny: bool, iters: int, device: torch.device, executor: str, layer_r
     rows = []
     cases = [("prefill", (2, 16), "all_to_all", 32), ("decode", (8, 1), "all_to_all", 8)] if tiny else [
         ("prefill", (2, 2048), "deepep", 4096), ("decode", (128, 1), "all_to_all", 128)]
-    for label, (b, s), backend, cap in cases:
+    for label, (b, s), engine, cap in cases:
         t_none = None
         base = None
         for mode in MODES:
-            row: dict[str, Any] = dict(case=f"{label} {b} x {s} per rank", engine=backend, overlap=mode, world=world)
+            row: dict[str, Any] = dict(case=f"{label} {b} x {s} per rank", engine=engine, overlap=mode, world=world)
             try:
                 full = _e2e_model(tiny, device)
                 g = torch.Generator(device=device).manual_seed(rank)
@@ -163,7 +163,7 @@ def run_e2e(tiny: bool, iters: int, device: torch.device, executor: str, layer_r
                 ref, t_one = base
                 model = ep_fuse.shard_experts(full)
                 opts = {"executor": executor, "ep_overlap": mode,
-                        **ep_fuse.ep_options(model, backend=backend, capacity=cap)}
+                        **ep_fuse.ep_options(model, engine=engine, capacity=cap)}
                 ep = torch.compile(model, backend="ep_fuse", options=opts)
                 with torch.no_grad():
                     out = ep(input_ids=ids, use_cache=False).logits.clone()
@@ -172,14 +172,14 @@ def run_e2e(tiny: bool, iters: int, device: torch.device, executor: str, layer_r
                 err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                 if not err < 3e-2:
                     raise AssertionError(f"rank {rank}: EP logits differ from one device (rel L2 {err:.2e})")
-                row.update(ran=sorted({f"{x.backend}, {x.overlap}" for x in sites}), rel_l2=f"{err:.1e}",
+                row.update(ran=sorted({f"{x.engine}, {x.overlap}" for x in sites}), rel_l2=f"{err:.1e}",
                            ms=round(sec * 1e3, 3), one_gpu_ms=round(t_one * 1e3, 3),
                            pair_tokens_s=round(world * b * s / sec), speedup=round(world * t_one / sec, 2))
                 if mode == "none":
                     t_none = sec
                 elif t_none:
                     row["vs_none"] = round(sec / t_none, 3)
-                    dc = _layer_dc(layer_rows, label, backend)
+                    dc = _layer_dc(layer_rows, label, engine)
                     if dc is not None and sites:
                         row["efficiency"] = _efficiency(t_none, sec, dc * 1e-6 * len(sites))
             except Exception as exc:
@@ -200,11 +200,11 @@ def _e2e_model(tiny: bool, device: torch.device) -> Any:
     return hf_models.build("qwen3_30b_a3b", device=str(device))
 
 
-def _layer_dc(rows: list[dict[str, Any]], label: str, backend: str) -> float | None:
+def _layer_dc(rows: list[dict[str, Any]], label: str, engine: str) -> float | None:
     """The dispatch + combine time (us) this run measured for the e2e model's layer shape and engine."""
     want = ("tiny " if rows and rows[0]["shape"].startswith("tiny") else "Qwen3-30B-A3B ") + label
     for r in rows:
-        if r["shape"] == want and r["engine"].startswith(backend) and r.get("dispatch_combine_us"):
+        if r["shape"] == want and r["engine"].startswith(engine) and r.get("dispatch_combine_us"):
             return r["dispatch_combine_us"]
     return None
 

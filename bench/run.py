@@ -6,17 +6,20 @@
 Each bench runs in its own subprocess with ``--json DIR/<bench>.json`` and ``OUT=DIR/<bench>/`` (where its own
 ``.json`` / ``.md`` files land). Afterwards ``DIR/results.json`` holds every bench's status, command, wall time
 and results, and ``DIR/results.md`` a summary table plus each bench's own markdown tables. The repository root
-is put first on ``PYTHONPATH``, so the benches measure this checkout's ``ep_fuse``.
+is put first on ``PYTHONPATH``, so the benches measure this checkout's ``ep_fuse`` (the benches themselves import
+the installed package, and their sibling ``common.py`` from their own folder).
 
 ``--check`` (and any machine without CUDA) runs ``--help`` of every bench only: the benchmarks need a GPU
 (without one a bench exits with status 77 and says so). Families needing more than one GPU (``ep``) or an
 optional package (``deepgemm``: ``deep_gemm``, built by ``tools/build_deepgemm.sh``) are skipped with the reason
 when the machine lacks it.
 
-Families (``--list`` prints the commands): ``rms_norm``, ``rope``, ``gemm_swiglu``, ``moe`` (layer + router,
-permute, grouped GEMMs, Hopper TMA grouped GEMM; the router -- ``moe_gating`` -- has no bench of its own, its
-table comes from ``bench_moe.py``), ``w8a8``, ``fp8``, ``deepgemm``, ``ep``, and the levels ``forward`` and
-``generate``. Full-size runs: call the bench scripts directly (docs/benchmarks.md lists the commands).
+Families (``--list`` prints the commands): one per op family of ``ep_fuse.catalog.FAMILIES`` (``moe``: layer,
+permute, grouped GEMMs, Hopper TMA grouped GEMM; ``moe_gating``: the routers; ``moe_masked``: the masked expert
+layout's local experts; ``rms_norm``, ``rope``, ``gemm_swiglu``, ``w8a8``, ``fp8``, ``ep``, ``varlen_attention``),
+plus ``deepgemm`` and the levels ``forward``, ``generate`` and ``serving``. ``tests/test_house.py`` checks that every
+catalog family has its ``bench_<family>.py`` here. Full-size runs: call the bench scripts directly
+(docs/benchmarks.md lists the commands).
 """
 
 from __future__ import annotations
@@ -58,10 +61,13 @@ FAMILIES: dict[str, list[Bench]] = {
         Bench("bench_moe_experts.py", ["--no-sweep", "--only", "decode"]),
         Bench("bench_moe_grouped_gemm_tma.py", ["--no-sweep", "--only", "deepseek_v3_T4096,qwen3_30b_a3b_T4096"]),
     ],
+    "moe_gating": [Bench("bench_moe_gating.py", ["--quick"])],
+    "moe_masked": [Bench("bench_moe_masked.py")],
     "w8a8": [Bench("bench_w8a8.py", ["--no-sweep", "--only", "decode"])],
     "fp8": [Bench("bench_fp8.py", ["--only", "decode,prefill", "--no-reference"])],
     "deepgemm": [Bench("bench_deepgemm.py", ["--only", "deepseek_v3_T4096", "--align", "128"], needs="deep_gemm")],
     "ep": [Bench("bench_ep.py", ["--quick"], gpus=2), Bench("bench_ep_a2a.py", ["--tokens", "128"], gpus=2)],
+    "varlen_attention": [Bench("bench_varlen_attention.py")],
     "forward": [Bench("bench_forward.py", ["--models", "mixtral_8x7b"])],
     "generate": [Bench("bench_generate.py", ["--models", "qwen3_30b_a3b", "--batches", "1,8", "--new", "32",
                                              "--prompt", "32", "--repeats", "1"])],
@@ -169,11 +175,9 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print each family's commands and exit")
     args = ap.parse_args()
     fams = [f for f in args.only.split(",") if f] or list(FAMILIES)
-    if "moe_gating" in fams:  # no bench of its own: bench_moe.py times the routers
-        fams = [f for f in fams if f != "moe_gating"] + ([] if "moe" in fams else ["moe"])
     bad = [f for f in fams if f not in FAMILIES]
     if bad:
-        ap.error(f"unknown families {bad}; known: {', '.join(FAMILIES)} (moe_gating: part of moe)")
+        ap.error(f"unknown families {bad}; known: {', '.join(FAMILIES)}")
     if args.list:
         for f in fams:
             for b in FAMILIES[f]:

@@ -110,3 +110,38 @@ def _install_integrations() -> None:
 
 
 _install_integrations()
+
+
+class _CheckoutPatterns:
+    """A ``sys.meta_path`` finder for ``ep_fuse.patterns`` in a checkout: the package's patterns live in the
+    top-level ``patterns/`` directory, which an install puts at ``ep_fuse/patterns`` (pyproject's ``package-dir``);
+    run from a checkout (a script at its root, with or without an install), ``ep_fuse.patterns`` is that directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != "ep_fuse.patterns":
+            return None
+        import importlib.util
+        import os
+
+        return importlib.util.spec_from_file_location(fullname, os.path.join(self.directory, "__init__.py"),
+                                                      submodule_search_locations=[self.directory])
+
+
+def _find_checkout_patterns() -> None:
+    """Install :class:`_CheckoutPatterns` when this package is a checkout's ``ep_fuse/`` (no ``patterns/`` in it, a
+    ``patterns/`` package beside it); an installed package holds its patterns and needs nothing."""
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    checkout = os.path.join(os.path.dirname(here), "patterns")
+    if os.path.isdir(os.path.join(here, "patterns")) or not os.path.isfile(os.path.join(checkout, "__init__.py")):
+        return
+    if not any(isinstance(f, _CheckoutPatterns) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CheckoutPatterns(checkout))
+
+
+_find_checkout_patterns()

@@ -40,6 +40,12 @@ _graph_counter = itertools.count()
 INDUCTOR_DEVICES = ("cpu", "cuda")
 
 
+def build_config(options: dict[str, Any] | None = None, mode: str | None = None) -> EpFuseConfig:
+    """``options`` (and ``torch.compile``'s ``mode``) as a config, every value and name checked, the names against
+    the catalog's registries (:meth:`EpFuseConfig.check_names`); raises :class:`ConfigError`."""
+    return EpFuseConfig.from_options(options, mode).check_names(**ep_fuse.catalog.known_names())
+
+
 def ep_fuse_backend(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -47,19 +53,18 @@ def ep_fuse_backend(
     options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """Entry point of ``torch.compile(model, backend="ep_fuse", mode=..., options={...})``."""
-    config = EpFuseConfig.from_options(options, mode)
+    config = build_config(options, mode)
     return compile_graph(gm, example_inputs, config)
 
 
 def make_backend(**options: Any) -> Callable[..., Any]:
     """A backend with ``options`` validated now: ``torch.compile(m, backend=ep_fuse.make_backend(executor="eager"))``."""
-    config = EpFuseConfig.from_options(options)
+    config = build_config(options)
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable[..., Any]:
         cfg = config
         if kwargs.get("mode") or kwargs.get("options"):
-            cfg = EpFuseConfig.from_options({**_as_options(config), **(kwargs.get("options") or {})},
-                                            kwargs.get("mode"))
+            cfg = build_config({**_as_options(config), **(kwargs.get("options") or {})}, kwargs.get("mode"))
         return compile_graph(gm, example_inputs, cfg)
 
     backend.__name__ = "ep_fuse"
@@ -111,25 +116,48 @@ def _needs_autograd(example_inputs: Sequence[Any]) -> bool:
     )
 
 
+def drop_grad_off_frame(gm: fx.GraphModule) -> bool:
+    """Whether the whole body of a graph compiled with grad mode on runs with grad off -- its first call is
+    ``_set_grad_enabled(False)``, its last ``_set_grad_enabled(True)`` and no other call sets grad mode (a forward
+    decorated with ``torch.no_grad()``, or rebound to one by ``ep_fuse.prepare``). If so, both calls are removed
+    from ``gm`` (the caller compiles and runs it under ``torch.no_grad()``)."""
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    modes = [n for n in calls if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if (len(calls) < 3 or modes != [calls[0], calls[-1]] or calls[0].args != (False,) or calls[-1].args != (True,)
+            or calls[0].users or calls[-1].users):
+        return False
+    for n in modes:
+        gm.graph.erase_node(n)
+    gm.recompile()
+    return True
+
+
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: EpFuseConfig) -> Callable[..., Any]:
     """Compile one Dynamo graph with ``config`` (no global state is changed).
 
     ``config``'s behaviour switches (:data:`ep_fuse.config.SWITCHES`) are the active ones
     (:func:`ep_fuse.runtime.use_config`) while the graph is rewritten and compiled, and around every call of the
-    compiled graph (the run-time choices of its ops: the EP engines' kernels, the NPU weight layout, ...)."""
-    with runtime.use_config(config):
+    compiled graph (the run-time choices of its ops: the EP engines' kernels, the NPU weight layout, ...). A graph
+    whose whole body runs with grad off (:func:`drop_grad_off_frame`) is compiled and run under ``torch.no_grad()``,
+    so it is fused although it was entered with grad mode on."""
+    no_grad = _needs_autograd(example_inputs) and drop_grad_off_frame(gm)
+    with runtime.use_config(config), torch.set_grad_enabled(not no_grad and torch.is_grad_enabled()):
         compiled = _compile_graph(gm, example_inputs, config)
-    return _runs_under(config, compiled)
+    return _runs_under(config, compiled, no_grad)
 
 
-def _runs_under(config: EpFuseConfig, compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, called with ``config`` active (same calling convention, boxed or not)."""
+def _runs_under(config: EpFuseConfig, compiled: Callable[..., Any], no_grad: bool = False) -> Callable[..., Any]:
+    """``compiled``, called with ``config`` active (same calling convention, boxed or not), with grad off if
+    ``no_grad``."""
 
     active = runtime.ACTIVE_CONFIG
 
     def run(*args: Any) -> Any:  # (use_config without the generator: this runs on every call)
         token = active.set(config)
         try:
+            if no_grad:
+                with torch.no_grad():
+                    return compiled(*args)
             return compiled(*args)
         finally:
             active.reset(token)
@@ -160,7 +188,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
         if executor == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
-            return compile_fx(gm, example_inputs, config_patches=_inductor_patches(config))
+            return compile_fx(gm, example_inputs, config_patches=inductor_patches(config))
         from torch._dynamo.backends.common import aot_autograd
 
         return aot_autograd(fw_compiler=_boxed_forward)(gm, example_inputs)
@@ -201,7 +229,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
     #    and aliasing it cannot express in the graph.
     from torch._inductor.compile_fx import compile_fx
 
-    patches = cudagraphs_off_thread(_inductor_patches(config), device)
+    patches = cudagraphs_off_thread(inductor_patches(config), device)
     _views_as_reshapes(aten_gm)
     tag = torch.compiler.config.cache_key_tag
     cache_tag = f"{tag}|{ep_fuse_cache_tag(config)}" if tag else ep_fuse_cache_tag(config)
@@ -215,7 +243,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
     with torch.compiler.config.patch(cache_key_tag=cache_tag), memoized_access_analysis() as analyses:
         # (no cached graph of another ep_fuse; one Triton access analysis per kernel signature)
         if why is None:
-            _copy_dynamo_metadata(gm, aten_gm)
+            copy_dynamo_metadata(gm, aten_gm)
             compiled = compile_fx(aten_gm, captured["inputs"], config_patches=patches)
         else:
             log.info("ep_fuse: graph %s: Inductor compiles behind ep_fuse's AOT wrapper: %s", report.graph, why)
@@ -352,7 +380,7 @@ its own kernels, instead of building Triton's C launcher for each new signature 
 fall back to Triton's launcher inside Inductor; ``inductor_config={STATIC_LAUNCH: False}`` turns it off."""
 
 
-def _inductor_patches(config: EpFuseConfig) -> dict[str, Any]:
+def inductor_patches(config: EpFuseConfig) -> dict[str, Any]:
     import torch._inductor.config as inductor_config
 
     patches: dict[str, Any] = {}
@@ -381,7 +409,7 @@ def cudagraphs_off_thread(patches: dict[str, Any], device: str) -> dict[str, Any
     return {**patches, "triton.cudagraphs": False}
 
 
-def _copy_dynamo_metadata(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:
+def copy_dynamo_metadata(dynamo_gm: fx.GraphModule, aten_gm: fx.GraphModule) -> None:
     """Let Inductor see which ATen inputs are parameters (static for CUDA graphs).
 
     In an inference graph without lifted parameters the AOT placeholders are Dynamo's, in order;

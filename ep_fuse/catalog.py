@@ -19,9 +19,12 @@ from ep_fuse import runtime
 from ep_fuse.matching import PairRule, Pattern
 from ep_fuse.ops import registry
 
-FAMILIES = ("moe", "moe_gating", "rms_norm", "rope", "gemm_swiglu", "w8a8", "fp8", "ep", "varlen_attention")
+FAMILIES = ("moe", "moe_gating", "moe_masked", "rms_norm", "rope", "gemm_swiglu", "w8a8", "fp8", "ep",
+            "varlen_attention")
 """Op families, in the order their patterns are tried (bigger fusions first). A family has ``ops/<name>.py`` and any
-of ``providers/<provider>/<name>.py`` and ``patterns/<name>.py``."""
+of ``providers/<provider>/<name>.py`` and ``patterns/<name>.py`` (``moe_masked`` and ``ep`` have no pattern: passes
+insert their ops), a test file, ``bench/bench_<name>.py`` listed in ``bench/run.py``, and a mention in the README and
+``docs/`` (``tests/test_house.py`` checks each)."""
 
 PROVIDERS = ("triton", "npu", "deepgemm", "flash")
 """Fused providers (``ep_fuse/providers/<name>/``)."""
@@ -76,6 +79,14 @@ def all_pairs(enabled: set[str] | None = None) -> list[PairRule]:
         if enabled is None or names & enabled:
             out.extend(getattr(mod, "PAIRS", []))
     return out
+
+
+def known_names() -> dict[str, list[str]]:
+    """The names options may give, from the loaded registries: ``patterns``, ``providers`` and ``engines``
+    (the keyword arguments of :meth:`ep_fuse.config.EpFuseConfig.check_names`)."""
+    from ep_fuse.ops.ep import engine_names
+
+    return {"patterns": pattern_names(), "providers": registry.known_providers(), "engines": engine_names()}
 
 
 def pattern_names() -> list[str]:

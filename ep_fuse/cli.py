@@ -1,10 +1,13 @@
 """``ep-fuse``: see every rewrite ep_fuse makes, and why a pattern did not match.
 
-    ep-fuse dump TARGET [--device cpu|cuda|npu] [--executor auto|inductor|eager] [--dynamic] [--out DIR]
+    ep-fuse dump TARGET [--device cpu|cuda|npu] [--executor auto|inductor|eager] [--dynamic] [--prepare] [--out DIR]
     ep-fuse patterns [--family NAME]
-    ep-fuse explain TARGET --pattern NAME [--node NODE]
+    ep-fuse explain TARGET --pattern NAME [--node NODE] [--prepare]
     ep-fuse diff DIR                     (per graph: pass deltas, fused sites, EP overlap schedules)
     ep-fuse serve MODEL [--ep-fuse-option KEY=VALUE] [transformers serve options]   (ep_fuse/serve.py)
+
+``--prepare`` runs ``ep_fuse.prepare`` on the model first and prints what it did per MoE block (rebuilt, or
+declined with the part that failed: router / experts / combine).
 
 TARGET is ``path/to/file.py:factory``, ``package.module:factory`` (a callable returning
 ``(model, inputs)``) or a built-in tiny HF model ``hf:<name>`` (``ep_fuse.models.tiny.TINY_MODELS``).
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 import ep_fuse
-from ep_fuse.catalog import PATTERN_FAMILIES, all_patterns, pattern_names
+from ep_fuse.catalog import PATTERN_FAMILIES, all_patterns, known_names, pattern_names
 from ep_fuse.config import ConfigError, EpFuseConfig, parse_key_values
 from ep_fuse.debug.targets import FactoryError, TargetError, load
 from ep_fuse.ops.registry import canonical_ops, default_priority
@@ -93,7 +96,7 @@ def _parse_options(pairs: list[str]) -> dict[str, Any]:
 
 def _compile(args: argparse.Namespace, options: dict[str, Any], progress: _Progress) -> tuple[Any, list[Any]]:
     try:
-        EpFuseConfig.from_options(options)
+        EpFuseConfig.from_options(options).check_names(**known_names())
     except ConfigError as exc:
         raise CliError(str(exc).removeprefix("ep_fuse: "), EXIT_USAGE) from exc
     progress.say(f"building {args.target} on {args.device}")
@@ -103,6 +106,7 @@ def _compile(args: argparse.Namespace, options: dict[str, Any], progress: _Progr
         raise CliError(str(exc), EXIT_USAGE) from exc
     except FactoryError as exc:
         raise CliError(str(exc), EXIT_FACTORY) from exc
+    args.prepared = _prepare(target.model, progress) if getattr(args, "prepare", False) else []
     torch._dynamo.reset()
     ep_fuse.reset_reports()
     progress.say("compiling with backend='ep_fuse' (Dynamo trace, AOT capture, ep_fuse passes, executor)")
@@ -119,6 +123,41 @@ def _compile(args: argparse.Namespace, options: dict[str, Any], progress: _Progr
     return target, ep_fuse.reports()
 
 
+class _PrepareLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith("ep_fuse.prepare: "):
+            self.lines.append(("WARNING " if record.levelno >= logging.WARNING else "") + msg.removeprefix(
+                "ep_fuse.prepare: "))
+
+
+def _prepare(model: Any, progress: _Progress) -> list[str]:
+    """``ep_fuse.prepare(model)``; returns what it said of each block (converted, or declined with the part)."""
+    progress.say("ep_fuse.prepare (per-expert loops, MoE blocks recognised by what they compute)")
+    handler = _PrepareLines()
+    logger = logging.getLogger("ep_fuse")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.INFO, logging.INFO))
+    try:
+        ep_fuse.prepare(model)
+    except Exception as exc:
+        raise CliError(f"ep_fuse.prepare failed: {type(exc).__name__}: {exc}", EXIT_COMPILE) from exc
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return handler.lines
+
+
+def _prepared_lines(args: argparse.Namespace) -> list[str]:
+    lines = getattr(args, "prepared", [])
+    return ["prepare:", *(f"  {line}" for line in lines)] if lines else []
+
+
 # --------------------------------------------------------------------------- commands
 def cmd_dump(args: argparse.Namespace) -> int:
     out = Path(args.out)
@@ -128,7 +167,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     options = {"executor": args.executor, **_parse_options(args.option), "dump_dir": str(out)}
     _target, reports = _compile(args, options, _Progress(args.quiet))
-    text = "\n\n".join(str(r) for r in reports) or "no graph was compiled"
+    text = "\n".join(_prepared_lines(args) + ["\n\n".join(str(r) for r in reports) or "no graph was compiled"])
     (out / "summary.txt").write_text(text + "\n")
     print(text)
     misses = sum(len(r.near_misses) for r in reports)
@@ -165,6 +204,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
             lines.append(f"[graph {r.graph}] " + nm.explain())
     head = (f"{args.pattern} on {args.target}: {len(fused)} site(s) fused, {sites} candidate site(s) not fused"
             + (f" (node {args.node})" if args.node else ""))
+    if args.pattern in ("moe", "moe_experts", "moe_gating"):
+        lines = [*lines, *_prepared_lines(args)]
     print("\n".join([head, *lines]))
     if args.node and not lines:
         print(f"no candidate site or fused node named {args.node!r} (node names are those of 01_aten.py in a dump)")
@@ -228,7 +269,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(f"  fused: {fused}; not fused: {len(rep['near_misses'])} candidate site(s)")
         for e in rep.get("ep", []):  # the EP overlap schedule per block (ep_overlap)
             why = f" ({e['overlap_reason']})" if e.get("overlap_reason") else ""
-            print(f"  EP {e['module_path'] or e['block']}: {e['backend']}, overlap {e.get('overlap', 'none')}{why}")
+            engine = e.get("engine", e.get("backend"))  # dumps written before the field was renamed say backend
+            print(f"  EP {e['module_path'] or e['block']}: {engine}, overlap {e.get('overlap', 'none')}{why}")
             if e.get("range_split"):
                 print(f"    range split: {e['range_split']}")
             for step in e.get("schedule", []):
@@ -251,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                        help="extra ep_fuse option (JSON value), repeatable")
         p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+        p.add_argument("--prepare", action="store_true",
+                       help="run ep_fuse.prepare on the model first and show what it did per MoE block (rebuilt, "
+                            "or declined with the part that failed: router / experts / combine)")
 
     p = sub.add_parser("dump", help="compile TARGET and write every graph before/after each pass")
     target_args(p, "auto")

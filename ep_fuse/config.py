@@ -1,4 +1,10 @@
-"""Typed, validated configuration behind ``torch.compile(..., backend="ep_fuse", options={...})``."""
+"""Typed, validated configuration behind ``torch.compile(..., backend="ep_fuse", options={...})``.
+
+A leaf: it imports only :mod:`ep_fuse.runtime` (which declares the behaviour switches, :class:`Switches`, that
+:class:`EpFuseConfig` inherits). Values are checked when a config is built; the names that only the loaded
+registry knows (patterns, providers, EP engines) are checked by :meth:`EpFuseConfig.check_names`, which the
+backend calls with the catalog's names when it builds its config (:func:`ep_fuse.backend.build_config`).
+"""
 
 from __future__ import annotations
 
@@ -12,10 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ep_fuse import runtime
-from ep_fuse.catalog import pattern_names
-from ep_fuse.ep import BACKENDS
-from ep_fuse.ops.registry import known_providers
-from ep_fuse.runtime import ENV_DEFAULTS, NPU_GMM_WEIGHTS, SWITCHES  # noqa: F401  (re-exported: the options)
+from ep_fuse.runtime import ENV_DEFAULTS, NPU_GMM_WEIGHTS, SWITCHES, Switches  # noqa: F401  (re-exported)
 
 EXECUTORS = ("auto", "inductor", "eager")
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -25,6 +28,10 @@ QUANT_MODES = (None, "w8a8_int8", "fp8_block")
 
 EP_OVERLAP_MODES = ("none", "shared", "two_batch", "auto")
 """Values of ``ep_overlap`` (:mod:`ep_fuse.passes.ep_overlap`)."""
+
+
+ALIASES = {"ep_backend": "ep_engine"}
+"""Option names kept for compatibility -> the field they set."""
 
 
 class ConfigError(ValueError):
@@ -37,8 +44,8 @@ def _suggest(name: str, valid: list[str]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class EpFuseConfig:
-    """Options of the ep_fuse backend.
+class EpFuseConfig(Switches):
+    """Options of the ep_fuse backend (the behaviour switches are inherited from :class:`Switches`).
 
     Attributes:
         executor: ``"inductor"`` compiles the rewritten ATen graph with Inductor, ``"eager"`` runs it
@@ -56,7 +63,9 @@ class EpFuseConfig:
         ep: expert parallelism over the default (world) group; see ``docs/ep.md`` and
             :func:`ep_fuse.ep_options`. EP runs only where the group has more than one rank.
         ep_group: the EP ``torch.distributed`` process group (or its name); setting it enables EP.
-        ep_backend: ``auto``, ``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu`` or ``symm_mem``.
+        ep_engine: the EP engine: ``auto`` or a registered engine (``all_to_all``, ``deepep``, ``deepep_low_latency``,
+            ``npu``, ``symm_mem``; :func:`ep_fuse.ops.ep.engine_names`). Also given as ``ep_backend`` (its first
+            name, kept as an alias option and a read-only property).
         ep_capacity: ``None``: receive sizes are data-dependent (a host sync per layer); an int:
             static capacity in tokens per rank (no sync, CUDA-graph capturable; every rank's batch
             must fit).
@@ -70,24 +79,11 @@ class EpFuseConfig:
             token; see :mod:`ep_fuse.passes.quant`. ``"fp8_block"``: routed-expert weights E4M3 with
             128 x 128 block scales (DeepSeek-V3's format; a model's own fp8 experts are used as they are),
             activations quantized per token and 128-channel group. Dense layers stay in their dtype.
-
-    Behaviour switches (defaults from the environment variables of :data:`ENV_DEFAULTS` where set; each
-    applies while the backend rewrites and compiles a graph and while the compiled graph runs):
-        inline_in_inductor: Inductor inlines the Triton providers' launches (``wrap_triton``) where it can;
-            ``False`` keeps the opaque ``ep_fuse_triton`` op everywhere.
-        inline_symbolic: the launches of the ops registered ``symbolic=True`` are inlined at symbolic sizes
-            too (``dynamic=True``; the unbacked batch of ``ep_fuse.dynamic_batch``).
-        size_branches: the ``<op>_by_size`` choice is traced as ``torch.cond`` branches on the row count;
-            ``False`` keeps the opaque ``<op>_by_size`` op, which chooses per call in Python
-            (also ``EP_FUSE_SIZE_BRANCHES=0``).
-        ep_a2a_kernels: the local work of the rank-layout EP engines (``all_to_all``'s routing, pack, unpack
-            and combine sum; ``symm_mem``'s combine sum) runs as Triton kernels wherever Triton runs;
-            ``False``: always the pure-torch reference (same bytes).
-        unverified_kernels: kernel variants not yet cleared for GPUs
-            (:data:`ep_fuse.providers.triton.unverified.UNVERIFIED_ON_GPU`) run on CUDA anyway
-            (also ``EP_FUSE_UNVERIFIED_KERNELS=1``).
-        npu_gmm_weight: the [E, K, N] weight of ``npu_grouped_matmul``: ``"copy"`` (a contiguous transposed
-            copy made once per weight) or ``"view"`` (the transposed view; also ``EP_FUSE_NPU_GMM_WEIGHT``).
+        ep_fp8_dispatch: under ``quant="fp8_block"`` behind an ``all_to_all`` / ``deepep`` dispatch, the tokens
+            are quantized before the dispatch (FP8 codes + scales on the wire); ``False`` sends them in their dtype
+            and quantizes after (same result bit for bit; :mod:`ep_fuse.passes.ep_fp8_dispatch`).
+        ep_overlap_rules: extra measured rules (:class:`ep_fuse.passes.ep_overlap.OverlapRule`) that
+            ``ep_overlap="auto"`` tries before the built-in :data:`ep_fuse.passes.ep_overlap.MEASURED_RULES`.
     """
 
     executor: str = "auto"
@@ -100,17 +96,13 @@ class EpFuseConfig:
     dump_dir: str | None = None
     ep: bool = False
     ep_group: str | None = None
-    ep_backend: str = "auto"
+    ep_engine: str = "auto"
     ep_capacity: int | None = None
     ep_timeout_s: float = 300.0
     ep_overlap: str = "none"
     quant: str | None = None
-    inline_in_inductor: bool = True
-    inline_symbolic: bool = True
-    size_branches: bool = True
-    ep_a2a_kernels: bool = True
-    unverified_kernels: bool = False
-    npu_gmm_weight: str = "copy"
+    ep_fp8_dispatch: bool = True
+    ep_overlap_rules: tuple[Any, ...] = ()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -118,6 +110,12 @@ class EpFuseConfig:
         """Build a config from ``options`` (and ``torch.compile``'s ``mode``); fail on anything unknown."""
         options = dict(options or {})
         valid = [f.name for f in dataclasses.fields(cls)]
+        for alias, name in ALIASES.items():
+            if alias in options:
+                if name in options and options[name] != options[alias]:
+                    raise ConfigError(f"ep_fuse: {alias} is another name of {name}; give one of them "
+                                      f"(got {alias}={options[alias]!r} and {name}={options[name]!r}).")
+                options[name] = options.pop(alias)
         for key in options:
             if key not in valid:
                 raise ConfigError(
@@ -137,30 +135,17 @@ class EpFuseConfig:
             raise ConfigError(
                 f"ep_fuse: mode={self.mode!r} is not one of {', '.join(repr(m) for m in MODES)}."
             )
-        for flag in ("perf_guard", *(name for name in SWITCHES if name != "npu_gmm_weight")):
+        for flag in ("perf_guard", "ep_fp8_dispatch", *(name for name in SWITCHES if name != "npu_gmm_weight")):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"ep_fuse: {flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.npu_gmm_weight not in NPU_GMM_WEIGHTS:
             raise ConfigError(f"ep_fuse: npu_gmm_weight={self.npu_gmm_weight!r} is not one of "
                               f"{', '.join(repr(m) for m in NPU_GMM_WEIGHTS)}.")
-        names = pattern_names()
-        for field in ("patterns", "disable"):
-            for name in getattr(self, field) or ():
-                if name not in names:
-                    raise ConfigError(
-                        f"ep_fuse: {field} names unknown pattern {name!r}.{_suggest(name, names)} "
-                        f"Known patterns: {', '.join(names)}."
-                    )
-        provs = known_providers()
-        for device, order in self.providers:
+        for device, _order in self.providers:
             if device not in DEVICES:
                 raise ConfigError(f"ep_fuse: providers has unknown device {device!r}; devices: {', '.join(DEVICES)}.")
-            for p in order:
-                if p not in provs:
-                    raise ConfigError(
-                        f"ep_fuse: providers[{device!r}] names unknown provider {p!r}.{_suggest(p, provs)} "
-                        f"Known providers: {', '.join(provs)}."
-                    )
+        if not isinstance(self.ep_overlap_rules, tuple):
+            raise ConfigError(f"ep_fuse: ep_overlap_rules must be a list of OverlapRule, got {self.ep_overlap_rules!r}.")
         if self.inductor_config:
             import torch._inductor.config as inductor_config
 
@@ -187,11 +172,8 @@ class EpFuseConfig:
             object.__setattr__(self, "ep_group", self.ep_group.group_name)
         if not isinstance(self.ep, bool):
             raise ConfigError(f"ep_fuse: ep must be True or False, got {self.ep!r}.")
-        if self.ep_backend not in BACKENDS:
-            raise ConfigError(
-                f"ep_fuse: ep_backend={self.ep_backend!r} is not one of {', '.join(BACKENDS)}."
-                f"{_suggest(str(self.ep_backend), list(BACKENDS))}"
-            )
+        if not isinstance(self.ep_engine, str):
+            raise ConfigError(f"ep_fuse: ep_engine must be an EP engine name, got {self.ep_engine!r}.")
         cap = self.ep_capacity
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ConfigError(f"ep_fuse: ep_capacity must be None or a positive number of tokens per rank, got {cap!r}.")
@@ -203,6 +185,40 @@ class EpFuseConfig:
                 f"ep_fuse: ep_overlap={self.ep_overlap!r} is not one of {', '.join(repr(m) for m in EP_OVERLAP_MODES)}."
                 f"{_suggest(str(self.ep_overlap), list(EP_OVERLAP_MODES))}"
             )
+
+    def check_names(self, *, patterns: Collection[str], providers: Collection[str],
+                    engines: Collection[str]) -> EpFuseConfig:
+        """Check the names only the loaded registry knows: ``patterns`` / ``disable`` against ``patterns``, the
+        ``providers`` priority lists against ``providers``, ``ep_engine`` against ``"auto"`` and ``engines``
+        (:func:`ep_fuse.catalog.known_names` gives all three). Returns ``self``; raises :class:`ConfigError`."""
+        names = list(patterns)
+        for field in ("patterns", "disable"):
+            for name in getattr(self, field) or ():
+                if name not in names:
+                    raise ConfigError(
+                        f"ep_fuse: {field} names unknown pattern {name!r}.{_suggest(name, names)} "
+                        f"Known patterns: {', '.join(names)}."
+                    )
+        provs = list(providers)
+        for device, order in self.providers:
+            for p in order:
+                if p not in provs:
+                    raise ConfigError(
+                        f"ep_fuse: providers[{device!r}] names unknown provider {p!r}.{_suggest(p, provs)} "
+                        f"Known providers: {', '.join(provs)}."
+                    )
+        valid = ["auto", *engines]
+        if self.ep_engine not in valid:
+            raise ConfigError(
+                f"ep_fuse: ep_engine={self.ep_engine!r} is not one of {', '.join(valid)}."
+                f"{_suggest(str(self.ep_engine), valid)}"
+            )
+        return self
+
+    @property
+    def ep_backend(self) -> str:
+        """The first name of :attr:`ep_engine` (kept for code written against it)."""
+        return self.ep_engine
 
     @property
     def ep_requested(self) -> bool:
@@ -293,6 +309,8 @@ def _normalise(options: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(val, Mapping):
             raise ConfigError(f"ep_fuse: inductor_config must be a dict of Inductor config patches, got {val!r}.")
         out["inductor_config"] = tuple(sorted(val.items()))
+    if isinstance(out.get("ep_overlap_rules"), list):
+        out["ep_overlap_rules"] = tuple(out["ep_overlap_rules"])
     if out.get("mode") == "default":
         out["mode"] = None
     return out

@@ -21,6 +21,7 @@ from ep_fuse.passes.ep import ExpertParallel
 from ep_fuse.passes.ep_overlap import EpOverlap
 from ep_fuse.passes.expand import Expand
 from ep_fuse.passes.lower import Lower
+from ep_fuse.passes.moe_zero_slots import DropZeroWeightSlots
 from ep_fuse.passes.pair import Pair
 from ep_fuse.passes.quant import QuantizeExperts
 from ep_fuse.report import GraphReport, PassRecord
@@ -35,7 +36,7 @@ def build_passes(config: EpFuseConfig) -> list[GraphPass]:
     pairs = all_pairs({p.name for p in patterns})
     return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
             *([QuantizeExperts()] if config.quant else []), *([EpOverlap()] if config.ep_overlap != "none" else []),
-            Expand(), Lower(), Cleanup()]
+            DropZeroWeightSlots(), Expand(), Lower(), Cleanup()]
 
 
 def run_passes(

@@ -32,6 +32,9 @@ class MatchRecord:
     """For a block: the provider chosen for each stage op."""
     stage_nodes: list[str] = dataclasses.field(default_factory=list)
     """For a block: the nodes of its stage ops after expansion (what the report draws as "after")."""
+    dropped_zero_slots: bool = False
+    """For a routed-expert block: its slots with a remapped id and weight exactly 0 are not dispatched
+    (:mod:`ep_fuse.passes.moe_zero_slots`)."""
     run_time: list[str] = dataclasses.field(default_factory=list)
     """Size-dependent provider choices deferred to run time (a symbolic size under ``dynamic=True``):
     ``"<op>: <rule>"``, e.g. ``"gemm_swiglu: > 32 rows: the reference"``."""
@@ -56,8 +59,8 @@ class EpRecord:
 
     block: str
     module_path: str
-    backend: str
-    """The dispatch/combine provider (``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu``)."""
+    engine: str
+    """The dispatch/combine engine (``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu``, ``symm_mem``)."""
     layout: str
     """``rank`` (one row per token and destination rank) or ``expert`` (one row per token and expert)."""
     requested: str
@@ -81,6 +84,11 @@ class EpRecord:
     range_split: str = ""
     """``two_batch`` over a decoder-layer range: the range and batch split (``"layers L0-L1, batch 4 = 2 + 2
     ..."``), ``"declined: <why>"`` where the block fell back to the per-block split, empty when not tried."""
+
+    @property
+    def backend(self) -> str:
+        """The first name of :attr:`engine` (kept for code written against it)."""
+        return self.engine
 
 
 @dataclasses.dataclass
@@ -235,7 +243,7 @@ class GraphReport:
         if prov:
             text += f"; providers: {prov}"
         if self.ep:
-            backends = sorted({f"{e.backend} over {e.world} ranks" + (f" ({e.payload})" if e.payload else "")
+            backends = sorted({f"{e.engine} over {e.world} ranks" + (f" ({e.payload})" if e.payload else "")
                                + (", masked experts" if e.local_block == "moe_experts_masked" else "")
                                for e in self.ep})
             text += f"; expert-parallel: {len(self.ep)} block(s), {', '.join(backends)}"

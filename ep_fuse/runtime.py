@@ -61,8 +61,29 @@ def npu_contracts(*ops: str) -> dict[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Switches:
-    """The behaviour switches run-time code reads (the same fields on :class:`ep_fuse.config.EpFuseConfig`, which
-    documents them). Outside a compile, run-time code sees these defaults with the environment's applied."""
+    """The behaviour switches run-time code reads, declared once: :class:`ep_fuse.config.EpFuseConfig` inherits
+    them (they are options too). Outside a compile, run-time code sees these defaults with the environment's applied.
+
+    Defaults from the environment variables of :data:`ENV_DEFAULTS` where set; each applies while the backend
+    rewrites and compiles a graph and while the compiled graph runs (the graph's config, :func:`use_config`).
+
+    Attributes:
+        inline_in_inductor: Inductor inlines the Triton providers' launches (``wrap_triton``) where it can;
+            ``False`` keeps the opaque ``ep_fuse_triton`` op everywhere.
+        inline_symbolic: the launches of the ops registered ``symbolic=True`` are inlined at symbolic sizes
+            too (``dynamic=True``; the unbacked batch of ``ep_fuse.dynamic_batch``).
+        size_branches: the ``<op>_by_size`` choice is traced as ``torch.cond`` branches on the row count;
+            ``False`` keeps the opaque ``<op>_by_size`` op, which chooses per call in Python
+            (also ``EP_FUSE_SIZE_BRANCHES=0``).
+        ep_a2a_kernels: the local work of the rank-layout EP engines (``all_to_all``'s routing, pack, unpack
+            and combine sum; ``symm_mem``'s combine sum) runs as Triton kernels wherever Triton runs;
+            ``False``: always the pure-torch reference (same bytes).
+        unverified_kernels: kernel variants not yet cleared for GPUs
+            (:data:`ep_fuse.providers.triton.unverified.UNVERIFIED_ON_GPU`) run on CUDA anyway
+            (also ``EP_FUSE_UNVERIFIED_KERNELS=1``).
+        npu_gmm_weight: the [E, K, N] weight of ``npu_grouped_matmul``: ``"copy"`` (a contiguous transposed
+            copy made once per weight) or ``"view"`` (the transposed view; also ``EP_FUSE_NPU_GMM_WEIGHT``).
+    """
 
     inline_in_inductor: bool = True
     inline_symbolic: bool = True

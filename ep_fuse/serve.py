@@ -11,6 +11,13 @@ The model is loaded by HF's own model manager, then :func:`prepare_for_serving` 
 ``--continuous-batching`` is implied. On CUDA, HF's own CUDA graphs are on unless ``--cb-use-cuda-graph``
 says otherwise. Needs the ``serving`` extra (``pip install ep-fuse[serving]``).
 
+Two server assemblies of transformers are supported (:data:`SUPPORTED_TRANSFORMERS`): 5.24's, which runs the model
+in the server's process (:func:`start` returns HF's ``Serve``, running in a thread), and 5.25's, which runs each
+model in a spawned engine process (``EngineClient.start_process``) that loads it with a copy of the server's
+``ModelLoader``: there the loader is :class:`EngineLoader` (module-level, picklable), which prepares the model in the
+engine, where HF builds the continuous-batching manager and runs its ``warmup()`` (both paths compiled at load);
+:func:`start` runs the whole server in a process of its own (:class:`ServerProcess`).
+
 Exit codes: 0 stopped cleanly; 2 bad or unknown option; 3 the model could not be loaded or prepared.
 """
 
@@ -20,8 +27,13 @@ import argparse
 import contextlib
 import inspect
 import logging
+import multiprocessing
+import os
+import signal
+import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,8 +44,9 @@ from ep_fuse.models import paged_attention
 log = logging.getLogger("ep_fuse")
 
 EXIT_OK, EXIT_USAGE, EXIT_MODEL = 0, 2, 3
-TESTED_TRANSFORMERS = "5.24"
-"""The transformers release whose ``Serve`` assembly :func:`_hf_serve` was written against."""
+SUPPORTED_TRANSFORMERS = ("5.24", "5.25")
+"""The transformers releases whose ``Serve`` assembly :func:`_hf_serve` was written against and tested with (the
+``serving`` extra's bounds in pyproject.toml say the same)."""
 
 _HOOK_LOCK = threading.Lock()
 _PREPARE_LOCK = threading.Lock()
@@ -98,13 +111,13 @@ def prepare_for_serving(model: Any, options: dict[str, Any] | None = None, http:
         opts = dict(options or {})
 
         def init_continuous_batching(generation_config: Any = None, continuous_batching_config: Any = None,
-                                     workload_hints: Any = None) -> Any:
+                                     workload_hints: Any = None, **kwargs: Any) -> Any:
             # HF's CUDA graphs of the padded sizes: HF turns them off for attention that needs a mask (paged|sdpa);
             # around ep_fuse's one graph per forward they were faster at every measured point (docs/serving.md)
             cfg = with_ep_fuse_compile(continuous_batching_config, opts,
                                        use_cuda_graph=True if _on_cuda(model) else None)
             manager = init_cb(generation_config=generation_config, continuous_batching_config=cfg,
-                              workload_hints=workload_hints)
+                              workload_hints=workload_hints, **kwargs)
             return guard_cache_capacity(manager, http)
 
         model.init_continuous_batching = init_continuous_batching
@@ -150,7 +163,7 @@ def guard_cache_capacity(manager: Any, http: bool = False) -> Any:
     return manager
 
 
-def model_manager_class(options: dict[str, Any]) -> type:
+def model_manager_class(options: dict[str, Any], http: bool = True) -> type:
     """A subclass of HF's serving ``ModelManager`` whose models go through :func:`prepare_for_serving`."""
     from transformers.cli.serving.model_manager import ModelManager
 
@@ -159,68 +172,206 @@ def model_manager_class(options: dict[str, Any]) -> type:
 
         def load_model_and_processor(self, model_id_and_revision: str, *args: Any, **kwargs: Any) -> Any:
             model, processor = super().load_model_and_processor(model_id_and_revision, *args, **kwargs)
-            return prepare_for_serving(model, options, http=True), processor
+            return prepare_for_serving(model, options, http=http), processor
 
     return EpFuseModelManager
 
 
-# --------------------------------------------------------------------------- HF's server
-@contextlib.contextmanager
-def _hf_serve(manager_cls: type) -> Iterator[type]:
-    """HF's ``Serve`` building its model manager from ``manager_cls``.
+class EngineLoader:
+    """HF's ``ModelLoader`` (transformers >= 5.25) whose models go through :func:`prepare_for_serving` in the
+    engine process that loads them. Module-level and holding only HF's loader and ep_fuse's options, it pickles into
+    the process HF spawns; every other attribute (``load_config``, ``load_processor``, ...) is the HF loader's."""
 
-    ``Serve.__init__`` constructs ``transformers.cli.serving.model_manager.ModelManager`` itself and has no
-    parameter for it; this is the one private hook: the module's name is bound to ``manager_cls`` while a
-    ``Serve`` is constructed (under a lock), after checking that this transformers builds it that way."""
+    def __init__(self, loader: Any, options: dict[str, Any] | None = None) -> None:
+        self.loader, self.options = loader, dict(options or {})
+
+    def load_model_and_processor(self, model_id: str, *args: Any, **kwargs: Any) -> Any:
+        model, processor = self.loader.load_model_and_processor(model_id, *args, **kwargs)
+        # in the engine a request's ValueError is answered with a 400 by the API server
+        return prepare_for_serving(model, self.options, http=False), processor
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("loader", "options"):  # unpickling: before __dict__ is set
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def _assembly() -> str:
+    """Which server assembly the installed transformers has: ``"manager"`` (5.24: ``Serve`` builds a
+    ``ModelManager`` that loads in-process) or ``"engine"`` (5.25: ``Serve`` builds a ``ModelLoader`` that a
+    spawned engine process loads with). Raises :class:`ServeError` naming the supported releases otherwise."""
     import transformers
     from transformers.cli import serve as hf_serve
     from transformers.cli.serving import model_manager
 
     source = inspect.getsource(hf_serve.Serve.__init__)
-    if not hasattr(model_manager, "ModelManager") or "ModelManager(" not in source:
-        raise ServeError(f"transformers {transformers.__version__} builds its server differently from "
-                         f"{TESTED_TRANSFORMERS}, the release ep_fuse.serve supports: install transformers=="
-                         f"{TESTED_TRANSFORMERS}.* or use ep_fuse.serve.prepare_for_serving in your own server",
-                         EXIT_USAGE)
+    engine = getattr(getattr(model_manager, "EngineClient", None), "start_process", None)
+    if hasattr(model_manager, "ModelLoader") and "ModelLoader(" in source and callable(engine):
+        return "engine"
+    if hasattr(model_manager, "ModelManager") and "ModelManager(" in source and "non_blocking" in source:
+        return "manager"
+    versions = " or ".join(f"transformers=={v}.*" for v in SUPPORTED_TRANSFORMERS)
+    raise ServeError(f"transformers {transformers.__version__} builds its server differently from "
+                     f"{' and '.join(SUPPORTED_TRANSFORMERS)}, the releases ep_fuse.serve supports: install "
+                     f"{versions}, or use ep_fuse.serve.prepare_for_serving in your own server", EXIT_USAGE)
+
+
+@contextlib.contextmanager
+def _hf_serve(options: dict[str, Any], http: bool = True) -> Iterator[type]:
+    """HF's ``Serve``, whose models are prepared for ep_fuse while it is constructed.
+
+    ``Serve.__init__`` constructs HF's ``ModelManager`` (5.24) or ``ModelLoader`` (5.25) itself, looked up in
+    ``transformers.cli.serving.model_manager``, and has no parameter for it: this is the one private hook. While the
+    block runs (under a lock) that name is bound to ours: for 5.24 :func:`model_manager_class`; for 5.25 a factory
+    that builds HF's loader wrapped in :class:`EngineLoader` and unbinds itself at once (5.25's ``Serve.__init__``
+    runs the server, so the block lasts as long as it does)."""
+    from transformers.cli import serve as hf_serve
+    from transformers.cli.serving import model_manager
+
+    assembly = _assembly()
     with _HOOK_LOCK:
-        original = model_manager.ModelManager
-        model_manager.ModelManager = manager_cls
+        name = "ModelLoader" if assembly == "engine" else "ModelManager"
+        original = getattr(model_manager, name)
+        if assembly == "manager":
+            setattr(model_manager, name, model_manager_class(options, http))
+        else:
+            def engine_loader(*args: Any, **kwargs: Any) -> EngineLoader:
+                if getattr(model_manager, name) is engine_loader:
+                    setattr(model_manager, name, original)
+                return EngineLoader(original(*args, **kwargs), options)
+
+            setattr(model_manager, name, engine_loader)
         try:
             yield hf_serve.Serve
         finally:
-            model_manager.ModelManager = original
+            if getattr(model_manager, name) is not original:
+                setattr(model_manager, name, original)
 
 
-def start(model: str, options: dict[str, Any] | None = None, **serve_kwargs: Any) -> Any:
-    """Start HF's server for ``model`` in a background thread; returns HF's ``Serve`` (stop it with
-    :func:`stop`). ``serve_kwargs`` are ``transformers serve``'s options by their Python names
-    (``port=8000``, ``cb_num_blocks=64``, ...); ``continuous_batching`` defaults to ``True``."""
+def _load_error(model: str, exc: BaseException) -> ServeError:
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ServeError(f"cannot load {model!r}: {type(exc).__name__}: {first}", EXIT_MODEL)
+
+
+LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError, RuntimeError)
+"""What HF's server raises for a model it cannot load or prepare (5.25 relays the engine's as ``RuntimeError``)."""
+
+
+def _check(options: dict[str, Any]) -> None:
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
         raise ServeError("serving needs fastapi, uvicorn, pydantic and openai: pip install 'ep-fuse[serving]'",
                          EXIT_USAGE)
-    opts = dict(options or {})
+    from ep_fuse.catalog import known_names  # every pattern, provider and engine: names to check the options by
+
     try:
-        EpFuseConfig.from_options(opts)
+        EpFuseConfig.from_options(options).check_names(**known_names())
     except ConfigError as exc:
         raise ServeError(str(exc).removeprefix("ep_fuse: "), EXIT_USAGE) from exc
+
+
+def serve_forever(model: str, options: dict[str, Any] | None = None, **serve_kwargs: Any) -> None:
+    """Run HF's server for ``model`` in this thread until it stops (Ctrl-C / SIGTERM on 5.25, where uvicorn runs in
+    ``Serve``'s constructor); ``serve_kwargs`` as for :func:`start`."""
+    opts = dict(options or {})
+    _check(opts)
     serve_kwargs.setdefault("continuous_batching", True)
+    if _assembly() == "manager":
+        server = start(model, opts, **serve_kwargs)
+        try:
+            wait(server)
+        finally:
+            stop(server)
+        return
+    with _hf_serve(opts) as serve_cls:
+        try:
+            serve_cls(force_model=model, **serve_kwargs)
+        except ServeError:
+            raise
+        except LOAD_ERRORS as exc:
+            raise _load_error(model, exc) from exc
+
+
+class ServerProcess:
+    """A server :func:`start` runs in a process of its own (transformers >= 5.25); ``port`` where it listens."""
+
+    def __init__(self, process: Any, host: str, port: int) -> None:
+        self.process, self.host, self.port = process, host, port
+
+
+def _serve_in_process(model: str, options: dict[str, Any], serve_kwargs: dict[str, Any], errors: Any) -> None:
+    """A :class:`ServerProcess`'s target: :func:`serve_forever`, its error (code, message) sent on ``errors``."""
+    try:
+        serve_forever(model, options, **serve_kwargs)
+    except ServeError as exc:
+        errors.send((exc.code, str(exc)))
+        sys.exit(exc.code)
+    except KeyboardInterrupt:
+        pass
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def start(model: str, options: dict[str, Any] | None = None, timeout: float = 900.0, **serve_kwargs: Any) -> Any:
+    """Start HF's server for ``model`` and return once it listens; stop it with :func:`stop`. ``serve_kwargs`` are
+    ``transformers serve``'s options by their Python names (``port=8000``, ``cb_num_blocks=64``, ...);
+    ``continuous_batching`` defaults to ``True``. On transformers 5.24 the server runs in a thread and HF's ``Serve``
+    is returned; on 5.25 it runs in a process of its own (its model in HF's engine process, loaded, prepared and
+    warmed up within ``timeout`` s) and a :class:`ServerProcess` is returned."""
+    opts = dict(options or {})
+    _check(opts)
+    serve_kwargs.setdefault("continuous_batching", True)
+    if _assembly() == "engine":
+        host, port = serve_kwargs.get("host", "localhost"), int(serve_kwargs.get("port", 8000))
+        spawn = multiprocessing.get_context("spawn")
+        reader, writer = spawn.Pipe(duplex=False)
+        process = spawn.Process(target=_serve_in_process, args=(model, opts, serve_kwargs, writer),
+                                name="ep-fuse-serve")
+        process.start()
+        writer.close()
+        deadline = time.monotonic() + timeout
+        while not _listening(host, port):
+            if reader.poll(0.5):
+                code, message = reader.recv()
+                process.join(30)
+                raise ServeError(message, code)
+            if not process.is_alive():
+                raise ServeError(f"the server process for {model!r} exited with code {process.exitcode}",
+                                 EXIT_MODEL)
+            if time.monotonic() > deadline:
+                stop(ServerProcess(process, host, port))
+                raise ServeError(f"the server for {model!r} was not listening after {timeout:.0f} s", EXIT_MODEL)
+        return ServerProcess(process, host, port)
     serve_kwargs["non_blocking"] = True
-    with _hf_serve(model_manager_class(opts)) as serve_cls:
+    with _hf_serve(opts) as serve_cls:
         try:
             server = serve_cls(force_model=model, **serve_kwargs)
         except ServeError:
             raise
-        except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ServeError(f"cannot load {model!r}: {type(exc).__name__}: {first}", EXIT_MODEL) from exc
+        except LOAD_ERRORS as exc:
+            raise _load_error(model, exc) from exc
     return server
 
 
 def stop(server: Any, timeout: float = 30.0) -> None:
-    """Stop a server :func:`start` returned and wait up to ``timeout`` s for its thread: HF's ``kill_server``
-    waits 2 s only, short for uvicorn's graceful shutdown on a busy machine."""
+    """Stop a server :func:`start` returned and wait up to ``timeout`` s for it: a :class:`ServerProcess` gets
+    SIGINT (uvicorn's graceful shutdown; its engine process exits with it), then SIGKILL; 5.24's ``Serve`` its
+    ``kill_server`` (which waits 2 s only, short for uvicorn's graceful shutdown on a busy machine)."""
+    if isinstance(server, ServerProcess):
+        process = server.process
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGINT)
+            process.join(timeout)
+        if process.is_alive():
+            log.warning("ep_fuse.serve: the server process is still running %.0f s after SIGINT: killing it", timeout)
+            process.kill()
+            process.join()
+        return
     server.kill_server()
     thread = getattr(server, "_thread", None)  # HF's Serve keeps its uvicorn thread there (no public name)
     if thread is not None:
@@ -230,7 +381,11 @@ def stop(server: Any, timeout: float = 30.0) -> None:
 
 
 def wait(server: Any) -> None:
-    """Block until the server's thread ends (Ctrl-C raises ``KeyboardInterrupt`` here)."""
+    """Block until the server stops (Ctrl-C raises ``KeyboardInterrupt`` here)."""
+    if isinstance(server, ServerProcess):
+        while server.process.is_alive():
+            server.process.join(0.5)
+        return
     thread = getattr(server, "_thread", None)
     while thread is not None and thread.is_alive():
         thread.join(0.5)
@@ -299,17 +454,13 @@ def main(argv: list[str] | None = None) -> int:
         if kwargs.get("non_blocking"):
             raise ServeError("--non-blocking is for tests; use ep_fuse.serve.start() in-process", EXIT_USAGE)
         kwargs["continuous_batching"] = True
-        server = start(kwargs.pop("force_model"), options, **kwargs)
+        serve_forever(kwargs.pop("force_model"), options, **kwargs)
     except ServeError as exc:
         if str(exc):
             print(f"ep-fuse serve: {exc}", file=sys.stderr)
         return exc.code
-    try:
-        wait(server)
     except KeyboardInterrupt:
-        print("ep-fuse serve: stopping", file=sys.stderr)
-    finally:
-        stop(server)
+        print("ep-fuse serve: stopped", file=sys.stderr)
     return EXIT_OK
 
 

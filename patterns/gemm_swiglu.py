@@ -10,7 +10,9 @@
   N-D input (Granite-MoE-Shared's ``shared_mlp``) the product is ``_unsafe_view(mm(view(x, [T, H]), t(Wgu)),
   [..., 2I])`` before the ``chunk``.
 
-Both become ``ep_fuse::gemm_swiglu(x, w_gate, w_up)``. Only a ``silu`` whose input is a GEMM output
+Both become ``ep_fuse::gemm_swiglu(x, w_gate, w_up)``. The two-GEMM forms also come with the SwiGLU in fp32
+(Beam: ``(silu(gate.float()) * up.float()).to(dtype)``, variants ``*_fp32_act``): ``gemm_swiglu(x, w_gate, w_up,
+act_fp32=True)``. Only a ``silu`` whose input is a GEMM output
 matches: Qwen3-Next's ``RMSNormGated`` (``normed · silu(gate)``) and GPT-OSS's clamped
 ``sigmoid(1.702·g)·g·(u+1)`` are different functions and stay as they are. Expert GEMMs
 (``_grouped_mm``, ``bmm``) belong to the MoE family.
@@ -25,8 +27,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import tensor_val
-from ep_fuse.matching import Anchor, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
+from ep_fuse.matching import Anchor, Cast, Derived, Item, Lit, Match, Pattern, Replacement, Var, op
 from ep_fuse.matching.checks import MODEL_FLOATS, VIEWS, is_shape, same_shape, tensor_of
+from ep_fuse.matching.matcher import CAST_TARGETS
 from ep_fuse.ops import gemm_swiglu as gemm_swiglu_ops
 
 aten = torch.ops.aten
@@ -54,6 +57,11 @@ def _trees() -> dict[str, Any]:
         gate, up = _linear("w_gate", "flat_g")[g], _linear("w_up", "flat_u")[u]
         trees[form] = op(aten.mul.Tensor, self=op(aten.silu.default, self=gate), other=up,
                          commutative=("self", "other"))
+        # Beam: ``(silu(gate.float()) * up.float()).to(dtype)`` (bf16/fp16 GEMMs, the SwiGLU in fp32, one rounding)
+        gate, up = _linear("w_gate", "flat_g")[g], _linear("w_up", "flat_u")[u]
+        product = op(aten.mul.Tensor, self=op(aten.silu.default, self=Cast(gate, torch.float32)),
+                     other=Cast(up, torch.float32), commutative=("self", "other"), bind="act_fp32")
+        trees[f"{form}_fp32_act"] = Cast(product, dtype="out_dtype")
     x = Var("x", _float_tensor)
     weight = op(aten.t.default, self=Var("w_gate_up", _float_tensor))
     mm = op(aten.mm.default, self=x, mat2=weight, bind="mm_w_gate_up")
@@ -115,7 +123,19 @@ def splits_the_last_dim(m: Match) -> str | None:
     return None
 
 
-GUARDS = (splits_the_last_dim, views_flatten_tokens, weights_match_input)
+def act_rounds_to_input_dtype(m: Match) -> str | None:
+    """The fp32 SwiGLU of a low-precision MLP is cast back to the input's dtype (one rounding)."""
+    if "act_fp32" not in m.bindings:
+        return None
+    dtype = tensor_val(m["x"]).dtype
+    if dtype == torch.float32:
+        return "an fp32 input needs no fp32 activation form"
+    if m["out_dtype"] != dtype:
+        return f"the fp32 SwiGLU is cast to {m['out_dtype']}, not the input's {dtype}"
+    return None
+
+
+GUARDS = (splits_the_last_dim, views_flatten_tokens, weights_match_input, act_rounds_to_input_dtype)
 
 
 def _build(m: Match) -> Replacement:
@@ -124,7 +144,8 @@ def _build(m: Match) -> Replacement:
         gate = Derived(aten.slice.Tensor, (w, 0, 0, inter))
         up = Derived(aten.slice.Tensor, (w, 0, inter, 2 * inter))
         return Replacement(gemm_swiglu_ops.gemm_swiglu.op, (m["x"], gate, up))
-    return Replacement(gemm_swiglu_ops.gemm_swiglu.op, (m["x"], m["w_gate"], m["w_up"]))
+    act = (True,) if "act_fp32" in m.bindings else ()  # the schema's trailing ``act_fp32=False``
+    return Replacement(gemm_swiglu_ops.gemm_swiglu.op, (m["x"], m["w_gate"], m["w_up"], *act))
 
 
 GEMMS = {aten.mm.default, aten.addmm.default}
@@ -133,14 +154,14 @@ PASS_THROUGH = {aten.view.default, aten._unsafe_view.default, aten.reshape.defau
 
 
 def _silu_of_dense_gemm(node: Any) -> bool:
-    """A silu whose input is (a view or split of) a dense GEMM output: a SwiGLU candidate."""
+    """A silu whose input is (a view, split or cast of) a dense GEMM output: a SwiGLU candidate."""
     cur = node.args[0]
-    for _ in range(4):
+    for _ in range(5):
         if not hasattr(cur, "target"):
             return False
         if cur.target in GEMMS:
             return True
-        if cur.target not in PASS_THROUGH:
+        if cur.target not in PASS_THROUGH and cur.target not in CAST_TARGETS:
             return False
         cur = cur.args[0]
     return False

@@ -27,7 +27,8 @@ The whole block becomes ``ep_fuse::moe_experts(x, topk_ids, topk_weights, w13, w
 
 The gated activation between the GEMMs is SwiGLU or one of its transformers 5.24 variants (``ops.moe.ACTS``:
 clamped before or after the SiLU, fp32, soft-capped, GPT-OSS's clamped ``(up + 1) * g * sigmoid(1.702 g)`` on
-gate|up halves (MiniMax-M3); :func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
+gate|up halves (MiniMax-M3), Gemma-4's GeGLU ``gelu(g, approximate="tanh") * up`` and the erf GELU's;
+:func:`_swiglu`), or NemotronH's non-gated ``relu(up) ** 2``
 on an up projection [E, I, H] (:func:`_relu2`), carried as the block's ``act`` arguments.
 
 Not matched: GPT-OSS (interleaved gate/up halves and per-expert biases; its activation alone is ``swigluoai``) and
@@ -131,6 +132,12 @@ def _softcapped(v: Any, cap: str) -> Any:
     return alt(op(aten.mul.Tensor, self=tanh, other=Lit(is_number, bind=f"{cap}_scale")), v)
 
 
+def _gelu_approximation(v: Any) -> str | None:
+    """``approximate`` of ``aten.gelu``: one the kernels compute (``ops.moe.GELU_ACTS``)."""
+    known = tuple(moe_ops.GELU_ACTS.values())
+    return None if v in known else f"gelu(approximate={v!r}), expected one of {known}"
+
+
 def _swiglu(h: Any) -> Any:
     """The gated activations of ``ops.moe.ACTS`` on the halves of ``split(h, I, -1)``; which one matched is
     read from the bindings (:func:`activation`)."""
@@ -157,7 +164,10 @@ def _swiglu(h: Any) -> Any:
     glu = _mul(g_oai, op(aten.sigmoid.default, self=_mul(g_oai, Lit(is_number, bind="oai_alpha"))))
     oai = _mul(op(aten.add.Tensor, self=_clamp(up, "up_min", "up_max"), other=Lit(equals(1.0))), glu,
                bind="act_oai")
-    return alt(plain, clamped, clamped_post, fp32, capped, oai, _relu2(h))
+    # Gemma-4 (GeGLU): ``gelu(g, approximate="tanh") * u``, or erf GELU; Python-written GELU formulas do not match
+    gelu = _mul(op(aten.gelu.default, self=gate, approximate=Lit(_gelu_approximation, bind="gelu_approximate")), up,
+                bind="act_gelu")
+    return alt(plain, clamped, clamped_post, fp32, capped, oai, gelu, _relu2(h))
 
 
 def _relu2(h: Any) -> Any:
@@ -395,6 +405,9 @@ def activation(m: Match) -> tuple[str, float | None, float | None, float | None]
         return "relu2", None, None, None
     if "act_oai" in m.bindings:
         return "swigluoai", float(m["gate_max"]), None, None
+    if "act_gelu" in m.bindings:
+        by_approximate = {v: k for k, v in moe_ops.GELU_ACTS.items()}
+        return by_approximate[m["gelu_approximate"]], None, None, None
     for name, bound in (("silu_clamp", "gate_max"), ("silu_clamp_post", "post_max")):
         if f"act_{name[5:]}" in m.bindings:
             limit = float(m[bound])

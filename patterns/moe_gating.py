@@ -25,7 +25,8 @@ of ``ep_fuse::moe_gating`` (see :mod:`ep_fuse.ops.moe_gating` for its semantics)
 * ``softmax_bias``: the same with ``_softmax`` scores and no groups (the softmax sibling of DeepSeek-V3's
   selection bias; Ernie-4.5-MoE, whose ``div(w, clamp(sum, min=eps))`` tail becomes ``renorm_clamp=True``).
 * ``topk_softmax`` (Granite-MoE, Cohere2-MoE): ``v, ids = topk(logits, K)`` on fp32 or bf16 logits,
-  ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; the softmax must run in fp32 (:func:`softmax_in_fp32`).
+  ``[_to_copy](_softmax([_to_copy](v, f32), -1), D)``; a softmax in bf16 (no cast: Aria, GPT-OSS) is computed in bf16
+  (canonical ``score_dtype``, :func:`score_dtype`).
   Its own score in the canonical op (see :mod:`ep_fuse.ops.moe_gating` for why it is not
   softmax -> top-k -> renormalise, ties included).
 * ``topk_sigmoid`` (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``v, ids = topk(logits, K)``,
@@ -43,8 +44,10 @@ interior node of either may be used outside the two outputs.
 * ``softmax_bias_3d`` (Zaya): ``softmax_bias`` on ``[B, S, E+1]`` logits, no tail (the skip masking stays);
   ``sigmoid_sink`` (Inkling): ``ep_fuse::moe_gating_sink``, the shared experts' logits in the normalisation.
 
-Declined with the reason in the near miss: scores computed in bf16 (GPT-OSS's bf16 softmax of the top-k
-values; a softmax of bf16 logits), whose bf16 rounding the fused providers do not reproduce bitwise.
+Scores computed in bf16/fp16 (GPT-OSS's and Aria's softmax of the bf16 top-k values; Mistral-4's, Zaya's and
+DeepSeek-V4's scores of bf16 logits) fuse with the canonical ``score_dtype`` set to that dtype: the reference computes
+every step in it as the model does; the fused providers (fp32 math) decline it. The sink router (Inkling) still needs
+fp32 scores (:func:`_f32_2d`).
 Recognised only to say why they are not fused (:data:`DECLINED`): hash routing (DeepSeek-V4), PhiMoE's
 sparsemixer, Llama-4's dense [T, E] scores.
 """
@@ -104,6 +107,18 @@ def _f32_scores(t: torch.Tensor) -> str | None:
     return None
 
 
+def _scores_2d(v: Any) -> str | None:
+    """[T, E] logits of a dense score: fp32, or bf16/fp16 scored in their own dtype (canonical ``score_dtype``)."""
+    t = tensor_val(v)
+    if t is None:
+        return f"expected a tensor, got {v!r}"
+    if t.dim() != 2:
+        return f"router logits must be a [T, E] tensor, got {t.dim()} dims"
+    if t.dtype not in MODEL_FLOATS:
+        return f"router logits in {t.dtype}"
+    return None
+
+
 def _f16_2d(v: Any) -> str | None:
     t = tensor_val(v)
     if t is None or t.dtype != torch.float16 or t.dim() != 2:
@@ -144,7 +159,7 @@ LAST_3D = one_of(-1, 2)
 
 # --------------------------------------------------------------------------- trees
 def _probs(kind: str) -> Any:
-    logits = Var("logits", _f32_2d)
+    logits = Var("logits", _scores_2d)
     if kind == "softmax":
         # ``F.softmax(fp16 logits, dtype=float32)`` traces on CUDA to one ``_softmax(x, dim, half_to_float=True)``
         # (fp32 math and output, as ``_softmax(_to_copy(x, f32))``; the CPU only has the cast form)
@@ -425,23 +440,27 @@ VARIANT_SCORES = {"topk_softmax": "topk_softmax", "topk_sigmoid": "topk_sigmoid"
 """Variants whose canonical score is not read off the score node (a top-k of the logits first)."""
 
 
-def softmax_in_fp32(m: Match) -> tuple[Any, str] | None:
-    """``topk_softmax``/``topk_sigmoid``: the score of the K values runs in fp32 (fp32 logits, or a cast first)."""
-    if m.pattern.variant not in VARIANT_SCORES:
-        return None
+def score_dtype(m: Match) -> torch.dtype | None:
+    """The canonical ``score_dtype``: ``None`` when the scores are fp32 (fp32 logits, or an upcast first), else the
+    dtype the model computes them in (bf16/fp16: Aria's and GPT-OSS's softmax of bf16 top-k values, Mistral-4's and
+    Zaya's softmax of bf16 logits, DeepSeek-V4's bf16 ``sqrt(softplus)``), which the op then computes in as well."""
     dtype = tensor_val(m["probs"]).dtype
-    fn = VARIANT_SCORES[m.pattern.variant].removeprefix("topk_")
-    if dtype != torch.float32:
-        return m["probs"], (f"{fn} of the top-k values in {dtype}: eager rounds the weights to {dtype} inside "
-                            f"the {fn}, which the fused providers (fp32 math) do not reproduce bitwise")
+    return None if dtype == torch.float32 else dtype
+
+
+def scores_in_model_dtype(m: Match) -> tuple[Any, str] | None:
+    """Scores computed in a dtype other than fp32 are the logits' own (what ``score_dtype`` means), and a selection
+    bias is added with torch's promotion of the scores and the bias (the reference adds ``probs + bias``; an upcast
+    of bf16 scores before a bf16 bias would round elsewhere)."""
+    dtype, logits = score_dtype(m), tensor_val(m["logits"]).dtype
+    if dtype is not None and dtype != logits:
+        return m["probs"], f"scores in {dtype} from {logits} logits (expected fp32 or the logits' dtype)"
+    if dtype is not None and "bias" in m.bindings and "sel" in m.bindings:
+        want = torch.promote_types(dtype, tensor_val(m["bias"]).dtype)
+        if tensor_val(m["sel"]).dtype != want:
+            return m["sel"], (f"selection computed in {tensor_val(m['sel']).dtype} from {dtype} scores and a "
+                              f"{tensor_val(m['bias']).dtype} bias (torch's promotion gives {want})")
     return None
-
-
-def scores_in_fp32(m: Match) -> tuple[Any, str] | None:
-    """The [B, S, E] form: its dtype is checked after the whole structure matched, so that a bf16 router's near miss
-    names this form and the reason (the [T, E] forms check it on their logits)."""
-    reason = _f32_scores(tensor_val(m["logits"]))
-    return (m["probs"], reason) if reason else None
 
 
 # --------------------------------------------------------------------------- replacement
@@ -461,10 +480,14 @@ def _build(m: Match) -> Replacement:
     args = (m["logits"], m.get("bias"), int(m["top_k"]), score, n_group, topk_group, group_score,
             "renorm" in m.bindings, float(m.get("clamp_eps" if clamp else "renorm_eps", 0.0)),
             float(m.get("scale", 1.0)), m.get("weight_dtype"))
-    if clamp or "expert_scale" in m.bindings:  # the schema's trailing ``renorm_clamp=False, expert_scale=None``:
-        args = (*args, clamp)  # other calls keep their 11 arguments
-    if "expert_scale" in m.bindings:
-        args = (*args, m["expert_scale"])
+    low = score_dtype(m)
+    # the schema's trailing ``renorm_clamp=False, expert_scale=None, score_dtype=None``: other calls keep 11 arguments
+    if clamp or "expert_scale" in m.bindings or low is not None:
+        args = (*args, clamp)
+    if "expert_scale" in m.bindings or low is not None:
+        args = (*args, m.get("expert_scale"))
+    if low is not None:
+        args = (*args, low)
     log.debug("ep_fuse: moe_gating%s at %s", args[2:], m.root.name)
     return Replacement(moe_gating_ops.moe_gating.op, args, ("root", "ids"))
 
@@ -579,8 +602,7 @@ def _pattern(variant: str) -> Pattern:
     make, description = _FORMS[variant]
     weights, ids = make()
     return Pattern(name="moe_gating", variant=variant, tree=weights, build=_build,
-                   guards=(router_shapes, whole_tail, softmax_in_fp32,
-                           *((scores_in_fp32,) if variant.endswith("_3d") else ())),
+                   guards=(router_shapes, whole_tail, scores_in_model_dtype),
                    anchors=ANCHORS_3D if variant.endswith("_3d") else ANCHORS, outputs=(("ids", ids),),
                    description=description, produces="ep_fuse::moe_gating")
 

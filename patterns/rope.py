@@ -15,6 +15,10 @@
   ``_to_copy(·, f32)`` of ``x`` and of the rotated copy, then ``[_to_copy](·, D)``
 * ``complex`` (DeepSeek-V2, Llama4): ``_to_copy(view(view_as_real(mul(view_as_complex(view(_to_copy(x, f32),
   [..., D/2, 2])), freqs_cis)), x.shape), D)``
+* ``select_pairs`` (gpt-fast ``apply_rotary_emb``): the GPT-J pairs taken with ``select`` from
+  ``xp = view(x, [..., D/2, 2])`` and a ``[..., D/2, 2]`` (cos, sin) table ``t``:
+  ``view(stack([xp[..., 0]·t[..., 0] − xp[..., 1]·t[..., 1], xp[..., 1]·t[..., 0] + xp[..., 0]·t[..., 1]], -1),
+  x.shape)``; becomes ``interleave`` with cos = ``t[..., 0]``, sin = ``t[..., 1]``
 
 Each instance becomes ``ep_fuse::rope``; q and k instances that share cos/sin are then paired into
 one ``ep_fuse::rope_qk`` (:data:`PAIRS`). A chunk/interleave instance whose cos and sin are the two
@@ -32,7 +36,8 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ep_fuse.fx_utils import literal_value, tensor_val
-from ep_fuse.matching import Cast, Derived, Item, Lit, Match, Opt, PairRule, Pattern, Replacement, Var, equals, op
+from ep_fuse.matching import (Anchor, Cast, Derived, Item, Lit, Match, Opt, PairRule, Pattern, Replacement, Var, equals,
+                              op)
 from ep_fuse.matching.checks import (
     INT64_MAX,
     MODEL_FLOATS,
@@ -50,8 +55,8 @@ from ep_fuse.ops.rope import CACHE_FORMS
 aten = torch.ops.aten
 F32 = torch.float32
 
-DESCRIPTION = ("rotary embedding (rotate-half, partial, chunk, de-interleaved, GPT-J, complex; cos/sin cache) "
-               "-> ep_fuse::rope / rope_qk / rope_cache / rope_qk_cache")
+DESCRIPTION = ("rotary embedding (rotate-half, partial, chunk, de-interleaved, GPT-J, gpt-fast pairs, complex; "
+               "cos/sin cache) -> ep_fuse::rope / rope_qk / rope_cache / rope_qk_cache")
 
 
 # --------------------------------------------------------------------------- value checks
@@ -116,6 +121,31 @@ def _rotate_pairs_fp32(x: Any, even: Any, odd: Any) -> Any:
     return Opt(Cast(body, "out_dtype"))
 
 
+_SIGNS = (aten.sub.Tensor, aten.add.Tensor)
+
+
+def _select_pairs(x: Any) -> Any:
+    """gpt-fast's pairs: ``xp = x.reshape(..., D/2, 2)``, ``t`` a (cos, sin) table of ``[..., D/2, 2]``;
+    ``stack([xp0·t0 − xp1·t1, xp1·t0 + xp0·t1], -1).flatten(-2)``. Each ``xp[..., i]`` may be traced
+    several times (one ``select`` per Python expression): the selects are not bound, their source and
+    dim are."""
+    pairs = op(VIEWS, self=x, size=Lit(is_shape), bind="pairs")
+    table = Var("pair_table", _float_tensor)
+
+    def xp(i: int) -> Any:
+        return op(aten.select.int, self=pairs, dim=Lit(is_int, bind="dim_pair"), index=Lit(equals(i)))
+
+    def t(i: int) -> Any:
+        return op(aten.select.int, self=table, dim=Lit(is_int, bind="dim_table"), index=Lit(equals(i)))
+
+    # either sign in both places: select_pairs_layout checks x0·c − x1·s, x1·c + x0·s (and names a swapped sign)
+    first = op(_SIGNS, self=_mul(xp(0), t(0)), other=_mul(xp(1), t(1)), bind="pair_first")
+    second = op(_SIGNS, self=_mul(xp(1), t(0)), other=_mul(xp(0), t(1)), commutative=("self", "other"),
+                bind="pair_second")
+    stacked = op(aten.stack.default, tensors=[first, second], dim=Lit(is_int, bind="dim_pair_stack"))
+    return op(VIEWS, self=stacked, size=Lit(is_shape), bind="pairs_flat")
+
+
 def _inner(x: Any) -> dict[str, Any]:
     """The rotation forms on ``x`` (the whole head or its rotated slice)."""
     split = op(aten.split.Tensor, self=x, split_size=Lit(is_int, bind="half"), dim=Lit(is_int, bind="dim_split"),
@@ -131,12 +161,15 @@ def _whole_head_only(x: Any) -> dict[str, Any]:
     """Forms with no partial-rotary variant (no model slices the head before them)."""
     even = _slice(x, Lit(equals(0)), Lit(is_end), 2, bind="xe")
     odd = _slice(x, Lit(equals(1)), Lit(is_end), 2, bind="xo")
-    return {"rotate_pairs_fp32": _rotate_pairs_fp32(x, even, odd)}
+    return {"rotate_pairs_fp32": _rotate_pairs_fp32(x, even, odd), "select_pairs": _select_pairs(x)}
 
 
 PARTIAL_FORMS = {"partial": "half", "partial_chunk": "chunk", "partial_interleave": "interleave",
                  "partial_rotate_pairs": "rotate_pairs"}
 """Partial-rotary variants (``cat([form(x[..., :R]), x[..., R:]], -1)``) and the form each rotates with."""
+
+CANONICAL_FORMS = {**PARTIAL_FORMS, "select_pairs": "interleave"}
+"""Variants whose canonical ``form`` is not their name."""
 
 
 
@@ -245,6 +278,53 @@ def complex_views_pair_channels(m: Match) -> str | None:
     return None
 
 
+def _is_last(dim: Any, t: torch.Tensor) -> bool:
+    return dim in (-1, t.dim() - 1)
+
+
+def select_pairs_layout(m: Match) -> tuple[Any, str] | None:
+    """gpt-fast's form: ``x`` viewed ``[*x.shape[:-1], D/2, 2]`` and read at its pair dim; a ``[..., D/2, 2]`` table
+    read at its last dim whose ``[..., D/2]`` halves broadcast to the pairs without growing them; the products
+    stacked on a new last dim and viewed back to ``x``'s shape."""
+    if "pair_table" not in m.bindings:
+        return None
+    x, pairs, table = tensor_val(m["x"]), tensor_val(m["pairs"]), tensor_val(m["pair_table"])
+    d = int(x.shape[-1])  # static_head_dim runs first
+    if d % 2 or not same_shape(pairs.shape, [*x.shape[:-1], d // 2, 2]):
+        return m["pairs"], f"view {list(pairs.shape)} does not pair the channels of {list(x.shape)}"
+    if not _is_last(m["dim_pair"], pairs):
+        return m["pairs"], f"selects dim {m['dim_pair']} of the pairs {list(pairs.shape)}, not the pair dim"
+    if not (_is_last(m["dim_table"], table) and statically_known_true(table.shape[-1] == 2)):
+        return m["pair_table"], (f"the cos/sin table {list(table.shape)} is not read as (cos, sin) pairs on its last "
+                                 f"dim (select dim {m['dim_table']})")
+    half, lead_x = list(table.shape[:-1]), list(x.shape[:-1])
+    if len(half) > x.dim() or not statically_known_true(half[-1] == d // 2) or not all(
+            statically_known_true(a == 1) or statically_known_true(a == b) for a, b in zip(half[-2::-1], lead_x[::-1])):
+        return m["pair_table"], (f"cos/sin of shape {half} do not broadcast to the {d // 2} channel pairs of "
+                                 f"{list(x.shape)}")
+    signs = (m["pair_first"].target, m["pair_second"].target)
+    if signs != (aten.sub.Tensor, aten.add.Tensor):
+        got = ["−" if t == aten.sub.Tensor else "+" for t in signs]
+        return m["pair_first"], (f"the pair is (x0·c {got[0]} x1·s, x1·c {got[1]} x0·s), not the rotation "
+                                 "(x0·c − x1·s, x1·c + x0·s)")
+    if m["dim_pair_stack"] not in (-1, pairs.dim() - 1):
+        return m["pairs_flat"], f"stack on dim {m['dim_pair_stack']}, not a new last dim"
+    if not same_shape(tensor_val(m["pairs_flat"]).shape, x.shape):
+        return m["pairs_flat"], f"flattened to {list(tensor_val(m['pairs_flat']).shape)}, not {list(x.shape)}"
+    return None
+
+
+def _views_channel_pairs(node: fx.Node) -> bool:
+    """``view(x, [..., D/2, 2])`` read by a ``select`` on the pair dim: gpt-fast's ``x.reshape(..., -1, 2)[..., 0]``."""
+    out, src = tensor_val(node), tensor_val(node.args[0]) if node.args else None
+    if out is None or src is None or not out.dtype.is_floating_point or out.dim() != src.dim() + 1:
+        return False
+    if not (statically_known_true(out.shape[-1] == 2) and same_shape(out.shape[:-2], src.shape[:-1])
+            and statically_known_true(out.shape[-2] * 2 == src.shape[-1])):
+        return False
+    return any(u.target is aten.select.int and _is_last(u.args[1], out) for u in node.users)
+
+
 # --------------------------------------------------------------------------- pair-repeated cos/sin
 _ELEMENTWISE = {aten.cos.default, aten.sin.default, aten.neg.default}
 """Unary ops that keep equal inputs equal (the cos/sin of repeated angles)."""
@@ -325,7 +405,7 @@ def _halves(m: Match, name: str) -> Any:
 
 
 GUARDS = (static_head_dim, rotates_last_dim, halves_the_rotated_dim, cos_sin_broadcast, complex_views_pair_channels,
-          interleaves_back, repeated_in_pairs)
+          interleaves_back, repeated_in_pairs, select_pairs_layout)
 
 
 # --------------------------------------------------------------------------- cos/sin-cache form
@@ -396,6 +476,9 @@ def cache_gather(m: Match, rot: int) -> tuple[fx.Node, fx.Node] | None:
 def _build(form: str):
     def build(m: Match) -> Replacement:
         rot = _rot_dim(m)
+        if "pair_table" in m.bindings:  # cos, sin = table[..., 0], table[..., 1] (views, as the model reads them)
+            cos, sin = (Derived(aten.select.int, (m["pair_table"], -1, i)) for i in (0, 1))
+            return Replacement(rope_ops.rope.op, (m["x"], cos, sin, form, rot, None))
         if "cos_rep" in m.bindings:
             cos, sin = _halves(m, "cos"), _halves(m, "sin")
             return Replacement(rope_ops.rope.op, (m["x"], cos, sin, form, rot, m.get("out_dtype")))
@@ -407,12 +490,17 @@ def _build(form: str):
     return build
 
 
+ANCHORS = (aten.neg.default, aten.view_as_complex.default,
+           *(Anchor(target, _views_channel_pairs) for target in VIEWS))
+"""Candidate sites (near misses): the rotations' ``neg``, the complex view, gpt-fast's channel-pair view."""
+
+
 def _patterns() -> list[Pattern]:
     out = []
     for variant, tree in _trees().items():
-        form = PARTIAL_FORMS.get(variant, variant)
+        form = CANONICAL_FORMS.get(variant, variant)
         out.append(Pattern(name="rope", variant=variant, tree=tree, build=_build(form), guards=GUARDS,
-                           anchors=(aten.neg.default, aten.view_as_complex.default),
+                           anchors=ANCHORS,
                            description=f"rotary embedding, {variant} form",
                            produces="ep_fuse::rope" + (" / rope_cache" if form in CACHE_FORMS else "")))
     return out

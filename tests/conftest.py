@@ -1,5 +1,5 @@
-"""Test setup: the Triton interpreter on CPU machines (before any kernel module is imported) and quiet
-Dynamo. On a CUDA machine the kernels run for real (``tests/gpu``)."""
+"""Test setup: the Triton interpreter on CPU machines (before any kernel module is imported), one share of the
+cores per ``pytest -n`` worker, and quiet Dynamo. On a CUDA machine the kernels run for real (``tests/gpu``)."""
 
 import os
 import warnings
@@ -8,6 +8,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # pytest -n N: the cores shared by N workers, not N x all of them
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 import pytest  # noqa: E402
 

@@ -147,7 +147,7 @@ def test_parameters_stay_static_inputs_for_inductor():
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
-    from ep_fuse.backend import _copy_dynamo_metadata
+    from ep_fuse.backend import copy_dynamo_metadata
 
     mod = Block().to(BF16)
     gm, ex = _dynamo_graph(mod, *_inputs())
@@ -160,7 +160,7 @@ def test_parameters_stay_static_inputs_for_inductor():
     with torch.no_grad():
         aot_module_simplified(gm, ex, fw_compiler=fw, inference_compiler=fw, decompositions={})
     aten = seen["g"]
-    _copy_dynamo_metadata(gm, aten)
+    copy_dynamo_metadata(gm, aten)
     src = [n._dynamo_source for n in gm.graph.find_nodes(op="placeholder")]
     dst = [n._dynamo_source for n in aten.graph.find_nodes(op="placeholder")]
     assert src == dst and aten.meta["dynamo_compile_id"] == gm.meta["dynamo_compile_id"]
@@ -194,10 +194,10 @@ def test_dump_dir_writes_graphs_and_report(tmp_path):
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     names = sorted(p.name for p in graph_dir.iterdir())
     assert names == ["00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
-                     "05_ep.py", "06_expand.py", "07_lower.py", "08_cleanup.py", "graph_after.json", "graph_before.json", "report.json",
-                     "summary.txt", "unlowered.txt"]
+                     "05_ep.py", "06_drop_zero_slots.py", "07_expand.py", "08_lower.py", "09_cleanup.py",
+                     "graph_after.json", "graph_before.json", "report.json", "summary.txt", "unlowered.txt"]
     assert "ep_fuse.add_rms_norm" in (graph_dir / "02_canonicalize.py").read_text()
-    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "07_lower.py").read_text()
+    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "08_lower.py").read_text()
     assert "rsqrt" in (graph_dir / "01_aten.py").read_text()
     assert (tmp_path / "report.html").is_file()
 
@@ -259,8 +259,8 @@ def test_input_mutation_is_replayed(executor):
 
 
 def test_inlined_kernels_use_inductors_static_launcher_unless_turned_off():
-    from ep_fuse.backend import STATIC_LAUNCH, _inductor_patches
+    from ep_fuse.backend import STATIC_LAUNCH, inductor_patches
 
-    assert _inductor_patches(EpFuseConfig())[STATIC_LAUNCH] is True
+    assert inductor_patches(EpFuseConfig())[STATIC_LAUNCH] is True
     off = EpFuseConfig.from_options({"inductor_config": {STATIC_LAUNCH: False}})
-    assert _inductor_patches(off)[STATIC_LAUNCH] is False
+    assert inductor_patches(off)[STATIC_LAUNCH] is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,9 +14,15 @@ _PATH = Path(__file__).resolve().parents[1] / "bench" / "bench_serving.py"
 
 @pytest.fixture(scope="module")
 def bench():
+    """The bench module as ``python bench/bench_serving.py`` loads it: its folder first on ``sys.path`` (for
+    ``hf_models``), only while it is imported."""
     spec = importlib.util.spec_from_file_location("bench_serving_under_test", _PATH)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(_PATH.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(_PATH.parent))
     return mod
 
 

@@ -52,8 +52,8 @@ def test_dump_writes_every_stage_and_prints_the_table(mixtral_dump):
     assert "pair: 2 change(s)" in stderr
     g = out / "graph_0_0"
     for name in ("00_dynamo.py", "01_aten.py", "02_canonicalize.py", "03_pair.py", "04_cleanup.py",
-                 "05_ep.py", "06_expand.py", "07_lower.py", "08_cleanup.py", "graph_before.json", "graph_after.json", "report.json", "summary.txt",
-                 "unlowered.txt"):
+                 "05_ep.py", "06_drop_zero_slots.py", "07_expand.py", "08_lower.py", "09_cleanup.py",
+                 "graph_before.json", "graph_after.json", "report.json", "summary.txt", "unlowered.txt"):
         assert (g / name).is_file(), name
     assert "aten.rsqrt.default" in (g / "01_aten.py").read_text()
     assert "ep_fuse.add_rms_norm.default" in (g / "02_canonicalize.py").read_text()
@@ -130,6 +130,23 @@ def test_explain_names_the_deepest_variant_first(tmp_path):
     assert depths == sorted(depths, reverse=True), stdout
 
 
+def test_explain_with_prepare_shows_what_it_rebuilt_and_why_not():
+    target = f"{HERE / 'support' / 'cli_targets.py'}"
+    code, stdout, stderr = run("explain", f"{target}:semantic_moe", "--pattern", "moe_experts", "--prepare",
+                               "--executor", "eager", "--quiet")
+    assert code == 0, stderr
+    assert "moe_experts on" in stdout and ": 1 site(s) fused" in stdout, stdout
+    assert "recognised by what it computes and rebuilt: router: linear(rows, router), softmax top-2" in stdout
+    code, stdout, stderr = run("explain", f"{target}:input_scaled_moe", "--pattern", "moe", "--prepare",
+                               "--executor", "eager", "--quiet")
+    assert code == 0, stderr
+    assert "WARNING GeneratedMoE" not in stdout and "WARNING InputScaledMoE (InputScaledMoE) holds 8 experts but is " \
+        "not rebuilt as a MoE block: combine: no binding reproduces" in stdout, stdout
+    code, stdout, _ = run("explain", f"{target}:semantic_moe", "--pattern", "moe_experts", "--executor", "eager",
+                          "--quiet")
+    assert ": 0 site(s) fused" in stdout and "prepare:" not in stdout, "without --prepare the block stays as written"
+
+
 def test_explain_a_fused_node():
     code, stdout, _ = run("explain", NEAR_MISS, "--pattern", "add_rms_norm", "--node", "rsqrt", "--quiet")
     assert code == 0 and "rsqrt was fused: add_rms_norm[llama]" in stdout
@@ -162,6 +179,16 @@ def test_patterns_lists_the_stage_providers_of_a_block():
     assert "npu: moe_permute: npu > reference" in stdout
 
 
+def test_option_names_are_checked_against_the_catalog(capsys):
+    """The CLI checks option names against the catalog's registries (here the EP engines, through the option's old
+    name ``ep_backend``) before it builds anything (in process: no model is loaded)."""
+    from ep_fuse import cli
+
+    assert cli.main(["dump", str(NEAR_MISS), "--option", "ep_backend=deepe", "--quiet"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("ep-fuse:")]
+    assert "ep_engine='deepe' is not one of auto, all_to_all" in line and "Did you mean 'deepep'" in line
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [
@@ -176,11 +203,21 @@ def test_patterns_lists_the_stage_providers_of_a_block():
         (("diff", "/nonexistent"), 2, "holds no ep_fuse dump"),
     ],
 )
-def test_errors_are_one_line_with_documented_exit_codes(args, code, message):
-    got, _stdout, stderr = run(*args, "--quiet") if args[0] in ("dump", "explain") else run(*args)
-    assert got == code
+def test_errors_are_one_line_with_documented_exit_codes(args, code, message, capsys):
+    """In process (each error comes before any model is built); the exit status of ``python -m ep_fuse.cli`` is
+    checked once below."""
+    from ep_fuse import cli
+
+    argv = [str(a) for a in args] + (["--quiet"] if args[0] in ("dump", "explain") else [])
+    assert cli.main(argv) == code
+    stderr = capsys.readouterr().err
     lines = [line for line in stderr.strip().splitlines() if line.startswith("ep-fuse:")]
     assert len(lines) == 1 and message in lines[0], stderr
+
+
+def test_the_module_exits_with_the_error_code():
+    got, _stdout, stderr = run("dump", "nothing", "--quiet")
+    assert got == 2 and "ep-fuse: " in stderr and "is not 'path/to/file.py:factory'" in stderr
 
 
 def test_console_script_is_installed():

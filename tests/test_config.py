@@ -47,9 +47,46 @@ def test_unknown_option_lists_valid_ones_and_suggests():
     ],
 )
 def test_bad_values(options, fragment):
+    from ep_fuse.backend import build_config
+
     with pytest.raises(ConfigError) as e:
-        EpFuseConfig.from_options(options)
+        build_config(options)
     assert fragment in str(e.value)
+
+
+def test_the_config_is_a_leaf_and_names_are_checked_against_given_registries():
+    """Importing the config loads no op, provider, engine or pattern; names are checked by ``check_names`` against
+    what the caller gives (the backend: the catalog's registries), values at construction."""
+    code = ("import sys, ep_fuse.config as c\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('ep_fuse'))\n"
+            "assert loaded == ['ep_fuse', 'ep_fuse.config', 'ep_fuse.runtime'], loaded\n"
+            "cfg = c.EpFuseConfig.from_options({'patterns': ['x'], 'ep_backend': 'e1'})\n"
+            "assert cfg.check_names(patterns=['x'], providers=['reference'], engines=['e1']) is cfg\n"
+            "for kw, frag in (({'patterns': ['y']}, \"unknown pattern 'x'\"), ({'engines': ['e2']}, \"'e1' is not one\")):\n"
+            "    names = {'patterns': ['x'], 'providers': [], 'engines': ['e1'], **kw}\n"
+            "    try:\n"
+            "        cfg.check_names(**names)\n"
+            "    except c.ConfigError as exc:\n"
+            "        assert frag in str(exc), exc\n"
+            "    else:\n"
+            "        raise AssertionError(kw)\n")
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_switches_are_declared_once_and_module_switches_are_options():
+    from ep_fuse import runtime
+
+    assert issubclass(EpFuseConfig, runtime.Switches)
+    own = set(EpFuseConfig.__annotations__)
+    assert not own & set(runtime.SWITCHES), "a switch declared twice"
+    cfg = EpFuseConfig.from_options({"ep_fp8_dispatch": False, "ep_overlap_rules": ["rule"]})
+    assert cfg.ep_fp8_dispatch is False and cfg.ep_overlap_rules == ("rule",)
+    assert EpFuseConfig().ep_fp8_dispatch is True and EpFuseConfig().ep_overlap_rules == ()
+    with pytest.raises(ConfigError, match="ep_fp8_dispatch must be True or False"):
+        EpFuseConfig.from_options({"ep_fp8_dispatch": "no"})
 
 
 def test_config_is_frozen_and_hashable():

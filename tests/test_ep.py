@@ -81,11 +81,11 @@ def _block_case(world, *, backend="all_to_all", capacity=None, invalid=0.0, e_pe
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full), group)
     assert model.w13.shape[0] == e_per_rank and model.num_experts == e_per_rank
-    opts = ep_fuse.ep_options(model, group=group, backend=backend, capacity=capacity, timeout_s=TIMEOUT_S)
+    opts = ep_fuse.ep_options(model, group=group, engine=backend, capacity=capacity, timeout_s=TIMEOUT_S)
     with torch.no_grad():
         out = _compile(model, executor=executor, **opts)(x, ids, w)
     sites = _sites()
-    assert len(sites) == 1 and sites[0].backend == (expect_backend or backend), sites
+    assert len(sites) == 1 and sites[0].engine == (expect_backend or backend), sites
     _close(out, ref, tol)
     return sites[0]
 
@@ -98,13 +98,13 @@ def _hf_case(name, dtype, impl="grouped_mm", backend="all_to_all", capacity=None
     with torch.no_grad():
         ref = model(**inputs).logits
     ep_fuse.shard_experts(model)
-    opts = ep_fuse.ep_options(model, backend=backend, capacity=capacity, timeout_s=TIMEOUT_S)
+    opts = ep_fuse.ep_options(model, engine=backend, capacity=capacity, timeout_s=TIMEOUT_S)
     with torch.no_grad():
         out = _compile(model, **opts)(**inputs).logits
     rep = ep_fuse.last_report()
     sites = _sites()
     blocks = tiny_models.EXPECTED_SITES[name][0]["moe_experts"]
-    assert len(sites) == blocks and {s.backend for s in sites} == {backend}, sites
+    assert len(sites) == blocks and {s.engine for s in sites} == {backend}, sites
     assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == blocks
     assert rep.ops_after.get("ep_fuse.ep_combine.default") == blocks
     _close(out, ref, tol or (1e-4 if dtype == torch.float32 else 4e-2))
@@ -139,7 +139,7 @@ def sc_clamped_experts_keep_their_activation(world):
         plain = HFExperts(e, 32, 16, dtype=torch.float32, scale=3.0)(x, ids, w)  # the same weights, no clamp
     assert not torch.allclose(plain, ref, rtol=1e-3, atol=1e-3)  # the clamp matters on these inputs
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    opts = ep_fuse.ep_options(model, backend="all_to_all", timeout_s=TIMEOUT_S)
+    opts = ep_fuse.ep_options(model, engine="all_to_all", timeout_s=TIMEOUT_S)
     with torch.no_grad():
         out = _compile(model, **opts)(x, ids, w)
     rep = ep_fuse.last_report()
@@ -428,7 +428,7 @@ def sc_errors(world):
     for backend, needle in (("deepep", "deep_ep cannot be imported"), ("npu", "torch_npu cannot be imported")):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=needle), torch.no_grad():
-            _compile(model, **ep_fuse.ep_options(model, backend=backend))(x, ids, w)
+            _compile(model, **ep_fuse.ep_options(model, engine=backend))(x, ids, w)
     # a sharded HF model compiled without EP options
     torch._dynamo.reset()
     hf = ep_fuse.shard_experts(tiny_models.build("mixtral", dtype=torch.float32))
@@ -480,9 +480,8 @@ def sc_subgroups(world):
 
 
 def _fp8_dispatch_case(world, backend, hidden, runs, expect_sent=True):
-    """``quant="fp8_block"`` behind a ``backend`` dispatch: with ``quant.FP8_DISPATCH`` on and off, the payload
+    """``quant="fp8_block"`` behind a ``backend`` dispatch: with ``ep_fp8_dispatch`` on and off, the payload
     recorded, the stages, and outputs equal bit for bit (the quantization is per token), close to bf16."""
-    from ep_fuse.passes import quant
 
     e = 2 * world
     full = CanonicalBlock(e, hidden=hidden, inter=64)
@@ -492,28 +491,25 @@ def _fp8_dispatch_case(world, backend, hidden, runs, expect_sent=True):
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
     for executor, capacity in runs:
-        opts = ep_fuse.ep_options(model, backend=backend, capacity=capacity, timeout_s=TIMEOUT_S)
+        opts = ep_fuse.ep_options(model, engine=backend, capacity=capacity, timeout_s=TIMEOUT_S)
         outs = {}
-        try:
-            for on in (True, False):
-                quant.FP8_DISPATCH = on
-                torch._dynamo.reset()
-                with torch.no_grad():
-                    outs[on] = _compile(model, executor=executor, quant="fp8_block", **opts)(x, ids, w)
-                rep = ep_fuse.last_report()
-                (site,) = _sites()
-                assert site.backend == backend, site
-                ops = rep.ops_after
-                expanded = next(p.ops for p in rep.passes if p.name == "expand")  # before lowering inlines them
-                stages = {op.split(".")[1] for op in expanded if op.startswith("ep_fuse.")}
-                if on and expect_sent:
-                    assert site.payload == "fp8 e4m3 + 1x128 fp32 scales", site
-                    assert "moe_permute_fp8_q" in stages and "moe_permute_fp8" not in stages, stages
-                else:
-                    assert site.payload == "" and "moe_permute_fp8" in stages, stages
-                assert ops.get("ep_fuse.ep_dispatch.default") == 1 and ops.get("ep_fuse.ep_combine.default") == 1
-        finally:
-            quant.FP8_DISPATCH = True
+        for on in (True, False):
+            torch._dynamo.reset()
+            with torch.no_grad():
+                outs[on] = _compile(model, executor=executor, quant="fp8_block", ep_fp8_dispatch=on,
+                                    **opts)(x, ids, w)
+            rep = ep_fuse.last_report()
+            (site,) = _sites()
+            assert site.engine == backend, site
+            ops = rep.ops_after
+            expanded = next(p.ops for p in rep.passes if p.name == "expand")  # before lowering inlines them
+            stages = {op.split(".")[1] for op in expanded if op.startswith("ep_fuse.")}
+            if on and expect_sent:
+                assert site.payload == "fp8 e4m3 + 1x128 fp32 scales", site
+                assert "moe_permute_fp8_q" in stages and "moe_permute_fp8" not in stages, stages
+            else:
+                assert site.payload == "" and "moe_permute_fp8" in stages, stages
+            assert ops.get("ep_fuse.ep_dispatch.default") == 1 and ops.get("ep_fuse.ep_combine.default") == 1
         assert torch.equal(outs[True], outs[False]), (backend, executor, capacity)
         rel = ((outs[True].float() - ref.float()).norm() / ref.float().norm()).item()
         assert rel < 0.1, (backend, executor, capacity, rel)
@@ -606,11 +602,13 @@ def test_four_ranks(ep4, name):
 # =========================================================================== single process
 def test_options_validate():
     assert EpFuseConfig.from_options({"ep": True, "ep_capacity": 8}).ep_requested
-    for options, fragment in [({"ep_backend": "deepe"}, "Did you mean 'deepep'"), ({"ep_capacity": 0}, "ep_capacity"),
+    from ep_fuse.backend import build_config
+
+    for options, fragment in [({"ep_engine": "deepe"}, "Did you mean 'deepep'"), ({"ep_capacity": 0}, "ep_capacity"),
                               ({"ep_timeout_s": -1}, "ep_timeout_s"), ({"ep": "yes"}, "ep must be True"),
                               ({"ep_group": 3}, "ep_group must be")]:
         with pytest.raises(ConfigError, match=fragment):
-            EpFuseConfig.from_options(options)
+            build_config(options)
 
 
 def test_world_size_one_keeps_the_local_block():

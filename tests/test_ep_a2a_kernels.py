@@ -1,4 +1,4 @@
-"""Triton kernels of the ``all_to_all`` EP provider's rank layout (interpreter) vs the torch reference.
+"""Triton kernels of the ``all_to_all`` EP engine's rank layout (interpreter) vs the torch reference.
 
 Single process: W ranks simulated (the collectives are block copies), every local half (pack, unpack,
 combine) of the kernels compared with the reference -- same handle, same metadata bytes, same token

@@ -49,7 +49,7 @@ def _case(world: int, backend: str, capacity: int | None = None, hidden: int = 6
     with torch.no_grad():
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    opts = ep_fuse.ep_options(model, backend=backend, capacity=capacity, timeout_s=60)
+    opts = ep_fuse.ep_options(model, engine=backend, capacity=capacity, timeout_s=60)
     options = {"executor": "eager", "providers": {"cpu": ["reference"]}, **opts}
     with torch.no_grad():
         out = torch.compile(model, backend="ep_fuse", options=options)(x, ids, w)
@@ -96,7 +96,7 @@ def sc_internode_normal(world):
     with _FakeNodes() as f:
         hidden = 64
         site = _case(world, "deepep", hidden=hidden)
-        assert site.backend == "deepep" and not site.declined, site
+        assert site.engine == "deepep" and not site.declined, site
         (buf,) = f.double.Buffer.created
         assert buf.runtime.get_num_rdma_ranks() == world // PER_NODE
         assert buf.calls == ["internode_dispatch", "internode_combine"], buf.calls
@@ -118,13 +118,13 @@ def sc_internode_capacity_declines(world):
     """``ep_capacity`` (num_worst_tokens) is intranode only: DeepEP normal declines at compile time; LL runs."""
     with _FakeNodes() as f:
         site = _case(world, "deepep", capacity=12, seed=2)
-        assert site.backend == "all_to_all", site
+        assert site.engine == "all_to_all", site
         assert site.declined[0][0] == "deepep" and "intranode only" in site.declined[0][1], site.declined
         assert f.double.Buffer.created == []
         # decode with a capacity: low-latency (RDMA kernels on any group) runs on the same split
         torch._dynamo.reset()
         site = _case(world, "deepep_low_latency", capacity=16, hidden=2048, seed=4)
-        assert site.backend == "deepep_low_latency" and not site.declined, site
+        assert site.engine == "deepep_low_latency" and not site.declined, site
         (buf,) = f.double.Buffer.created
         assert buf.low_latency_mode and buf.runtime.get_num_rdma_ranks() == 2
         assert buf.calls == ["low_latency_dispatch", "low_latency_combine"], buf.calls

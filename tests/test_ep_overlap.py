@@ -17,11 +17,12 @@ import torch.distributed as dist
 
 import ep_fuse
 from ep_fuse.config import ConfigError, EpFuseConfig
+from support.dist_harness import rank_tests
+from support.overlap_graphs import OPS, OverlapGraphs, counts, positions
 
 F32 = torch.float32
 BF16 = torch.bfloat16
 TIMEOUT_S = 60.0
-OPS = ("ep_dispatch", "ep_combine", "ep_dispatch_start", "ep_dispatch_wait", "ep_combine_start", "ep_combine_wait")
 
 
 # =========================================================================== helpers (run in the workers)
@@ -69,10 +70,6 @@ def _close(out, ref, tol):
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol * max(ref.abs().max().item(), 1e-3))
 
 
-def _counts(rep):
-    return {op: rep.ops_after.get(f"ep_fuse.{op}.default", 0) for op in OPS}
-
-
 EXPECT = {
     "none": {"ep_dispatch": 1, "ep_combine": 1},
     "shared": {"ep_dispatch_start": 1, "ep_dispatch_wait": 1, "ep_combine_start": 1, "ep_combine_wait": 1},
@@ -84,48 +81,21 @@ def _expected(mode, blocks=1):
     return {op: EXPECT[mode].get(op, 0) * blocks for op in OPS}
 
 
-class _Order:
-    """Records the node targets of every graph the overlap pass leaves (in graph order)."""
-
-    def __enter__(self):
-        from ep_fuse.passes import ep_overlap
-
-        self.graphs, self._orig = [], ep_overlap.EpOverlap.__call__
-        orig, graphs = self._orig, self.graphs
-
-        def spy(pass_, gm, ctx):
-            changed = orig(pass_, gm, ctx)
-            graphs.append([(n.name, n.target) for n in gm.graph.nodes])
-            return changed
-
-        ep_overlap.EpOverlap.__call__ = spy
-        return self
-
-    def __exit__(self, *exc):
-        from ep_fuse.passes import ep_overlap
-
-        ep_overlap.EpOverlap.__call__ = self._orig
-
-
-def _positions(order, target):
-    return [i for i, (_n, t) in enumerate(order) if t is target]
-
-
 def _check_shared_order(order):
     """start < a shared GEMM < wait, for the dispatch and for the combine; experts between the two pairs."""
     ops, aten = torch.ops.ep_fuse, torch.ops.aten
     gemms = sorted(i for t in (aten.mm.default, aten.addmm.default, ops.gemm_swiglu.default)
-                   for i in _positions(order, t))
-    (ds,), (dw,) = _positions(order, ops.ep_dispatch_start.default), _positions(order, ops.ep_dispatch_wait.default)
-    (cs,), (cw,) = _positions(order, ops.ep_combine_start.default), _positions(order, ops.ep_combine_wait.default)
-    (ex,) = _positions(order, ops.moe_experts.default)
+                   for i in positions(order, t))
+    (ds,), (dw,) = positions(order, ops.ep_dispatch_start.default), positions(order, ops.ep_dispatch_wait.default)
+    (cs,), (cw,) = positions(order, ops.ep_combine_start.default), positions(order, ops.ep_combine_wait.default)
+    (ex,) = positions(order, ops.moe_experts.default)
     assert ds < dw < ex < cs < cw, (ds, dw, ex, cs, cw)
     assert any(ds < g < dw for g in gemms), ("no shared GEMM under the dispatch", gemms, ds, dw)
     assert any(cs < g < cw for g in gemms), ("no shared GEMM under the combine", gemms, cs, cw)
 
 
 def _block_case(world, mode, *, capacity=None, executor="eager", t=12, seed=0, invalid=0.2, skew=False,
-                backend="all_to_all", dtype=F32, hidden=32, tol=None, x_tokens=None):
+                backend="all_to_all", dtype=F32, hidden=32, tol=None, x_tokens=None, rules=()):
     from ep_fuse.ops.ep import pending_async
 
     e = 2 * world
@@ -136,10 +106,10 @@ def _block_case(world, mode, *, capacity=None, executor="eager", t=12, seed=0, i
     with torch.no_grad():
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    opts = ep_fuse.ep_options(model, backend=backend, capacity=capacity, timeout_s=TIMEOUT_S)
+    opts = ep_fuse.ep_options(model, engine=backend, capacity=capacity, timeout_s=TIMEOUT_S)
     torch._dynamo.reset()
-    with _Order() as order, torch.no_grad():
-        out = _compile(model, executor=executor, ep_overlap=mode, **opts)(x, ids, w)
+    with OverlapGraphs() as order, torch.no_grad():
+        out = _compile(model, executor=executor, ep_overlap=mode, ep_overlap_rules=list(rules), **opts)(x, ids, w)
     rep = ep_fuse.last_report()
     _close(out, ref, tol or (1e-4 if dtype == F32 else 3e-2))
     assert pending_async() == 0
@@ -154,7 +124,7 @@ def sc_modes_eager(world):
         (rec,) = rep.ep
         want = "none" if mode == "auto" else mode
         assert rec.overlap == want, (mode, rec)
-        assert _counts(rep) == _expected(want), (mode, cap, _counts(rep))
+        assert counts(rep) == _expected(want), (mode, cap, counts(rep))
         if mode == "shared":
             _check_shared_order(graphs[-1])
             assert any(s.startswith("under dispatch: ") and s != "under dispatch: nothing" for s in rec.schedule)
@@ -195,7 +165,7 @@ def sc_zero_and_one_token(world):
     for mode in ("shared", "two_batch"):
         rep, _ = _block_case(world, mode, capacity=8, x_tokens=tokens, invalid=0.0)
         assert rep.ep[0].overlap == mode, rep.ep[0]
-        assert _counts(rep) == _expected(mode)
+        assert counts(rep) == _expected(mode)
 
 
 def sc_two_batch_falls_back(world):
@@ -203,14 +173,14 @@ def sc_two_batch_falls_back(world):
     rep, _ = _block_case(world, "two_batch", capacity=1, t=1, invalid=0.0)
     (rec,) = rep.ep
     assert rec.overlap == "shared" and "empty" in rec.overlap_reason, rec
-    assert _counts(rep) == _expected("shared")
+    assert counts(rep) == _expected("shared")
 
 
 def sc_inductor(world):
     """The Inductor executor: shared with data-dependent sizes, two_batch with a capacity."""
     for cap, mode in ((None, "shared"), (12, "two_batch")):
         rep, _ = _block_case(world, mode, capacity=cap, executor="inductor", seed=3)
-        assert rep.ep[0].overlap == mode and _counts(rep) == _expected(mode), _counts(rep)
+        assert rep.ep[0].overlap == mode and counts(rep) == _expected(mode), counts(rep)
 
 
 def sc_auto_rule(world):
@@ -220,15 +190,13 @@ def sc_auto_rule(world):
 
     rule = ep_overlap.OverlapRule("cpu", "all_to_all", "two_batch",
                                   Threshold(8, evidence="test rule", command="tests/test_ep_overlap.py"))
-    ep_overlap.MEASURED_RULES.append(rule)
-    try:
-        rep, _ = _block_case(world, "auto", t=12)
-        assert rep.ep[0].overlap == "two_batch" and "test rule" in rep.ep[0].overlap_reason
-        assert _counts(rep) == _expected("two_batch")
-        rep, _ = _block_case(world, "auto", t=4)
-        assert rep.ep[0].overlap == "none" and _counts(rep) == _expected("none")
-    finally:
-        ep_overlap.MEASURED_RULES.remove(rule)
+    rep, _ = _block_case(world, "auto", t=12, rules=[rule])
+    assert rep.ep[0].overlap == "two_batch" and "test rule" in rep.ep[0].overlap_reason
+    assert counts(rep) == _expected("two_batch")
+    rep, _ = _block_case(world, "auto", t=4, rules=[rule])
+    assert rep.ep[0].overlap == "none" and counts(rep) == _expected("none")
+    rep, _ = _block_case(world, "auto", t=12)  # the rule is the option's: without it, none
+    assert rep.ep[0].overlap == "none" and counts(rep) == _expected("none")
 
 
 def sc_sync_engine(world):
@@ -239,7 +207,7 @@ def sc_sync_engine(world):
     try:
         rep, _ = _block_case(world, "shared")
         assert rep.ep[0].overlap == "none" and "no async form" in rep.ep[0].overlap_reason
-        assert _counts(rep) == _expected("none")
+        assert counts(rep) == _expected("none")
     finally:
         ep_ops._ASYNC["all_to_all"] = saved
 
@@ -257,7 +225,7 @@ def sc_no_independent_work(world):
         out = _compile(model, ep_overlap="shared", **ep_fuse.ep_options(model, timeout_s=TIMEOUT_S))(x, ids, w)
     rep = ep_fuse.last_report()
     assert rep.ep[0].overlap == "none" and "no work independent" in rep.ep[0].overlap_reason
-    assert _counts(rep) == _expected("none")
+    assert counts(rep) == _expected("none")
     _close(out, ref, 1e-5)
 
 
@@ -272,12 +240,12 @@ def sc_hf_qwen2_moe(world):
     ep_fuse.shard_experts(model)
     for mode in ("shared", "two_batch"):
         torch._dynamo.reset()
-        opts = ep_fuse.ep_options(model, backend="all_to_all", timeout_s=TIMEOUT_S)
+        opts = ep_fuse.ep_options(model, engine="all_to_all", timeout_s=TIMEOUT_S)
         with torch.no_grad():
             out = _compile(model, ep_overlap=mode, **opts)(**inputs).logits
         rep = ep_fuse.last_report()
         assert [e.overlap for e in rep.ep] == [mode, mode], [(e.overlap, e.overlap_reason) for e in rep.ep]
-        assert _counts(rep) == _expected(mode, blocks=2), _counts(rep)
+        assert counts(rep) == _expected(mode, blocks=2), counts(rep)
         assert "EP overlap" in rep.summary()
         if mode == "two_batch":  # batch 2: the whole layer range splits (tests/test_ep_overlap_range.py)
             assert all(e.range_split.startswith("layers L0-L1") for e in rep.ep), [e.range_split for e in rep.ep]
@@ -300,10 +268,10 @@ def sc_deepep_double(world):
         for cap in (None, 12):
             for mode in ("shared", "two_batch"):
                 rep, _ = _block_case(world, mode, capacity=cap, backend="deepep", dtype=BF16, seed=5)
-                assert rep.ep[0].backend == "deepep" and rep.ep[0].overlap == mode
-                assert _counts(rep) == _expected(mode)
+                assert rep.ep[0].engine == "deepep" and rep.ep[0].overlap == mode
+                assert counts(rep) == _expected(mode)
         rep, _ = _block_case(world, "shared", capacity=16, backend="deepep_low_latency", dtype=BF16, hidden=2048)
-        assert rep.ep[0].backend == "deepep_low_latency" and rep.ep[0].overlap == "shared"
+        assert rep.ep[0].engine == "deepep_low_latency" and rep.ep[0].overlap == "shared"
         rep, _ = _block_case(world, "two_batch", capacity=16, backend="deepep_low_latency", dtype=BF16, hidden=2048)
         assert rep.ep[0].overlap == "shared" and "low-latency" in rep.ep[0].overlap_reason
         assert handles.pending() == 0
@@ -321,48 +289,9 @@ SCENARIOS_4 = [sc_modes_eager, sc_zero_and_one_token]
 
 
 # =========================================================================== process management
-def _run(world, scenarios):
-    from support.dist_harness import run_ranks
-
-    return run_ranks(scenarios[0].__module__, [f.__name__ for f in scenarios], world, "gloo", 400.0)
-
-
-@pytest.fixture(scope="module")
-def ov2():
-    return _run(2, SCENARIOS_2)
-
-
-@pytest.fixture(scope="module")
-def ov2_slow():
-    return _run(2, SLOW_2)
-
-
-@pytest.fixture(scope="module")
-def ov4():
-    return _run(4, SCENARIOS_4)
-
-
-@pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS_2])
-def test_two_ranks(ov2, name):
-    from support.dist_harness import check
-
-    check(ov2, name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [f.__name__ for f in SLOW_2])
-def test_two_ranks_slow(ov2_slow, name):
-    from support.dist_harness import check
-
-    check(ov2_slow, name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS_4])
-def test_four_ranks(ov4, name):
-    from support.dist_harness import check
-
-    check(ov4, name)
+ov2, test_two_ranks = rank_tests("ov2", 2, SCENARIOS_2)
+ov2_slow, test_two_ranks_slow = rank_tests("ov2_slow", 2, SLOW_2, slow=True)
+ov4, test_four_ranks = rank_tests("ov4", 4, SCENARIOS_4, slow=True)
 
 
 # =========================================================================== single process
@@ -401,5 +330,5 @@ def test_no_process_group_no_overlap_nodes():
         ref = model(x, ids, w)
         out = _compile(model, ep=True, ep_overlap="two_batch")(x, ids, w)
     rep = ep_fuse.last_report()
-    assert _counts(rep) == {op: 0 for op in OPS}
+    assert counts(rep) == {op: 0 for op in OPS}
     assert torch.equal(out, ref)

@@ -14,22 +14,18 @@ from __future__ import annotations
 import copy
 import operator
 
-import pytest
 import torch
 import torch.distributed as dist
 
 import ep_fuse
+from support.dist_harness import rank_tests
+from support.overlap_graphs import OPS, OverlapGraphs, counts, positions
 
 F32 = torch.float32
 TIMEOUT_S = 60.0
-OPS = ("ep_dispatch", "ep_combine", "ep_dispatch_start", "ep_dispatch_wait", "ep_combine_start", "ep_combine_wait")
 
 
 # =========================================================================== helpers (run in the workers)
-def _counts(rep):
-    return {op: rep.ops_after.get(f"ep_fuse.{op}.default", 0) for op in OPS}
-
-
 def _two_batch(blocks):
     """Two start/wait pairs (dispatch, combine) per micro-batch per EP block."""
     return {op: (2 * blocks if op.endswith(("_start", "_wait")) else 0) for op in OPS}
@@ -39,41 +35,14 @@ def _close(out, ref, tol=1e-4):
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * max(ref.abs().max().item(), 1e-3))
 
 
-class _Order:
-    """The node targets of every graph the overlap pass leaves, in graph order."""
-
-    def __enter__(self):
-        from ep_fuse.passes import ep_overlap
-
-        self.graphs, self._orig = [], ep_overlap.EpOverlap.__call__
-        orig, graphs = self._orig, self.graphs
-
-        def spy(pass_, gm, ctx):
-            changed = orig(pass_, gm, ctx)
-            graphs.append([n.target for n in gm.graph.nodes])
-            return changed
-
-        ep_overlap.EpOverlap.__call__ = spy
-        return self
-
-    def __exit__(self, *exc):
-        from ep_fuse.passes import ep_overlap
-
-        ep_overlap.EpOverlap.__call__ = self._orig
-
-
-def _at(order, pred):
-    return [i for i, t in enumerate(order) if pred(t)]
-
-
 def _check_range_order(order, layers=2):
     """Per layer k, micro-batches 0 and 1: mb0's dispatch under mb1's attention, mb1's dispatch under mb0's experts,
     mb0's combine under mb1's experts, mb1's combine waited after mb0's next-layer attention."""
     ops = torch.ops.ep_fuse
-    attn = _at(order, lambda t: "scaled_dot_product" in str(t))
-    ds, dw = (_at(order, lambda t, op=op: t is op.default) for op in (ops.ep_dispatch_start, ops.ep_dispatch_wait))
-    cs, cw = (_at(order, lambda t, op=op: t is op.default) for op in (ops.ep_combine_start, ops.ep_combine_wait))
-    ex = _at(order, lambda t: t is ops.moe_experts.default)
+    attn = positions(order, lambda t: "scaled_dot_product" in str(t))
+    ds, dw = (positions(order, lambda t, op=op: t is op.default) for op in (ops.ep_dispatch_start, ops.ep_dispatch_wait))
+    cs, cw = (positions(order, lambda t, op=op: t is op.default) for op in (ops.ep_combine_start, ops.ep_combine_wait))
+    ex = positions(order, lambda t: t is ops.moe_experts.default)
     assert len(attn) == len(ds) == len(dw) == len(cs) == len(cw) == len(ex) == 2 * layers, (attn, ds, ex)
     for k in range(layers):
         i0, i1 = 2 * k, 2 * k + 1
@@ -107,9 +76,9 @@ def _decoder(world, *, batch=4, seq=6, layers=2, bias=None, mask=False, capacity
     with torch.no_grad():
         ref = full(*args)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    opts = ep_fuse.ep_options(model, backend="all_to_all", capacity=capacity, timeout_s=TIMEOUT_S)
+    opts = ep_fuse.ep_options(model, engine="all_to_all", capacity=capacity, timeout_s=TIMEOUT_S)
     torch._dynamo.reset()
-    with _Order() as order, torch.no_grad():
+    with OverlapGraphs() as order, torch.no_grad():
         out = torch.compile(model, backend="ep_fuse", options={
             "executor": executor, "providers": {"cpu": ["reference"]}, "ep_overlap": "two_batch", **opts})(*args)
     _close(out, ref)
@@ -122,7 +91,7 @@ def _assert_split(rep, batch, layers=2):
     assert [e.overlap for e in rep.ep] == ["two_batch"] * layers, [(e.overlap, e.overlap_reason) for e in rep.ep]
     for e in rep.ep:
         assert e.range_split.startswith(f"layers L0-L{layers - 1}, batch {batch} = {b0} + {batch - b0}"), e.range_split
-    assert _counts(rep) == _two_batch(layers), _counts(rep)
+    assert counts(rep) == _two_batch(layers), counts(rep)
     text = rep.schedule()
     assert "L0 d0 under mb1 attention L0" in text and "L0 c1 under mb0 attention L1" in text, text
     assert f"L{layers - 1} c1 under nothing" in text, text
@@ -133,7 +102,7 @@ def _assert_declined(rep, reason, layers=2):
     for e in rep.ep:
         assert e.range_split.startswith("declined: ") and reason in e.range_split, e.range_split
         assert e.overlap == "two_batch" and e.schedule[1] == "dispatch start mb0", (e.overlap, e.schedule)
-    assert _counts(rep) == _two_batch(layers), _counts(rep)
+    assert counts(rep) == _two_batch(layers), counts(rep)
 
 
 # =========================================================================== scenarios
@@ -254,9 +223,9 @@ def _hf(world, name, batch, seq=8, executor="eager", packed=False):
         ref = model(**inputs).logits
     ep_fuse.shard_experts(model)
     torch._dynamo.reset()
-    opts = ep_fuse.ep_options(model, backend="all_to_all", timeout_s=TIMEOUT_S)
+    opts = ep_fuse.ep_options(model, engine="all_to_all", timeout_s=TIMEOUT_S)
     options = {"executor": executor, "providers": {"cpu": ["reference"]}, "ep_overlap": "two_batch", **opts}
-    with _Order() as order, torch.no_grad():
+    with OverlapGraphs() as order, torch.no_grad():
         out = torch.compile(model, backend="ep_fuse", options=options)(**inputs).logits
     _close(out, ref)
     return ep_fuse.last_report(), order.graphs
@@ -294,48 +263,9 @@ SCENARIOS_4 = [sc_decoder_eager, sc_uneven_and_empty_rank, sc_capacity]
 
 
 # =========================================================================== process management
-def _run(world, scenarios):
-    from support.dist_harness import run_ranks
-
-    return run_ranks(scenarios[0].__module__, [f.__name__ for f in scenarios], world, "gloo", 400.0)
-
-
-@pytest.fixture(scope="module")
-def rg2():
-    return _run(2, SCENARIOS_2)
-
-
-@pytest.fixture(scope="module")
-def rg2_slow():
-    return _run(2, SLOW_2)
-
-
-@pytest.fixture(scope="module")
-def rg4():
-    return _run(4, SCENARIOS_4)
-
-
-@pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS_2])
-def test_two_ranks(rg2, name):
-    from support.dist_harness import check
-
-    check(rg2, name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [f.__name__ for f in SLOW_2])
-def test_two_ranks_slow(rg2_slow, name):
-    from support.dist_harness import check
-
-    check(rg2_slow, name)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [f.__name__ for f in SCENARIOS_4])
-def test_four_ranks(rg4, name):
-    from support.dist_harness import check
-
-    check(rg4, name)
+rg2, test_two_ranks = rank_tests("rg2", 2, SCENARIOS_2)
+rg2_slow, test_two_ranks_slow = rank_tests("rg2_slow", 2, SLOW_2, slow=True)
+rg4, test_four_ranks = rank_tests("rg4", 4, SCENARIOS_4, slow=True)
 
 
 # =========================================================================== single process

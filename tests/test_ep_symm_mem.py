@@ -1,4 +1,4 @@
-"""The symm_mem EP provider (``ep_fuse/ep/symm_mem.py``) on CPU: gloo processes run it against
+"""The symm_mem EP engine (``ep_fuse/ep/symm_mem.py``) on CPU: gloo processes run it against
 ``support/symm_mem_double.py``, a double of PyTorch's NVSHMEM ``all_to_all_vdev_2d`` / ``_offset`` contract (not the
 real ops; ``tests/gpu/test_ep_symm_mem_gpu.py`` runs those). Results must equal the ``all_to_all``
 reference provider and the single-process model.
@@ -28,17 +28,14 @@ TIMEOUT_S = 60.0
 def _double():
     from support import symm_mem_double
 
-    undo = symm_mem_double.install()
-    try:
+    with symm_mem_double.installed():
         yield symm_mem_double
-    finally:
-        undo()
 
 
 def _rt():
     from ep_fuse.ep import symm_mem
 
-    return symm_mem.RUNTIME
+    return symm_mem.runtime()
 
 
 def _routing(t, e, k, seed, kind="random", dtype=BF16, hidden=16, w_dtype=torch.float32):
@@ -237,7 +234,7 @@ def sc_opcheck(world):
 
 
 def sc_blocks(world):
-    """The canonical block compiled with ep_backend='symm_mem' equals the full single-process block."""
+    """The canonical block compiled with ep_engine='symm_mem' equals the full single-process block."""
     import test_ep
 
     with _double():
@@ -269,8 +266,8 @@ def sc_selection(world):
     symm_mem.available.cache_clear()
     model = ep_fuse.shard_experts(test_ep.CanonicalBlock(2 * world))
     x, ids, w = test_ep._routing(6, 2 * world, 2, seed=0)
-    with pytest.raises(Exception, match="ep_backend='symm_mem' but CUDA is not available"), torch.no_grad():
-        test_ep._compile(model, **ep_fuse.ep_options(model, backend="symm_mem"))(x, ids, w)
+    with pytest.raises(Exception, match="ep_engine='symm_mem' but CUDA is not available"), torch.no_grad():
+        test_ep._compile(model, **ep_fuse.ep_options(model, engine="symm_mem"))(x, ids, w)
     torch._dynamo.reset()
     test_ep._block_case(world, backend="auto", expect_backend="all_to_all")  # CPU, no double: the reference
     with _double():
@@ -357,7 +354,10 @@ def test_four_ranks(symm4, name):
 
 # =========================================================================== single process
 def test_backend_option():
-    assert EpFuseConfig.from_options({"ep": True, "ep_backend": "symm_mem"}).ep_backend == "symm_mem"
+    assert EpFuseConfig.from_options({"ep": True, "ep_engine": "symm_mem"}).ep_engine == "symm_mem"
+    # ep_backend: the option's first name, an alias
+    assert EpFuseConfig.from_options({"ep_backend": "symm_mem"}) == EpFuseConfig(ep_engine="symm_mem")
+    assert EpFuseConfig(ep_engine="npu").ep_backend == "npu"
 
 
 def test_unavailable_without_cuda_and_guards():
@@ -378,18 +378,18 @@ def test_auto_on_cuda_without_runtimes_keeps_the_reference():
     import sys
 
     from ep_fuse.ep import deepep, symm_mem
-    from ep_fuse.passes.ep import choose_backend
+    from ep_fuse.passes.ep import choose_engine
 
     sys.modules.pop("deep_ep", None)
     deepep.available.cache_clear()
     symm_mem.available.cache_clear()
     x, ids = torch.zeros(4, 16, dtype=BF16), torch.zeros(4, 2, dtype=torch.int64)
-    backend, layout, declined = choose_backend("auto", "cuda", x, ids, BF16, 2, 4, 0)
+    backend, layout, declined = choose_engine("auto", "cuda", x, ids, BF16, 2, 4, 0)
     assert (backend, layout) == ("all_to_all", "rank")
     assert [d[0] for d in declined] == ["deepep"] and "deep_ep" in declined[0][1]  # 2 ranks, data-dependent
-    backend, _, declined = choose_backend("auto", "cuda", x, ids, BF16, 2, 4, 8)
+    backend, _, declined = choose_engine("auto", "cuda", x, ids, BF16, 2, 4, 8)
     assert backend == "all_to_all" and not declined, "2 ranks with a capacity: measured fastest"
-    backend, _, declined = choose_backend("auto", "cuda", x, ids, BF16, 4, 4, 8)
+    backend, _, declined = choose_engine("auto", "cuda", x, ids, BF16, 4, 4, 8)
     assert backend == "all_to_all" and [d[0] for d in declined] == ["deepep_low_latency", "deepep"]
 
 
@@ -398,12 +398,12 @@ def test_supports_and_heap(monkeypatch):
 
     from ep_fuse.ep import symm_mem
 
-    monkeypatch.setattr(symm_mem, "RUNTIME", symm_mem_double.runtime())
-    x, ids = torch.zeros(8, 64, dtype=BF16), torch.zeros(8, 2, dtype=torch.int64)
-    assert symm_mem.supports(x, ids, BF16, 2, 0) is None
-    assert "2..8 ranks" in symm_mem.supports(x, ids, BF16, 16, 0)
-    assert "empty batch" in symm_mem.supports(x[:0], ids[:0], BF16, 2, 0)
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "2G")
-    assert symm_mem.heap_bytes() == 2 << 30
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1000")
-    assert symm_mem.heap_bytes() == 1000 and "NVSHMEM_SYMMETRIC_SIZE" in symm_mem.supports(x, ids, BF16, 2, 0)
+    with symm_mem.use_runtime(symm_mem_double.runtime()):
+        x, ids = torch.zeros(8, 64, dtype=BF16), torch.zeros(8, 2, dtype=torch.int64)
+        assert symm_mem.supports(x, ids, BF16, 2, 0) is None
+        assert "2..8 ranks" in symm_mem.supports(x, ids, BF16, 16, 0)
+        assert "empty batch" in symm_mem.supports(x[:0], ids[:0], BF16, 2, 0)
+        monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "2G")
+        assert symm_mem.heap_bytes() == 2 << 30
+        monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1000")
+        assert symm_mem.heap_bytes() == 1000 and "NVSHMEM_SYMMETRIC_SIZE" in symm_mem.supports(x, ids, BF16, 2, 0)

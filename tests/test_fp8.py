@@ -510,6 +510,64 @@ def test_unsupported_fp8_experts_are_refused(caplog):
         convert_fp8_experts(model, strict=True)
 
 
+@pytest.mark.hf
+def test_fp8_experts_limit_after_act_dequantize_and_fuse_as_silu_clamp_post():
+    """transformers 5.25's ``limit_after_act`` (Step-3.7): ``silu(g).clamp(max=L) * u.clamp(-L, L)``; the prepared
+    forward computes it as FP8Experts does, and the block fuses with the ``silu_clamp_post`` epilogue."""
+    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.models.fp8_experts import convert_fp8_experts
+
+    model, dequantized = _fp8_deepseek()
+    path = "model.layers.1.mlp.experts"
+    experts, plain = model.get_submodule(path), dequantized.get_submodule(path)
+    experts.limit, experts.limit_after_act = 0.02, True
+
+    def clamped(gate_up):  # the reference: FP8Experts' own gate on the dequantized weights
+        gate, up = gate_up.chunk(2, dim=-1)
+        return plain.act_fn(gate).clamp(max=0.02) * up.clamp(min=-0.02, max=0.02)
+
+    plain._apply_gate = clamped
+    assert [c.reason for c in convert_fp8_experts(model) if c.reason] == []
+    ep_fuse.prepare(model)
+    inputs = tiny_models.example_inputs(batch=1, seq=8)
+    with torch.no_grad():
+        ref = dequantized(**inputs).logits
+        assert torch.equal(model(**inputs).logits, ref)
+        out = torch.compile(model, backend="ep_fuse", options={"executor": "eager"})(**inputs).logits
+        del plain._apply_gate
+        unclamped = dequantized(**inputs).logits
+    rep = ep_fuse.last_report()
+    assert rep.counts()["moe_experts"] == 1, rep.counts()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert (unclamped - ref).abs().max() > 10 * (out - ref).abs().max()  # the clamp is active, and fused
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("limit", [None, 0.0])
+def test_fp8_experts_limit_after_act_on_a_layer_without_a_limit(limit):
+    """Step-3.7 (transformers 5.25) clamps only some layers: a per-layer limit of 0 means no clamp and reaches
+    ``FP8Experts`` as ``limit=None`` with ``limit_after_act`` set -- plain SwiGLU (this raised a TypeError before);
+    a limit of 0 itself is what FP8Experts' own forward clamps to: refused, never run as 'no clamp'."""
+    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.models.fp8_experts import convert_fp8_experts
+
+    model, dequantized = _fp8_deepseek()
+    path = "model.layers.1.mlp.experts"
+    experts = model.get_submodule(path)
+    experts.limit, experts.limit_after_act = limit, True
+    done = convert_fp8_experts(model)
+    if limit is not None:
+        assert [c.reason for c in done] == ["limit=0.0 with limit_after_act: FP8Experts' own forward clamps to it "
+                                            "(a model's per-layer 0 means 'no clamp' only once the model turns it "
+                                            "into None)"]
+        assert "forward" not in vars(experts)
+        return
+    assert [c.reason for c in done] == [None]
+    inputs = tiny_models.example_inputs(batch=1, seq=8)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs).logits, dequantized(**inputs).logits)
+
+
 def test_quant_pass_asks_the_providers_what_is_cleared_for_gpus(monkeypatch, caplog):
     """What is cleared for GPUs is the Triton provider's table (``providers/triton/unverified.py``); the quant pass
     asks it through the registry (questions ``not_cleared`` of ``moe_experts_fp8``, ``not_cleared_before_dispatch``

@@ -6,7 +6,7 @@
 * the block's output does not depend on ``align``;
 * the DeepGEMM provider against a test double of ``deep_gemm`` (``tests/support/deepgemm_double.py``): the prefix-sum
   layout it passes, its SwiGLU/requant kernel (interpreter), when it declines, and when the quant pass asks for
-  the aligned layout (:func:`ep_fuse.providers.deepgemm.align_for`). The real DeepGEMM runs in
+  the aligned layout (:func:`ep_fuse.providers.deepgemm.fp8.align_for`). The real DeepGEMM runs in
   ``tests/gpu/test_gpu_deepgemm.py``.
 """
 

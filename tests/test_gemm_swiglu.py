@@ -145,6 +145,60 @@ def test_nd_concat_look_alikes_are_near_misses(mod, shape, why):
     assert torch.equal(out, ref)
 
 
+class Fp32ActMlp(nn.Module):
+    """Beam's MLP: low-precision GEMMs, ``(silu(gate.float()) * up.float()).to(dtype)``. ``to_fp16``: the fp32
+    product rounded to fp16 in a bf16 model (then back), a look-alike."""
+
+    def __init__(self, h=32, i=48, variant="ok"):
+        super().__init__()
+        self.gate, self.up = nn.Linear(h, i, bias=False), nn.Linear(h, i, bias=False)
+        self.down = nn.Linear(i, h, bias=False)
+        self.variant = variant
+
+    def forward(self, x):
+        g, u = self.gate(x), self.up(x)
+        a = F.silu(g.float()) * u.float()
+        a = a.to(torch.float16).to(g.dtype) if self.variant == "to_fp16" else a.to(g.dtype)
+        return self.down(a)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("shape, variant", [((3, 5, 32), "two_gemm_fp32_act"), ((7, 32), "two_gemm_2d_fp32_act")],
+                         ids=["3d", "2d"])
+def test_swiglu_in_fp32_of_low_precision_gemms(shape, variant, dtype):
+    """Beam's fp32 SwiGLU: ``gemm_swiglu(x, w_gate, w_up, act_fp32=True)``, bitwise the module through the reference
+    (one rounding of the fp32 product, not three); the Triton kernel rounds the silu to the input dtype and declines."""
+    torch.manual_seed(0)
+    mod = Fp32ActMlp().to(dtype)
+    x = _x(shape).to(dtype)
+    with torch.no_grad():
+        ref = mod(x)
+        wg, wu = mod.gate.weight, mod.up.weight
+        act = gemm_swiglu_ref(x, wg, wu, True)
+        assert torch.equal(act, (F.silu(mod.gate(x).float()) * mod.up(x).float()).to(dtype))
+        assert not torch.equal(act, gemm_swiglu_ref(x, wg, wu)), "the flag changes the rounding"
+    out = compile_and_run(mod, x, executor="eager")
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant, m.provider) for m in rep.matches] == [("gemm_swiglu", variant, "reference")], rep
+    assert any(p == "triton" and "act_fp32" in why for p, why in rep.matches[0].declined), rep.matches[0].declined
+    assert torch.equal(out, ref)
+    assert "act_fp32" in npu_gemm_swiglu.gemm_swiglu_supports((x, wg, wu, True))
+    assert npu_gemm_swiglu.gemm_swiglu_supports((x, wg, wu)) is None
+
+
+def test_swiglu_in_fp32_cast_to_another_dtype_is_a_near_miss():
+    mod = Fp32ActMlp(variant="to_fp16").to(BF16)
+    x = _x()
+    with torch.no_grad():
+        ref = mod(x)
+    out = compile_and_run(mod, x, executor="eager")
+    rep = ep_fuse.last_report()
+    assert rep.count("gemm_swiglu") == 0, rep
+    text = "\n".join(m.explain() for m in rep.near_misses)
+    assert "the fp32 SwiGLU is cast to torch.float16, not the input's torch.bfloat16" in text, text
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("mod, args", [(RmsNormGated(), (_x(), _x(seed=1))), (GptOssGlu(), (_x(),))],
                          ids=["RMSNormGated", "GptOssGlu"])
 def test_look_alikes_are_not_swiglu(mod, args):

@@ -130,7 +130,7 @@ def sc_load_eager_compiled(world):
     assert rep.ops_after.get("ep_fuse.ep_combine.default") == 2
     sites = ep_sites(rep)
     assert len(sites) == 2, sites
-    assert {s.backend for s in sites} == {"all_to_all"} and {s.world for s in sites} == {world}, sites
+    assert {s.engine for s in sites} == {"all_to_all"} and {s.world for s in sites} == {world}, sites
     torch.testing.assert_close(out_c, ref, rtol=1e-4, atol=1e-4)
 
     # EP options on top: the placed blocks are rewritten once (not nested), with the options' capacity
@@ -165,6 +165,27 @@ def sc_unfused_experts_not_nested(world):
     assert rep.ops_after.get("ep_fuse.ep_dispatch.default") == 2
     assert rep.ops_after.get("ep_fuse.ep_combine.default") == 2
     assert rep.counts().get("moe_experts") == 2 and ep_sites(rep) == []  # fused by the pattern, not adopted
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def sc_prepare_is_for_inference(world):
+    """``ep_fuse.prepare`` (the documented entry) on an HF-EP-loaded model does what ``for_inference`` does: the
+    compiled forward is one graph (not FSDP's pieces), with ep_fuse's dispatch/combine, equal to the whole model."""
+    rank = dist.get_rank()
+    full = _load(ep=False)
+    model = _load(ep=True)
+    assert ep_fuse.prepare(model) is model and model.ep_fuse_ep["world"] == world
+    assert ep_fuse.prepare(model) is model  # a second prepare runs no second collective
+    ids = _tokens(rank + 3)
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    with torch.no_grad():
+        ref = full(input_ids=ids).logits
+        out = _compile(model)(input_ids=ids).logits
+    reports = ep_fuse.reports()
+    assert len(reports) == 1, f"{len(reports)} graph pieces"
+    assert reports[0].ops_after.get("ep_fuse.ep_dispatch.default") == 2
+    assert reports[0].ops_after.get("ep_fuse.ep_combine.default") == 2
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -296,7 +317,8 @@ def sc_killed_rank(world):
     assert time.monotonic() - t0 < 30
 
 
-SCENARIOS = [sc_registered, sc_load_eager_compiled, sc_unfused_experts_not_nested, sc_generate_lockstep, sc_killed_rank]
+SCENARIOS = [sc_registered, sc_load_eager_compiled, sc_unfused_experts_not_nested, sc_prepare_is_for_inference,
+             sc_generate_lockstep, sc_killed_rank]
 SLOW_SCENARIOS = [sc_generate_compiled, sc_other_models]
 NO_BARRIER = ("sc_killed_rank",)
 

@@ -257,8 +257,9 @@ def test_gpt_oss_glu_experts_are_not_swiglu():
     rep = ep_fuse.last_report()
     assert "moe_experts" not in rep.counts()
     assert rep.ops_after.get("aten._grouped_mm.default") == 4
-    # the experts' sorts, and the routers declined for their bf16 softmax (tiny_models.DECLINED_ROUTERS)
-    assert [m.explain().split(" ")[0] for m in rep.near_misses] == ["topk", "sort", "topk_1", "sort_1"]
+    # the experts' sorts (the routers fuse: their bf16 softmax with score_dtype=bf16)
+    assert [m.explain().split(" ")[0] for m in rep.near_misses] == ["sort", "sort_1"]
+    assert rep.count("moe_gating") == 2
 
 
 # --------------------------------------------------------------------------- gated activations (transformers 5.24)
@@ -319,6 +320,60 @@ def test_step37_unclamped_layers_are_plain_swiglu():
     assert rep.count("moe_experts") == 1
     assert rep.ops_after.get("ep_fuse.grouped_gemm_w8a8_swiglu_quant.default") == 1, rep.ops_after
     assert out.shape == ref.shape and out.dtype == ref.dtype
+
+
+class _Step37Layers(torch.nn.Module):
+    """Step-3.7's sparse MoE blocks of every layer of ``cfg``, each run on the same tokens, summed."""
+
+    def __init__(self, cfg) -> None:
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7SparseMoeBlock
+
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Step3p7SparseMoeBlock(cfg, i) for i in range(cfg.num_hidden_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.layers)
+
+
+@pytest.mark.hf
+def test_step37_per_layer_limits_fuse_each_layer_with_its_own_limit(monkeypatch):
+    """Step-3.7's per-layer ``swiglu_limits`` with 0 = no clamp (transformers 5.25: the layer's ``limit`` is None;
+    5.24: +inf): every layer's experts fuse, the 0 layer as plain SwiGLU (not clamped to 0), each other layer with
+    its own limit; equal to eager, and the limits bind (swapping them changes the output)."""
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+
+    from ep_fuse.ops import moe as moe_ops
+
+    limits = [0.0, 0.05, 0.2]
+    cfg = Step3p7TextConfig(hidden_size=32, moe_intermediate_size=16, share_expert_dim=16, n_routed_experts=4,
+                            num_experts_per_tok=2, num_hidden_layers=3, swiglu_limits=limits)
+    cfg._experts_implementation = "grouped_mm"  # what prepare sets on a transformers 5.25 model
+    torch.manual_seed(0)
+    mod = _Step37Layers(cfg).eval()
+    with torch.no_grad():
+        for name, p in mod.named_parameters():  # routed experts large enough that both limits bind
+            p.copy_(torch.randn(p.shape) * (3.0 if ".experts." in name else 1.0) / p.shape[-1] ** 0.5)
+    x = torch.randn(1, 11, 32)
+    with torch.no_grad():
+        ref = mod(x)
+    ep_fuse.prepare(mod)
+    seen = []
+    gated_act = moe_ops.gated_act
+
+    def spy(gate, up, act="silu", limit=None, *caps):
+        seen.append((act, limit))
+        return gated_act(gate, up, act, limit, *caps)
+
+    monkeypatch.setattr(moe_ops, "gated_act", spy)
+    out = compile_and_run(mod, x, executor="eager", providers={"cpu": ["reference"]}, patterns=["moe_experts"])
+    assert ep_fuse.last_report().count("moe_experts") == 3, ep_fuse.last_report().summary()
+    assert sorted(seen, key=str) == [("silu", None), ("silu_clamp_post", 0.05), ("silu_clamp_post", 0.2)]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    layer1, layer2 = mod.layers[1].experts, mod.layers[2].experts
+    layer1.limit, layer2.limit = layer2.limit, layer1.limit
+    with torch.no_grad():
+        swapped = mod(x)
+    assert (swapped - ref).abs().max() > 100 * (out - ref).abs().max() + 1e-3
 
 
 @pytest.mark.parametrize("cls_name, dtype, reason", [

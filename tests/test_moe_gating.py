@@ -314,20 +314,71 @@ def test_topk_softmax_router_exact_and_with_the_kernel(variant, dtype, args):
             torch.testing.assert_close(out[0].sort(-1)[0].float(), w.sort(-1)[0].float(), rtol=8e-3, atol=1e-6)
 
 
+class ZayaStyleRouter(nn.Module):
+    """Zaya's selection on ``[B, S, E]`` scores: ``softmax`` in the model dtype, ``.float() + bias``, weights gathered
+    from the unbiased scores. With a bias in the model dtype (``bias_dtype``) eager selects in fp32 where torch's
+    promotion of the scores and the bias would add in bf16: a look-alike."""
+
+    def __init__(self, e=8, bias_dtype=F32):
+        super().__init__()
+        self.register_buffer("bias", torch.linspace(-0.05, 0.05, e).to(bias_dtype))
+
+    def forward(self, logits):
+        p = torch.softmax(logits, dim=-1)
+        ids = torch.topk(p.detach().float() + self.bias, 2, dim=-1)[1]
+        return torch.gather(p, 2, ids), ids
+
+
+def test_zaya_style_router_in_bf16_fuses_and_its_bf16_bias_look_alike_does_not():
+    x = _logits(24, 8, ties=True, seed=7, dtype=BF16).view(2, 12, 8)
+    assert _matches(ZayaStyleRouter(), x)[0] == ["softmax_bias_3d"]  # (bitwise the model)
+    variants, rep = _matches(ZayaStyleRouter(bias_dtype=BF16), x)
+    assert variants == [], rep
+    text = "\n".join(m.explain() for m in rep.near_misses)
+    assert "selection computed in torch.float32 from torch.bfloat16 scores and a torch.bfloat16 bias" in text, text
+
+
 @pytest.mark.parametrize("mod, dtype, why", [
-    (TopkSoftmaxRouter("bf16_softmax"), BF16, "softmax of the top-k values in torch.bfloat16"),
     (TopkSoftmaxRouter("softmax_dim0"), F32, "expected one of (-1, 1), got 0"),
     (TopkSoftmaxRouter("values_also_returned"), F32, "is also used outside the pattern"),
     (SoftmaxBiasRouter(variant="bias_in_weights"), F32, "expected aten._softmax.default, got aten.add.Tensor"),
     (SoftmaxBiasRouter(variant="per_token_bias"), F32, "failed at mul: must be the same node as '_softmax' (probs)"),
-    (SoftmaxRouter(), BF16, "router scores computed in torch.bfloat16"),
-], ids=["bf16_softmax", "softmax_dim0", "values_also_returned", "bias_in_weights", "per_token_bias",
-        "bf16_scores"])
+], ids=["softmax_dim0", "values_also_returned", "bias_in_weights", "per_token_bias"])
 def test_new_router_look_alikes_are_near_misses(mod, dtype, why):
     variants, rep = _matches(mod, _logits(12, 8, ties=False, seed=2, dtype=dtype))
     assert variants == [], rep
     text = "\n".join(m.explain() for m in rep.near_misses)
     assert why in text, text
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+@pytest.mark.parametrize("mod, variant, args", [
+    # GPT-OSS / Aria: the softmax of the top-k values in the model dtype
+    (TopkSoftmaxRouter("bf16_softmax"), "topk_softmax", (2, "topk_softmax", 1, 1, "none", False, 0.0, 1.0, None)),
+    # Mistral-4 / Zaya: the softmax of the logits, the renormalisation in the model dtype
+    (SoftmaxRouter(), "softmax_topk", (2, "softmax", 1, 1, "none", True, 0.0, 1.0, BF16)),
+    # an fp32 selection bias over bf16 scores: the selection adds in fp32 (torch's promotion), weights stay bf16
+    (SoftmaxBiasRouter(), "softmax_bias", (2, "softmax", 1, 1, "none", True, 1e-20, 2.0, BF16)),
+    (Router(), "sigmoid_group_sum_top2", (2, "sigmoid", 2, 1, "sum_top2", True, 1e-20, 2.5, None)),
+], ids=["topk_softmax", "softmax_topk", "softmax_bias", "sigmoid_grouped"])
+def test_routers_computed_in_the_model_dtype_fuse_with_score_dtype(mod, variant, args, dtype):
+    """Routers that never upcast (their softmax/sigmoid, group scores and renormalisation round to bf16/fp16 at every
+    op) fuse with ``score_dtype`` = that dtype: the reference computes each step in it, bitwise the model (ties
+    included: bf16 scores tie often); the fused providers compute in fp32 and decline it (the reference runs)."""
+    x = _logits(40, 8, ties=True, seed=6, dtype=dtype)
+    assert _matches(mod, x)[0] == [variant]  # (asserts bitwise equality with the reference)
+    bias = getattr(mod, "bias", None)
+    with torch.no_grad():
+        w, ids = mod(x)
+    rw, rids = moe_gating_ref(x, bias, *args, False, None, dtype)
+    assert torch.equal(rids, ids) and torch.equal(rw, w) and rw.dtype == w.dtype  # (the routers' own casts)
+    out = compile_and_run(mod, x, executor="eager")
+    (match,) = [m for m in ep_fuse.last_report().matches if m.pattern == "moe_gating"]
+    assert match.provider == "reference", match
+    assert any(p == "triton" and f"scores computed in {dtype}" in why for p, why in match.declined), match.declined
+    assert all(torch.equal(a, b) for a, b in zip(out, (w, ids)))
+    assert check_gating_call((x, bias, *args, False, None, dtype)) == (
+        f"scores computed in {dtype} (the kernel computes them in fp32; the reference rounds as the model)")
 
 
 @pytest.mark.parametrize("mod", [Router(variant="bias_in_weights"), Router(variant="eps_in_numerator"),
@@ -399,11 +450,14 @@ def test_unverified_kernel_variants_decline_on_cuda_only(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     # every variant passed its tests/gpu check (docs/benchmarks.md); the TMA kernels were also measured
     # faster than what they replace (torch._grouped_mm; the one-tile-per-program FP8 kernel; the masked expert
-    # layout's kernels: the permute over padding)
-    assert not UNVERIFIED_ON_GPU
+    # layout's kernels: the permute over padding); left: the rounded RMSNorm forms
+    # (tests/gpu/test_gpu_norm_rope_forms.py)
+    assert set(UNVERIFIED_ON_GPU) == {"rms_norm:none_rstd_cast", "add_rms_norm:none_rstd_cast",
+                                      "add_rms_norm:norm_dtype"}
     for variant in ("moe_gating:softmax", "moe_gating:topk_softmax", "rope:rotate_pairs", "fp8:triton",
                     "grouped_gemm:tma", "ep:fp8_dispatch", "fp8:tma", "moe_gating:sqrt_softplus",
-                    "rope:rotate_pairs_fp32", "grouped_gemm_swiglu:silu_clamp"):
+                    "rope:rotate_pairs_fp32", "grouped_gemm_swiglu:silu_clamp", "grouped_gemm_swiglu:gelu_tanh",
+                    "moe_experts_masked:gelu"):
         assert gpu_unverified(variant, cuda) is None
     # the mechanism, on a variant added to the list
     monkeypatch.setitem(unverified.UNVERIFIED_ON_GPU, "op:new", "not run on a GPU")

@@ -208,7 +208,8 @@ def test_clamp_router_exact():
 @pytest.mark.parametrize("norm", [True, False])
 def test_cohere2_sigmoid_router(norm):
     """``Cohere2MoeTopKRouter(expert_selection_fn="sigmoid")``: top-k of the logits, sigmoid of the K values,
-    ``norm_topk_prob``. fp32 fuses (``topk_sigmoid``); bf16 computes the sigmoid in bf16: a near miss."""
+    ``norm_topk_prob``. fp32 fuses (``topk_sigmoid``); bf16 computes the sigmoid in bf16, which fuses with
+    ``score_dtype=bf16`` (bitwise the module through the reference; the Triton kernel declines it)."""
     from transformers.models.cohere2_moe.modeling_cohere2_moe import (
         Cohere2MoeTopKRouter,
     )
@@ -224,10 +225,12 @@ def test_cohere2_sigmoid_router(norm):
     assert {m.provider for m in _gating(rep)} == {"triton"}
     assert torch.equal(out[2], ref[2])
     torch.testing.assert_close(out[1], ref[1], rtol=1e-6, atol=1e-7)
-    _, _, rep = _run(router.to(BF16), h.to(BF16))
-    assert _gating(rep) == []
-    text = "\n".join(m.explain() for m in rep.near_misses if "moe_gating" in m.explain())
-    assert "sigmoid of the top-k values in torch.bfloat16" in text, text
+    ref, out, rep = _run(router.to(BF16), h.to(BF16))
+    assert [m.variant for m in _gating(rep)] == ["topk_sigmoid"], rep.summary()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    _, out, rep = _run(router, h.to(BF16), **TRITON)
+    assert {m.provider for m in _gating(rep)} == {"reference"}
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 # --------------------------------------------------------------------------- kernel vs the stable reference
@@ -521,19 +524,24 @@ def test_one_group_is_the_ungrouped_router(caplog):
     (SigmoidTopkRouter(variant="all_scores"), 8, F32,
      "moe_gating[sigmoid_topk]: failed at sigmoid: must be the same node as 'getitem' (weights_raw)"),
     (KolibriRouter(variant="biased_weights"), 8, F32, "moe_gating[topk_bias_sigmoid]: failed at"),
-    (KolibriRouter(), 8, BF16, "moe_gating[topk_bias_sigmoid]: failed at sigmoid: guard softmax_in_fp32: sigmoid of "
-                               "the top-k values in torch.bfloat16"),
     (MistralGroupRouter(n_group=4, topk_group=2, variant="masked_weights"), 16, F32,
      "moe_gating[softmax_group_sum_top2_fill0]: failed at masked_fill: expected aten._softmax.default, "
      "got aten.masked_fill.Scalar"),
-], ids=["softplus_beta2", "sigmoid_all_scores", "kolibri_biased_weights", "kolibri_bf16_logits",
-        "mistral_masked_weights"])
+], ids=["softplus_beta2", "sigmoid_all_scores", "kolibri_biased_weights", "mistral_masked_weights"])
 def test_new_router_look_alikes_are_near_misses(mod, e, dtype, why):
     ref, out, rep = _run(mod, _logits(12, e, seed=13, dtype=dtype))
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
     assert rep.count("moe_gating") == 0, rep.summary()
     text = "\n".join(m.explain() for m in rep.near_misses if "moe_gating" in m.explain())
     assert why in text, text
+
+
+def test_kolibri_router_on_bf16_logits_fuses_in_bf16():
+    """A sigmoid of the chosen bf16 logits (no upcast): ``score_dtype=bf16``, bitwise the module; the selection adds
+    the fp32 bias to the bf16 logits in fp32, as the module does (torch's promotion)."""
+    ref, out, rep = _run(KolibriRouter(norm=True), _logits(12, 8, seed=13, dtype=BF16))
+    assert [m.variant for m in _gating(rep)] == ["topk_bias_sigmoid"], rep.summary()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
 
 def test_gemma_scale_by_other_ids_stays_outside():
@@ -630,27 +638,28 @@ def test_issue35_kernel_variants_are_checked_and_npu_declines(monkeypatch, torch
 
 
 HF_ROUTERS = {
-    # model: (config, router class, config kwargs, variant, fuses in a bf16 model)
-    "flint": ("FlintConfig", "FlintTopKRouter", dict(num_experts=8, num_experts_per_tok=2), "sigmoid_topk", True),
+    # model: (config, router class, config kwargs, variant)
+    "flint": ("FlintConfig", "FlintTopKRouter", dict(num_experts=8, num_experts_per_tok=2), "sigmoid_topk"),
     "kolibri1": ("Kolibri1Config", "Kolibri1TopKRouter", dict(num_experts=8, num_experts_per_tok=2),
-                 "topk_bias_sigmoid", True),
-    # V4's router GEMM runs in the model dtype: bf16 sqrt(softplus) scores are declined
+                 "topk_bias_sigmoid"),
+    # V4's router GEMM runs in the model dtype: bf16 sqrt(softplus) scores, fused with score_dtype=bf16
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4TopKRouter", dict(num_local_experts=8, num_experts_per_tok=2),
-                    "sqrt_softplus_bias", False),
+                    "sqrt_softplus_bias"),
     "mistral_large4": ("MistralLarge4TextConfig", "MistralLarge4TextTopkRouter",
                        dict(n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1),
-                       "softmax_group_sum_top2_fill0", True),
-    "gemma4": ("Gemma4TextConfig", "Gemma4TextRouter", dict(num_experts=8, top_k_experts=2), "softmax_topk", True),
+                       "softmax_group_sum_top2_fill0"),
+    "gemma4": ("Gemma4TextConfig", "Gemma4TextRouter", dict(num_experts=8, top_k_experts=2), "softmax_topk"),
 }
 
 
 @pytest.mark.parametrize("name", list(HF_ROUTERS))
 def test_transformers_routers_fuse(name):
     """The transformers 5.24 router classes themselves (router GEMM, and Gemma-4's norm·scale, inside the graph),
-    fp32 and bf16: one site each (bitwise the module through the reference provider), or the bf16 decline."""
+    fp32 and bf16: one site each, bitwise the module through the reference provider (DeepSeek-V4's bf16 scores with
+    ``score_dtype=bf16``)."""
     import importlib
 
-    cfg_name, cls_name, kwargs, variant, bf16_fuses = HF_ROUTERS[name]
+    cfg_name, cls_name, kwargs, variant = HF_ROUTERS[name]
     module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     cfg = getattr(tf, cfg_name)(hidden_size=32, **kwargs)
     router = getattr(module, cls_name)(cfg).eval()
@@ -671,9 +680,4 @@ def test_transformers_routers_fuse(name):
         layer = Layer().to(dtype)
         ref, out, rep = _run(layer, _logits(20, 32, seed=14, dtype=dtype, scale=1.0))
         assert all(torch.equal(a, b) for a, b in zip(out, ref))
-        if dtype == BF16 and not bf16_fuses:
-            assert rep.count("moe_gating") == 0
-            text = "\n".join(m.explain() for m in rep.near_misses if "moe_gating" in m.explain())
-            assert "router scores computed in torch.bfloat16" in text, text
-        else:
-            assert rep.count("moe_gating", variant=variant) == 1, rep.summary()
+        assert rep.count("moe_gating", variant=variant) == 1, rep.summary()

@@ -266,11 +266,17 @@ def test_zaya_look_alikes_are_near_misses(variant, failing):
     assert failing in _explain(rep), _explain(rep)
 
 
-def test_zaya_bf16_router_is_declined_with_the_reason():
-    """A bf16 Zaya model computes the softmax in bf16: declined, as for every router whose scores round to bf16."""
-    ref, out, rep = _run(ZayaTail(), _logits(2, 12, 9, seed=8, dtype=BF16))
-    assert rep.count("moe_gating") == 0 and all(torch.equal(a, b) for a, b in zip(out, ref))
-    assert "router scores computed in torch.bfloat16" in _explain(rep), _explain(rep)
+def test_zaya_bf16_router_fuses_with_score_dtype():
+    """A bf16 Zaya model computes the softmax in bf16 (then selects on its fp32 upcast + the fp32 biases): one site
+    with ``score_dtype=bf16``, bitwise the model through the reference; the Triton kernel declines it."""
+    x = _logits(2, 12, 9, seed=8, dtype=BF16)
+    ref, out, rep = _run(ZayaTail(), x)
+    assert rep.count("moe_gating", variant="softmax_bias_3d") == 1 and not rep.near_misses, rep.summary()
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    _, kout, rep = _run(ZayaTail(), x, **TRITON)
+    (m,) = [m for m in rep.matches if m.pattern == "moe_gating"]
+    assert m.provider == "reference" and any("scores computed in torch.bfloat16" in why for _, why in m.declined)
+    assert all(torch.equal(a, b) for a, b in zip(kout, ref))
 
 
 def test_zaya_router_class_fuses_layer_to_layer():

@@ -133,7 +133,7 @@ def test_the_provider_declines_what_it_cannot_run():
     assert "chain" in check_moe_experts_masked_call((x, c, w13, w2[:, :, :4]))
     assert "unit-stride" in check_moe_experts_masked_call((x.transpose(1, 2).contiguous().transpose(1, 2), c, w13, w2))
     assert "3-D" in check_moe_experts_masked_call((x.reshape(e * m, h), c, w13, w2))
-    assert "unknown activation" in check_moe_experts_masked_call((x, c, w13, w2, 0, "gelu"))
+    assert "unknown activation" in check_moe_experts_masked_call((x, c, w13, w2, 0, "gelu_new"))
 
 
 def test_unverified_on_cuda(monkeypatch):
@@ -220,14 +220,14 @@ def _ll_case(world, *, executor, providers, expect_masked, t=12, k=2, e_per_rank
     with torch.no_grad():
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    opts = ep_fuse.ep_options(model, backend="deepep_low_latency", capacity=capacity, timeout_s=60.0)
+    opts = ep_fuse.ep_options(model, engine="deepep_low_latency", capacity=capacity, timeout_s=60.0)
     compiled = torch.compile(model, backend="ep_fuse",
                              options={"executor": executor, "providers": {"cpu": providers}, **opts})
     with torch.no_grad():
         out = compiled(x, ids, w)
     rep = ep_fuse.last_report()
     (site,) = rep.ep
-    assert site.backend == "deepep_low_latency" and site.layout == "expert"
+    assert site.engine == "deepep_low_latency" and site.layout == "expert"
     ops = rep.ops_after
     if expect_masked:
         assert site.local_block == "moe_experts_masked" and "masked experts" in rep.summary()
@@ -303,12 +303,14 @@ def test_two_ranks_deepep_low_latency_inductor():
 
 @pytest.mark.slow
 def test_bench_masked_case_at_the_tiny_shape():
-    """``bench/bench_moe_experts.py --masked`` on a CPU: masked, padded and one-GPU paths run, and agree."""
+    """``bench/bench_moe_masked.py`` on a CPU: masked, padded and one-GPU paths run, and agree."""
+    import importlib.util
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import masked_layout
-
-    (row,) = masked_layout.run(masked_layout.TINY, "cpu")
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_moe_masked.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_masked", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (row,) = bench.run(bench.TINY, "cpu")
     assert row["rel_l2_masked_vs_padded"] < 2e-2 and 0 < row["valid_rows"] <= row["rows"]
     assert all(row[k] > 0 for k in ("masked_us", "padded_us", "one_gpu_us"))

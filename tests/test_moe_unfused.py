@@ -12,7 +12,8 @@ from ep_fuse.models.expert_loops import UNFUSED_EXPERTS, unfused_experts
 
 pytestmark = pytest.mark.hf
 
-SHORT = sorted(f for f, pin in EXPECTED.items() if isinstance(pin, dict) and pin["moe_experts"] < pin["moe_blocks"])
+SHORT = sorted(f for f, pin in EXPECTED.items()
+               if isinstance(pin, dict) and pin["fp32"]["moe_experts"] < pin["moe_blocks"])
 
 
 def test_the_short_families_are_the_known_ones():

@@ -141,9 +141,7 @@ def test_weights_narrower_than_tokens_keep_the_loop_numerics():
 
 
 REFUSED = {
-    "gelu": (functools.partial(L.MixtralSparseMoeBlock), {"hidden_act": "gelu"}, "activation act_fn=GELU is not SiLU"),
     "bias": (L.DeepseekV3MoE, {"mlp_bias": True}, "experts[0].gate_proj has a bias"),
-    "unnormalised": (L.UnnormalisedMixtral, {}, "differs from the loop on random tokens"),
     "roles_not_swiglu": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.WiWoReluMLP), {},
                          "or others computing down(silu(gate(x)) * up(x))"),
     "up_first": (functools.partial(L.MixtralSparseMoeBlock, mlp=L.UpFirstFusedMLP), {},
@@ -245,7 +243,6 @@ def test_the_trace_places_router_outputs_and_shapes(block, plan):
 DATAFLOW_REFUSED = {
     "unweighted": (L.UnweightedRemoteMoE, "outputs are not multiplied by the top-k weights of route"),
     "early_exit": (L.EarlyExitRemoteMoE, "the top-k ids send it (a loop that skips or repeats experts"),
-    "inline_router": (L.InlineRouterMoE, "routing computed inline in forward is not reused"),
     "normed_output": (L.NormedOutputMoE, "post_norm (RMSNorm) runs outside the router and is not a shared expert"),
 }
 
@@ -260,6 +257,7 @@ def test_dataflow_look_alikes_are_refused_with_the_reason(name, caplog):
         ep_fuse.prepare(model)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and reason in warnings[0] and "unknown forward structure" in warnings[0], caplog.text
+    assert "by what it computes: " in warnings[0], "the semantic pass's reason is reported in the same warning"
     layer = model.layers[0]
     assert type(layer.experts) is torch.nn.ModuleList
     assert not {"forward", "route", "loop", "_ep_fuse_loop_plan"} & set(vars(layer)), "the trace's wrappers are gone"
@@ -281,3 +279,41 @@ def test_mlp_lists_that_are_not_routed_are_left_quietly(caplog):
     assert "no per-expert loops; unchanged" in caplog.text
     assert type(model.layers[0].branches) is torch.nn.ModuleList and not model.layers[0]._forward_hooks
     assert torch.equal(_eager(model, x), ref)
+
+
+# --------------------------------------------------------------------------- rebuilt by what they compute
+SEMANTIC = {  # loop blocks the forms above refuse, recognised by ep_fuse.models.moe_semantics
+    "unnormalised": (L.UnnormalisedMixtral, {}, "router: linear(rows, gate.weight), softmax top-2, ",
+                     "experts: experts (8 x MixtralBlockSparseTop2MLP, w1/w3/w2, silu)"),
+    "inline_router": (L.InlineRouterMoE, {}, "router: linear(rows, weight), softmax top-2, ",
+                      "shared experts: shared_experts"),
+    "gelu": (L.MixtralSparseMoeBlock, {"hidden_act": "gelu"}, "router: linear(rows, gate.weight), softmax top-2, ",
+             "experts: experts (8 x MixtralBlockSparseTop2MLP, w1/w3/w2, gelu)"),  # the known form is SwiGLU only
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(SEMANTIC))
+def test_loops_the_known_forms_refuse_are_rebuilt_by_what_they_compute(name, dtype, caplog):
+    block, overrides, router, parts = SEMANTIC[name]
+    model = L.build(block, dtype=dtype, **overrides)
+    x = _tokens(dtype=dtype)
+    ref = _eager(model, x)
+    keys = list(model.state_dict())
+    with caplog.at_level(logging.INFO, logger="ep_fuse"):
+        ep_fuse.prepare(model, strict=True)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    rebuilt = [r.getMessage() for r in caplog.records if "recognised by what it computes" in r.getMessage()]
+    assert len(rebuilt) == 2 and all(router in m and parts in m for m in rebuilt), caplog.text
+    assert list(model.state_dict()) == keys, "the per-expert keys stay"
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    got = _eager(model, x)
+    torch.testing.assert_close(got, ref, **tol)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend="ep_fuse", options=REFERENCE)(x.clone())
+    assert len(ep_fuse.reports()) == 1, "the model is one graph"
+    rep = ep_fuse.last_report()
+    assert rep.counts()["moe_experts"] == 2 and rep.counts()["moe_gating"] == 2, rep.summary()
+    assert {m.variant for m in rep.matches if m.pattern == "moe_gating"} == {"softmax_bias"}, "moe_gating_ref's spelling"
+    torch.testing.assert_close(out, ref, **tol)

@@ -2,6 +2,7 @@
 reference; the pattern variants on hand-written modules: op counts before/after, numerics, look-alikes."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -15,7 +16,9 @@ from ep_fuse.ops import choose
 from ep_fuse.ops import rms_norm as rms_norm_ops
 from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref
 from ep_fuse.ops.rms_norm import rms_norm_out_dtype
-from support.compiling import compile_and_run
+from support.compiling import capture_aten, compile_and_run
+from ep_fuse.matching import Mismatch, try_match
+from ep_fuse.patterns.rms_norm import PATTERNS
 
 OPS = {
     False: (torch.ops.ep_fuse.rms_norm.default, torch.ops.ep_fuse_triton.rms_norm.default, rms_norm_ref),
@@ -73,6 +76,114 @@ def test_reference_rejects_inconsistent_arguments():
         rms_norm_ref(x, torch.ones(8), 1e-6, None, "llama", True, None)
     with pytest.raises(ValueError, match="not one of"):
         rms_norm_ref(x, torch.ones(8), 1e-6, None, "layer", True, None)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.sampled_from([(1, 1), (3, 7), (2, 5, 64), (4, 100), (1, 3, 2, 16)]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    eps=st.sampled_from([1e-6, 1e-5, 0.1]),
+    seed=st.integers(0, 2**16),
+)
+def test_reference_rounded_forms_spell_out_model_numerics(shape, dtype, eps, seed):
+    """``none_rstd_cast`` is DeepSeek-V4's ``x * rsqrt(mean(x.float()²) + eps).to(x.dtype)`` and ``norm_dtype`` Zaya's
+    ``norm(s.to(D))`` of an fp32 sum ``s = x + r32``, bit for bit, with eager's dtypes; neither is another mode."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    r32 = torch.randn(shape, generator=g) * 3
+    w = (torch.randn(shape[-1], generator=g) * 0.1 + 1).to(dtype)
+    rstd = torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps)
+    out = rms_norm_ref(x, None, eps, None, "none_rstd_cast", True, dtype)
+    assert out.dtype == dtype == rms_norm_out_dtype(x, None, "none_rstd_cast", True, dtype)
+    assert torch.equal(out, x * rstd.to(dtype))
+    s = x + r32
+    hf = s.to(dtype).float()
+    y, s_out = add_rms_norm_ref(x, r32, w, eps, None, "llama", True, dtype, dtype)
+    assert s_out.dtype == torch.float32 and torch.equal(s_out, s)
+    assert y.dtype == dtype and torch.equal(y, w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype))
+    y_no_rounding, _ = add_rms_norm_ref(x, r32, w, eps, None, "llama", True, dtype)
+    if x.numel() >= 256:  # rounding the sum first changes some outputs (on hundreds of elements, surely)
+        assert not torch.equal(y, y_no_rounding)
+
+
+def _rounded_args(rows, n, dtype, form, seed=0, chunk_dtype=None):
+    """Arguments of the two rounded forms: DeepSeek-V4's ``none_rstd_cast`` (``rstd``, ``rstd_add``: over a residual
+    sum) and Zaya's ``norm_dtype`` (a ``dtype`` branch plus an fp32 residual, the norm over the sum rounded)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, n, generator=g) * 3).to(dtype)
+    if form == "rstd":
+        return (x, None, 1e-6, None, "none_rstd_cast", True, dtype)
+    if form == "rstd_add":
+        return (x, torch.randn(rows, n, generator=g).to(dtype), None, 1e-6, None, "none_rstd_cast", True, dtype)
+    w = (torch.randn(n, generator=g) * 0.1 + 1).to(dtype)
+    return (x, torch.randn(rows, n, generator=g) * 3, w, 1e-6, None, "llama", True, dtype, dtype)
+
+
+def _close_to_reference(out, ref, dtype):
+    """The kernel's statistic may differ from torch's in the last fp32 bit, which a rounding can carry one ulp on;
+    the residual sum is bitwise."""
+    if isinstance(ref, tuple):
+        assert out[1].dtype == ref[1].dtype and torch.equal(out[1], ref[1]), "the sum rounds as x + residual"
+        out, ref = out[0], ref[0]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    ulp_close(out, ref, dtype)
+
+
+FORMS = ("rstd", "rstd_add", "norm_dtype")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_rounded_forms_opcheck_and_who_takes_them(form):
+    """The schemas hold the new arguments; the Triton kernel runs both forms (cleared for CUDA only after
+    ``tests/gpu/test_gpu_norm_rope_forms.py``: ``unverified.py``), NPU declines them with the reason."""
+    from types import SimpleNamespace
+
+    from ep_fuse.providers.npu.rms_norm import supports as npu_supports
+    from ep_fuse.providers.triton.rms_norm import rounded_variant
+    from ep_fuse.providers.triton.unverified import ENV, gpu_unverified
+
+    args = _rounded_args(5, 40, torch.bfloat16, form)
+    canon = rms_norm_ops.add_rms_norm if form != "rstd" else rms_norm_ops.rms_norm
+    torch.library.opcheck(canon.op, args)
+    torch.library.opcheck(getattr(torch.ops.ep_fuse_triton, canon.name).default, args)
+    why = "rounds the statistic" if form != "norm_dtype" else "residual sum rounded to torch.bfloat16"
+    assert why in npu_supports(args)
+    assert choose(canon, args, "cpu").provider == "triton"  # the interpreter
+    variant = rounded_variant(args)
+    assert variant == {"rstd": "rms_norm:none_rstd_cast", "rstd_add": "add_rms_norm:none_rstd_cast",
+                       "norm_dtype": "add_rms_norm:norm_dtype"}[form]
+    if os.environ.get(ENV) != "1":
+        assert "not cleared for GPUs" in gpu_unverified(variant, SimpleNamespace(device=torch.device("cuda")))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(0, 9),
+    n=st.sampled_from([1, 7, 64, 100, 257]),
+    dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    form=st.sampled_from(FORMS),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_rounded_forms_match_reference(rows, n, dtype, form, seed):
+    args = _rounded_args(rows, n, dtype, form, seed)
+    canon = rms_norm_ops.add_rms_norm if form != "rstd" else rms_norm_ops.rms_norm
+    _close_to_reference(getattr(torch.ops.ep_fuse_triton, canon.name)(*args), canon.reference(*args), dtype)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_triton_rounded_forms_on_the_chunked_path(form):
+    from ep_fuse.providers.triton.rms_norm_kernel import LaunchConfig, launch
+
+    args = _rounded_args(6, 300, torch.bfloat16, form)
+    x, r = args[0], args[1] if form != "rstd" else None
+    w, eps, _, mode, _, out_dtype = args[2:8] if r is not None else args[1:]
+    norm_dtype = args[8] if form == "norm_dtype" else None
+    y = torch.empty_like(x)
+    s = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, r.dtype)) if r is not None else None
+    launch(x, r, w, y, s, eps, mode, out_dtype, 300, 300, config=LaunchConfig(64, 1, 4, chunked=True),
+           norm_dtype=norm_dtype)
+    ref = rms_norm_ops.add_rms_norm.reference(*args) if r is not None else rms_norm_ref(*args)
+    _close_to_reference((y, s) if r is not None else y, ref, torch.bfloat16)
 
 
 @settings(max_examples=40, deadline=None)
@@ -321,6 +432,38 @@ class Gemma4Norm(nn.Module):
         return (out, h) if self.add else out
 
 
+class Fp32ResidualStream(nn.Module):
+    """Zaya (``residual_in_fp32``): a bf16 branch added to the fp32 residual stream, the norm reading the sum rounded
+    to the weight's dtype (``norm(residual.to(w.dtype))``, HF Llama norm inside); ``fp32_weight``: GPT-OSS's tail."""
+
+    def __init__(self, h, fp32_weight=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(h) * 0.1 + 1)
+        self.fp32_weight = fp32_weight
+
+    def forward(self, x, r):
+        s = x + r.float()  # the fp32 residual stream
+        h = s.to(x.dtype)
+        hf = h.to(torch.float32)
+        if self.fp32_weight:
+            return (self.weight.float() * _n(hf)).to(x.dtype), s
+        return self.weight * _n(hf).to(h.dtype), s
+
+
+class RoundedRstd(nn.Module):
+    """DeepSeek-V4's ``DeepseekV4UnweightedRMSNorm``: the fp32 statistic rounded to ``x.dtype``, times ``x`` itself;
+    ``add``: over a residual sum; ``rstd_dtype``: round the statistic to another dtype (a look-alike)."""
+
+    def __init__(self, add=False, rstd_dtype=None):
+        super().__init__()
+        self.add, self.rstd_dtype = add, rstd_dtype
+
+    def forward(self, x, r):
+        h = x + r if self.add else x
+        out = h * torch.rsqrt(h.float().square().mean(-1, keepdim=True) + EPS).to(self.rstd_dtype or h.dtype)
+        return (out, h) if self.add else out
+
+
 def _inputs(shape, dtype=BF16):
     g = torch.Generator().manual_seed(1)
     return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
@@ -345,7 +488,17 @@ CASES = [
     (lambda: Gemma4Norm(with_scale=False), BF16, (2, 3, 4, 16), {("rms_norm", "none_pow"): 1}),
     (lambda: Gemma4Norm(32), torch.float32, (9, 32), {("rms_norm", "weight_fp32_pow"): 1}),
     (lambda: Gemma4Norm(with_scale=False, add=True), torch.float32, (9, 32), {("add_rms_norm", "none_pow"): 1}),
+    (lambda: Fp32ResidualStream(64), BF16, (3, 5, 64), {("add_rms_norm", "llama_cast_sum"): 1}),
+    (lambda: Fp32ResidualStream(64), torch.float16, (7, 64), {("add_rms_norm", "llama_cast_sum"): 1}),
+    (lambda: Fp32ResidualStream(48, fp32_weight=True), BF16, (5, 48), {("add_rms_norm", "weight_fp32_cast_sum"): 1}),
+    (lambda: Fp32ResidualStream(32), torch.float32, (9, 32), {("add_rms_norm", "weight_fp32"): 1}),  # casts vanish
+    (lambda: RoundedRstd(), BF16, (2, 3, 4, 16), {("rms_norm", "none_rstd_cast"): 1}),
+    (lambda: RoundedRstd(), torch.float16, (5, 48), {("rms_norm", "none_rstd_cast"): 1}),
+    (lambda: RoundedRstd(add=True), BF16, (5, 48), {("add_rms_norm", "none_rstd_cast"): 1}),
+    (lambda: RoundedRstd(), torch.float32, (5, 48), {("rms_norm", "none"): 1}),  # casts vanish
 ]
+DECLINED_BY_KERNELS = (NoUpcastBf16,)
+"""Matched, and every fused kernel declines them (reference semantics)."""
 
 
 def _check(report, expected):
@@ -388,7 +541,7 @@ def test_variant_with_triton_kernel(case):
     out = compile_and_run(mod, x, r, executor="eager")
     rep = ep_fuse.last_report()
     _check(rep, expected)
-    want = "reference" if isinstance(mod, NoUpcastBf16) else "triton"
+    want = "reference" if isinstance(mod, DECLINED_BY_KERNELS) else "triton"
     assert all(m.provider == want for m in rep.matches), rep
     for o, e in zip(*(t if isinstance(t, tuple) else (t,) for t in (out, ref))):
         ulp_close(o, e, o.dtype)
@@ -410,14 +563,16 @@ def test_dynamic_shapes_eps_as_tensor_input():
 
 
 def test_eps_attribute_becomes_tensor_input_under_dynamic():
-    """HF stores eps as a float attribute; dynamic=True turns it into an f64[] graph input."""
+    """HF stores eps as a float attribute; dynamic=True turns it into an f64[] graph input. (Every site on its
+    reference: the matching is the subject; the kernels' symbolic launches are ``tests/test_symbolic_launch.py``'s.)"""
     from ep_fuse.models import tiny as tiny_models
 
     model = tiny_models.build("mixtral")
     inp = tiny_models.example_inputs()
+    opts = {"executor": "eager", "providers": {"cpu": ["reference"]}}
     with torch.no_grad():
         ref = model(**inp).logits
-        out = torch.compile(model, backend="ep_fuse", options={"executor": "eager"}, dynamic=True)(**inp).logits
+        out = torch.compile(model, backend="ep_fuse", options=opts, dynamic=True)(**inp).logits
     rep = ep_fuse.last_report()
     assert rep.count("add_rms_norm") == 4 and rep.count("rms_norm") == 1
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)
@@ -456,6 +611,13 @@ class PerRowEps(nn.Module):
         return (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
+class OtherTensorRoundedRstd(nn.Module):
+    """DeepSeek-V4's spelling with another tensor scaled: ``r * rsqrt(mean(x.float()²) + eps).to(x.dtype)``."""
+
+    def forward(self, x, r):
+        return r * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + EPS).to(x.dtype)
+
+
 @pytest.mark.parametrize(
     "mod, why",
     [
@@ -464,6 +626,10 @@ class PerRowEps(nn.Module):
         (CubeNotSquare(), "failed at abs_1: must be the same node as '_to_copy' (xf)"),
         (OtherTensorScaled(), "failed at _to_copy: must be the same node as '_to_copy_1' (xf)"),
         (PerRowEps(), "failed at slice_1: eps must be a number or a 0-d floating tensor"),
+        (RoundedRstd(rstd_dtype=torch.float16),
+         "guard rstd_rounds_to_input_dtype: the statistic is rounded to torch.float16, not to the input's "
+         "torch.bfloat16"),
+        (OtherTensorRoundedRstd(), "must be the same node as 'arg1_1' (x)"),
     ],
     ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
 )
@@ -572,9 +738,34 @@ class MixedDtypeAdd(nn.Module):
         return (self.weight * _n(h)), h
 
 
+class Fp32StreamBiasAdd(Fp32ResidualStream):
+    """Zaya's form over ``x + bias[H]`` (a broadcasting add): the norm of the rounded sum fuses, the add stays."""
+
+    def __init__(self):
+        super().__init__(32)
+        self.bias = nn.Parameter(torch.randn(32, dtype=torch.float32))
+
+    def forward(self, x, r):
+        return super().forward(x, self.bias.float())
+
+
+class Fp32StreamRoundedSumReused(Fp32ResidualStream):
+    """Zaya's form whose rounded sum is also returned: fusing the add would compute the rounding twice."""
+
+    def __init__(self):
+        super().__init__(32)
+
+    def forward(self, x, r):
+        s = x + r.float()
+        h = s.to(x.dtype)
+        return self.weight * _n(h.float()).to(h.dtype), s, h
+
+
 @pytest.mark.parametrize(
     "mod, expected",
     [
+        (Fp32StreamBiasAdd(), {("rms_norm", "llama"): 1}),
+        (Fp32StreamRoundedSumReused(), {("rms_norm", "llama"): 1}),
         (BroadcastWeight(), {("rms_norm", "none"): 1}),
         (BroadcastResidual(), {("rms_norm", "llama"): 1}),
         (ScaledAdd(), {("rms_norm", "llama"): 1}),
@@ -583,7 +774,7 @@ class MixedDtypeAdd(nn.Module):
     ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
 )
 def test_partial_look_alikes_fuse_only_the_safe_part(mod, expected):
-    mod = mod.to(BF16) if not isinstance(mod, MixedDtypeAdd) else mod.to(torch.float32)
+    mod = mod.to(BF16) if not isinstance(mod, (MixedDtypeAdd, Fp32ResidualStream)) else mod.to(torch.float32)
     x, r = _inputs((6, 32))
     with torch.no_grad():
         ref = mod(x, r)
@@ -603,3 +794,92 @@ def test_disable_and_patterns_options():
     torch._dynamo.reset()
     compile_and_run(mod, x, r, executor="eager", patterns=["add_rms_norm"])
     assert ep_fuse.last_report().counts() == {"add_rms_norm": 1}
+
+
+# --------------------------------------------------------------------------- residual adds over leading size-1 dims
+class LeadingOnesResidual(nn.Module):
+    """gpt-fast: the MoE block returns ``[T, H]`` rows, added to the ``[1, T, H]`` residual (``h + ffn(norm(h))``),
+    then the next RMSNorm (``mean(x * x)`` in fp32, cast back before the weight). ``rows``: the rows' shape, the
+    residual's shape is ``[*lead, T, H]``; ``rows_first``: ``rows + h`` instead of ``h + rows``."""
+
+    def __init__(self, h=32, lead=(1,), rows_first=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(h) * 0.1 + 1)
+        self.lead, self.rows_first = lead, rows_first
+
+    def forward(self, x, r):
+        h = x.view(*self.lead, *x.shape)
+        s = r + h if self.rows_first else h + r
+        sf = s.float()
+        return (sf * torch.rsqrt(torch.mean(sf * sf, dim=-1, keepdim=True) + EPS)).type_as(s) * self.weight, s
+
+
+LEADING_ONES = [
+    ((1,), False, BF16, "llama"), ((1,), True, BF16, "llama"), ((1, 1), False, BF16, "llama"),
+    ((1,), False, torch.float32, "weight_fp32"), ((1,), False, torch.float16, "llama"),
+]
+
+
+@pytest.mark.parametrize("provider", ["reference", "triton"])
+@pytest.mark.parametrize("lead, rows_first, dtype, variant", LEADING_ONES,
+                         ids=[f"{len(c[0])}x1-{'rows_first' if c[1] else 'h_first'}-{c[2]}" for c in LEADING_ONES])
+def test_add_over_leading_ones_fuses(lead, rows_first, dtype, variant, provider):
+    """``[1, T, H] + [T, H]`` (either order, one or two leading ones): one ``add_rms_norm``, the rows unsqueezed to the
+    sum's shape; both outputs (the normed value, the sum) in eager's dtype, shape and strides; the reference bitwise,
+    the kernel within rounding."""
+    torch.manual_seed(0)
+    mod = LeadingOnesResidual(lead=lead, rows_first=rows_first).to(dtype)
+    x, r = _inputs((6, 32), dtype)
+    r = r.view(*lead, 6, 32)
+    with torch.no_grad():
+        ref = mod(x, r)
+    out = compile_and_run(mod, x, r, executor="eager", providers={"cpu": [provider, "reference"]})
+    rep = ep_fuse.last_report()
+    _check(rep, {("add_rms_norm", variant): 1})
+    assert rep.ops_after.get("aten.add.Tensor", 0) == 0 and rep.ops_after.get("aten.mul.Tensor", 0) == 0
+    assert all(m.provider == provider for m in rep.matches), rep
+    for o, e in zip(out, ref):
+        assert o.dtype == e.dtype and o.shape == e.shape and o.stride() == e.stride()
+        if provider == "reference":
+            assert torch.equal(o, e)
+        else:
+            ulp_close(o, e, dtype)
+
+
+class RealBroadcastResidual(LeadingOnesResidual):
+    """``[B, T, H] + [T, H]`` with B = 2, or ``[1, T, H] + [T, 1, H]``: a broadcast that grows an operand."""
+
+    def __init__(self, other):
+        super().__init__()
+        self.other = other
+
+    def forward(self, x, r):
+        s = r + x.view(self.other)
+        sf = s.float()
+        return (sf * torch.rsqrt(torch.mean(sf * sf, dim=-1, keepdim=True) + EPS)).type_as(s) * self.weight, s
+
+
+@pytest.mark.parametrize("r_shape, x_view, why", [
+    ((2, 6, 32), (6, 32), "residual add broadcasts [2, 6, 32] with [6, 32]"),
+    ((1, 6, 32), (6, 1, 32), "residual add broadcasts [1, 6, 32] with [6, 1, 32]"),
+])
+def test_add_that_really_broadcasts_keeps_the_add(r_shape, x_view, why):
+    """Operands of different numel: no add+norm (the plain norm of the sum fuses), the guard says why."""
+    torch.manual_seed(0)
+    mod = RealBroadcastResidual(x_view).to(BF16)
+    g = torch.Generator().manual_seed(2)
+    x, r = torch.randn(6 * 32, generator=g).to(BF16), torch.randn(r_shape, generator=g).to(BF16)
+    with torch.no_grad():
+        ref = mod(x, r)
+    out = compile_and_run(mod, x, r, executor="eager", providers={"cpu": ["reference"]})
+    rep = ep_fuse.last_report()
+    assert {(m.pattern, m.variant) for m in rep.matches} == {("rms_norm", "llama")} and rep.count() == 1, rep
+    assert rep.ops_after.get("aten.add.Tensor") == 1
+    for o, e in zip(out, ref):
+        assert torch.equal(o, e)
+    # the plain norm took the rsqrt, so no near miss is left to read: ask the add_rms_norm variants themselves
+    (gm, _inputs_), = capture_aten(mod, x, r)
+    reasons = [str(res) for p in PATTERNS if p.name == "add_rms_norm" for n in gm.graph.nodes
+               if n.op == "call_function" and n.target in p.root_targets()
+               for res in [try_match(p, n)] if isinstance(res, Mismatch)]
+    assert any(f"guard add_is_plain: {why}" in reason for reason in reasons), reasons

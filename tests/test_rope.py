@@ -629,3 +629,164 @@ def test_npu_rope_declines_undocumented_layouts(torch_npu_double):
     assert "no documented torch_npu op" in npu_rope.rope_supports((x, cos, sin, "deinterleave", 16, None))
     x, cos, sin = _args("half", 1, 2, 5, 16, 8, BF16, "bhsd", 1, 0)
     assert "partial rotary" in npu_rope.rope_supports((x, cos, sin, "half", 8, None))
+
+
+# --------------------------------------------------------------------------- gpt-fast: pairs taken with select
+class SelectPairsRope(nn.Module):
+    """gpt-fast's ``apply_rotary_emb``: ``xs = x.float().reshape(..., D/2, 2)``, a ``[S, D/2, 2]`` (cos, sin) table
+    viewed ``[1, S, 1, D/2, 2]``, ``stack([x0·c − x1·s, x1·c + x0·s], -1).flatten(3).type_as(x)``; q and k are
+    ``[B, S, H, D]``. ``look_alike`` changes one thing (the module must then not become a rope)."""
+
+    def __init__(self, look_alike=None):
+        super().__init__()
+        self.look_alike = look_alike
+
+    def _rotate(self, x, table):
+        if self.look_alike == "halves_as_pairs":  # (x[j], x[j + D/2]) paired: another rotation
+            xs = x.float().reshape(*x.shape[:-1], 2, -1).transpose(-1, -2)
+        else:
+            xs = x.float().reshape(*x.shape[:-1], -1, 2)
+        t = table.view(-1, xs.size(1), 1, xs.size(3), 2)
+        x0, x1, c, s = xs[..., 0], xs[..., 1], t[..., 0], t[..., 1]
+        if self.look_alike == "sign_swapped":
+            pair = [x0 * c + x1 * s, x1 * c - x0 * s]
+        elif self.look_alike == "pairs_exchanged":
+            pair = [x1 * c - x0 * s, x0 * c + x1 * s]
+        elif self.look_alike == "cos_sin_exchanged":
+            pair = [x0 * s - x1 * c, x1 * s + x0 * c]
+        else:
+            pair = [xs[..., 0] * t[..., 0] - xs[..., 1] * t[..., 1], xs[..., 1] * t[..., 0] + xs[..., 0] * t[..., 1]]
+        return torch.stack(pair, -1).flatten(3).type_as(x)
+
+    def forward(self, q, k, table):
+        return self._rotate(q, table), self._rotate(k, table)
+
+
+def _select_pairs_args(dtype, table_dtype=torch.float32, table_batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, 7, 4, 16, generator=g).to(dtype), torch.randn(1, 7, 2, 16, generator=g).to(dtype)
+    ang = torch.randn(table_batch * 7, 8, generator=g) * 3
+    return q, k, torch.stack([ang.cos(), ang.sin()], -1).to(table_dtype)
+
+
+SELECT_PAIRS = [(torch.float32, torch.float32), (BF16, torch.float32), (BF16, BF16), (torch.float16, torch.float32)]
+
+
+@pytest.mark.parametrize("providers", [{"cpu": ["reference"]}, None], ids=["reference", "default"])
+@pytest.mark.parametrize("dtype, table_dtype", SELECT_PAIRS, ids=lambda v: str(v).removeprefix("torch."))
+def test_select_pairs_is_interleave_and_bitwise_eager(dtype, table_dtype, providers):
+    """Both heads become ``rope[select_pairs]``, one ``rope_qk`` (interleave, cos/sin the table's halves); the
+    selects, products and stacks are gone; the result is eager's bit for bit (fp32 pairs, and bf16/fp16 heads
+    upcast to fp32 with the cast back left to ATen), in eager's dtype and layout."""
+    mod, args = SelectPairsRope(), _select_pairs_args(dtype, table_dtype)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager", **({"providers": providers} if providers else {}))
+    rep = ep_fuse.last_report()
+    assert [(m.pattern, m.variant) for m in rep.matches] == [("rope", "select_pairs")] * 2, rep
+    assert rep.ops_before.get("aten.stack.default") == 2 and rep.ops_before.get("aten.select.int", 0) >= 16
+    qk = [k for k in rep.ops_after if k.endswith("rope_qk.default")]
+    assert len(qk) == 1 and rep.ops_after[qk[0]] == 1, rep.ops_after
+    for gone in ("aten.stack.default", "aten.sub.Tensor", "aten.mul.Tensor", "aten.add.Tensor"):
+        assert rep.ops_after.get(gone, 0) == 0, (gone, rep.ops_after)
+    assert not rep.near_misses, [m.explain() for m in rep.near_misses]
+    if providers is None:  # the Triton kernel takes unit-stride cos/sin in the heads' dtype: these are neither
+        why = "cos/sin channels are not contiguous" if table_dtype == torch.float32 else "differs from the heads'"
+        assert all(m.provider == "reference" and why in dict(m.declined)["triton"] for m in rep.matches), rep
+    for o, e in zip(out, ref):
+        assert o.dtype == e.dtype and o.stride() == e.stride() and torch.equal(o, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16], ids=["fp32", "bf16"])
+def test_select_pairs_at_symbolic_sequence_lengths(dtype):
+    """The sequence length symbolic (in the heads and in the table's view; heads and head dim static, as a
+    projection makes them): the sites fuse, the rewrite adds no shape guard, each length is eager's bit for bit."""
+    mod = SelectPairsRope()
+    f = torch.compile(mod, backend="ep_fuse", options={"executor": "eager"})
+    with torch.no_grad():
+        for s in (5, 11):
+            g = torch.Generator().manual_seed(s)
+            q, k = torch.randn(1, s, 4, 16, generator=g).to(dtype), torch.randn(1, s, 2, 16, generator=g).to(dtype)
+            ang = torch.randn(s, 8, generator=g)
+            args = (q, k, torch.stack([ang.cos(), ang.sin()], -1))
+            for t in args:
+                torch._dynamo.mark_dynamic(t, 1 if t.dim() == 4 else 0)
+            assert all(torch.equal(o, e) for o, e in zip(f(*args), mod(*args)))
+    reps = ep_fuse.reports()
+    assert len(reps) == 1, "one graph for both lengths"
+    assert reps[0].count("rope", "select_pairs") == 2 and not reps[0].shape_guards, reps[0]
+
+
+def test_select_pairs_under_inductor():
+    """The Inductor executor compiles the inlined reference: eager's values within fp32 rounding."""
+    mod, args = SelectPairsRope(), _select_pairs_args(torch.float32, seed=2)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="inductor")
+    assert ep_fuse.last_report().count("rope", "select_pairs") == 2
+    for o, e in zip(out, ref):
+        torch.testing.assert_close(o, e, rtol=2e-6, atol=2e-6)
+
+
+def test_select_pairs_is_the_interleave_reference():
+    """The canonical call the site becomes, on the table's halves, is the model's rotation (fp32, bitwise)."""
+    q, _k, table = _select_pairs_args(torch.float32, seed=4)
+    t = table.view(1, 7, 1, 8, 2)
+    want = SelectPairsRope()._rotate(q, table)
+    assert torch.equal(rope_ref(q, t[..., 0], t[..., 1], "interleave", 16, None), want)
+
+
+@pytest.mark.parametrize("look_alike, why", [
+    ("sign_swapped", "the pair is (x0·c + x1·s, x1·c − x0·s), not the rotation (x0·c − x1·s, x1·c + x0·s)"),
+    ("pairs_exchanged", "expected 0, got 1"),
+    ("cos_sin_exchanged", "expected 0, got 1"),
+    ("table_grows_heads", "cos/sin of shape [2, 7, 1, 8] do not broadcast to the 8 channel pairs of [1, 7, "),
+    ("halves_as_pairs", None),
+])
+def test_select_pairs_look_alikes_do_not_match(look_alike, why):
+    """One thing changed -- a sign, the pairs' roles, cos and sin exchanged, a table with a batch the heads do not
+    have -- no rope, the model's values, and a near miss at each pair view naming ``rope[select_pairs]`` and the
+    failing check. Halves paired instead of neighbours (``reshape(..., 2, D/2)``, transposed) is not even a
+    candidate: no channel-pair view."""
+    mod = _GrowingTable() if look_alike == "table_grows_heads" else SelectPairsRope(look_alike)
+    args = _select_pairs_args(torch.float32, table_batch=2 if look_alike == "table_grows_heads" else 1)
+    with torch.no_grad():
+        ref = mod(*args)
+    out = compile_and_run(mod, *args, executor="eager")
+    rep = ep_fuse.last_report()
+    assert not [m for m in rep.matches if m.pattern == "rope"], rep
+    assert all(torch.equal(o, e) for o, e in zip(out, ref))
+    if why is None:
+        assert not rep.near_misses, [m.explain() for m in rep.near_misses]
+        return
+    assert len(rep.near_misses) == 2, [m.explain() for m in rep.near_misses]  # the pair views of q and of k
+    for nm in rep.near_misses:
+        assert nm.best.pattern == "rope[select_pairs]" and why in nm.best.reason, nm.explain()
+
+
+class _GrowingTable(SelectPairsRope):
+    """A ``[2, S, 1, D/2, 2]`` table against ``[1, S, H, D]`` heads: the products would be twice the heads."""
+
+    def forward(self, q, k, table):
+        out = []
+        for x in (q, k):
+            xs = x.float().reshape(*x.shape[:-1], -1, 2)
+            t = table.view(2, xs.size(1), 1, xs.size(3), 2)
+            out.append(torch.stack([xs[..., 0] * t[..., 0] - xs[..., 1] * t[..., 1],
+                                    xs[..., 1] * t[..., 0] + xs[..., 0] * t[..., 1]], -1).flatten(3))
+        return tuple(out)
+
+
+def test_select_pairs_npu_takes_fp32_heads_and_table(torch_npu_double):
+    """The canonical call of an fp32 site (stride-2 cos/sin views of the table) on the Ascend provider (test
+    double): ``npu_rotary_mul`` in interleave mode, within rounding of the reference; a bf16 table against fp32
+    heads declines."""
+    q, k, table = _select_pairs_args(torch.float32, seed=5)
+    t = table.view(1, 7, 1, 8, 2)
+    args = (q, k, t[..., 0], t[..., 1], "interleave", 16, None)
+    assert npu_rope.rope_supports(args) is None
+    assert choose(rope_ops.rope_qk, args, "npu").provider == "npu"
+    for o, e in zip(npu_rope.rope_qk_kernel(*args), rope_qk_ref(*args)):
+        ulp_close(o, e, torch.float32)
+    tb = t.to(BF16)
+    assert "dtype differs" in npu_rope.rope_supports((q, k, tb[..., 0], tb[..., 1], "interleave", 16, None))

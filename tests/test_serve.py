@@ -13,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import http.client
 import json
+import os
+import pickle
 import socket
 import string
 import threading
@@ -31,6 +33,10 @@ from ep_fuse import serve  # noqa: E402
 from ep_fuse.models import tiny as tiny_models  # noqa: E402
 
 pytestmark = pytest.mark.hf
+
+ENGINE = serve._assembly() == "engine"
+"""transformers >= 5.25: the server runs in a process of its own, its model in HF's spawned engine process (reports
+are read from the engine's dumps); 5.24: in a thread of this process."""
 
 NEW = 8
 CB = dict(cb_num_blocks=48, cb_block_size=32, cb_max_batch_tokens=64)
@@ -99,26 +105,48 @@ def eager(model_dir):
     return Eager(model_dir)
 
 
-@pytest.fixture(scope="module", params=["uncompiled", pytest.param("ep_fuse", marks=pytest.mark.slow)])
-def server(request, model_dir):
+SERVER_PARAMS = ["ep_fuse"] if ENGINE else ["uncompiled", pytest.param("ep_fuse", marks=pytest.mark.slow)]
+"""5.24: also a server without compile configs (fast); 5.25's engine process cannot be patched from here."""
+
+
+@pytest.fixture(scope="module", params=SERVER_PARAMS)
+def server(request, model_dir, tmp_path_factory):
     torch._dynamo.reset()
     ep_fuse.reset_reports()
     port = free_port()
     patch = pytest.MonkeyPatch()
     if request.param == "uncompiled":
         patch.setattr(serve, "cb_compile_configs", lambda options=None: (None, None))
+    options = {"executor": "eager"}
+    dumps = tmp_path_factory.mktemp("engine_dumps") if ENGINE else None
+    if ENGINE:  # the reference provider: the Triton interpreter would run HF's warm-up at its largest sizes
+        options.update(dump_dir=str(dumps), providers={"cpu": ["reference"]})
     before = set(threading.enumerate())  # threads of earlier tests in this process are not the server's
     try:
-        srv = serve.start(model_dir, {"executor": "eager"}, host="127.0.0.1", port=port, device="cpu",
-                          dtype="float32", **CB)
+        srv = serve.start(model_dir, options, host="127.0.0.1", port=port, device="cpu", dtype="float32", **CB)
     except Exception:
         patch.undo()
         raise
-    srv.port, srv.model, srv.compiled = port, model_dir, request.param == "ep_fuse"
+    srv.port, srv.model, srv.compiled, srv.dumps = port, model_dir, request.param == "ep_fuse", dumps
     srv.threads_before = before
     yield srv
     serve.stop(srv)
     patch.undo()
+
+
+def engine_counts(srv) -> dict[str, int]:
+    """Fused sites per pattern over every graph the server compiled: this process's reports (5.24), or the reports
+    the engine process dumped (5.25)."""
+    counts: dict[str, int] = {}
+    if srv.dumps is None:
+        reports = [[m.pattern for m in rep.matches] for rep in ep_fuse.reports()]
+    else:
+        reports = [[m["pattern"] for m in json.loads(p.read_text())["matches"]]
+                   for p in sorted(srv.dumps.rglob("report.json"))]
+    for patterns in reports:
+        for name in patterns:
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def client(srv, timeout: float = 300):
@@ -205,6 +233,32 @@ def test_cli_routes_serve_to_ep_fuse_serve(capsys):
     assert "No such option" in capsys.readouterr().err
 
 
+def test_an_untested_server_assembly_names_the_releases_that_work(monkeypatch):
+    import inspect
+
+    monkeypatch.setattr(inspect, "getsource", lambda obj: "def __init__(self):\n    self.run()\n")
+    with pytest.raises(serve.ServeError, match=r"5\.24 and 5\.25.*transformers==5\.24\.\* or transformers==5\.25") as err:
+        serve._assembly()
+    assert err.value.code == 2
+    assert serve.main(["m"]) == 2
+
+
+@pytest.mark.skipif(not ENGINE, reason="transformers 5.25's engine process loads with a pickled ModelLoader")
+def test_the_engine_loader_pickles_and_prepares_in_the_engine(model_dir):
+    """What HF 5.25 sends to its spawned engine: ``partial(loader.load_model_and_processor, model_id)``."""
+    import functools
+
+    from transformers.cli.serving.model_manager import ModelLoader
+
+    loader = serve.EngineLoader(ModelLoader(device="cpu", dtype="float32"), {"executor": "eager"})
+    load = pickle.loads(pickle.dumps(functools.partial(loader.load_model_and_processor, model_dir)))
+    assert load.func.__self__.options == {"executor": "eager"} and load.func.__self__.dtype is torch.float32
+    model, processor = load(on_progress=None)
+    assert model._ep_fuse_serving == {"executor": "eager"} and processor is not None
+    config, _ = loader.load_config(model_dir)  # the API server's side: HF's loader
+    assert config.model_type == "qwen3_moe"
+
+
 # --------------------------------------------------------------------------- with a server
 def test_concurrent_requests_equal_eager(server, eager):
     jobs = [("chat", p) for p in PROMPTS] + [("completion", p) for p in PROMPTS]
@@ -220,10 +274,7 @@ def test_concurrent_requests_equal_eager(server, eager):
     if not server.compiled:
         assert not ep_fuse.reports()
         return
-    counts: dict[str, int] = {}
-    for rep in ep_fuse.reports():
-        for k, v in rep.counts().items():
-            counts[k] = counts.get(k, 0) + v
+    counts = engine_counts(server)
     assert counts.get("moe_experts", 0) >= 1 and counts.get("moe_gating", 0) >= 1, counts
     assert set(counts) <= {"moe_experts", "moe_gating", "rms_norm", "add_rms_norm", "rope"}, counts
 
@@ -266,10 +317,11 @@ def test_bad_requests_get_errors_and_lose_no_other_request(server, eager):
         assert status == 422 and "no_such_field" in text
         with pytest.raises(openai.BadRequestError) as err:
             oversized.result()
-        assert "KV cache" in err.value.response.text
+        # 5.25 refuses a prompt past the model's context (128 tokens here) before the KV cache (1536) is asked
+        assert ("--max-model-len" if ENGINE else "KV cache") in err.value.response.text
         with pytest.raises(openai.BadRequestError) as err:
             chat(server, "y" * 2000, stream=True)
-        assert "raise --cb-num-blocks" in err.value.response.text
+        assert ("at most 128" if ENGINE else "raise --cb-num-blocks") in err.value.response.text
         assert hang_up.result() > 0
         for prompt, fut in zip(PROMPTS, good):
             assert fut.result().choices[0].text == eager.completion(prompt)
@@ -280,7 +332,26 @@ def test_bad_requests_get_errors_and_lose_no_other_request(server, eager):
     conn.close()
 
 
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out |= {int(c) for c in f.read().split()}
+    return out
+
+
 def test_shutdown_is_clean(server):
+    if ENGINE:
+        engines = _children(server.process.pid)
+        assert engines, "5.25 runs the model in an engine process of the server's"
+        serve.stop(server)
+        assert not server.process.is_alive() and server.process.exitcode == 0
+        deadline = time.monotonic() + 20
+        while any(os.path.exists(f"/proc/{p}") for p in engines) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(os.path.exists(f"/proc/{p}") for p in engines), "the engine process outlived its server"
+        _port_is_free(server.port)
+        return
     before = {t.name for t in threading.enumerate()}
     assert "uvicorn-thread" in before
     serve.stop(server)
@@ -294,19 +365,24 @@ def test_shutdown_is_clean(server):
             break
         time.sleep(0.2)
     assert not leftover, [t.name for t in leftover]
+    _port_is_free(server.port)
+
+
+def _port_is_free(port: int) -> None:
     with socket.socket() as s:  # nothing listens on the port any more
-        assert s.connect_ex(("127.0.0.1", server.port)) != 0
+        assert s.connect_ex(("127.0.0.1", port)) != 0
     with socket.socket() as s:  # and it can be listened on again (connections of the tests may sit in TIME_WAIT)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", server.port))
+        s.bind(("127.0.0.1", port))
 
 
 @pytest.mark.slow
 def test_inductor_executor_equals_eager(model_dir, eager):
     """The full path: ep_fuse's rewrite compiled by Inductor in both continuous-batching paths."""
     torch._dynamo.reset()
-    srv = serve.start(model_dir, {}, host="127.0.0.1", port=free_port(), device="cpu", dtype="float32", **CB)
-    srv.port, srv.model = srv.server.config.port, model_dir
+    port = free_port()
+    srv = serve.start(model_dir, {}, host="127.0.0.1", port=port, device="cpu", dtype="float32", **CB)
+    srv.port, srv.model = port, model_dir
     try:
         with cf.ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda p: complete(srv, p), PROMPTS[:4]))

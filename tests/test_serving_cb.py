@@ -76,6 +76,67 @@ def test_paged_kv_ops_pass_opcheck():
     torch.library.opcheck(paged_attention.paged_kv_write, (cache, key, value, write, 0, 4))
 
 
+def _mla_allocator():
+    """transformers 5.25's MLA allocator class (one row ``latent | rope`` per token), or a skip."""
+    mod = pytest.importorskip("transformers.generation.continuous_batching.cache_allocators")
+    if not hasattr(mod, "MLACacheAllocator"):
+        pytest.skip("this transformers caches no MLA latents in continuous batching (5.25 does)")
+    return mod.MLACacheAllocator
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["update", "write-only"])
+def test_paged_latent_update_equals_hf_mla_allocator_update(reads):
+    """The MLA op writes and reads the same rows and columns as HF's ``MLACacheAllocator.update``, on the column views
+    of one ``[tokens, R + P]`` cache tensor (layer 1's rows from row 8); and the allocator check finds those views."""
+    cls = _mla_allocator()
+    g = torch.Generator().manual_seed(0)
+    rank, rope, page = 6, 4, 8
+    theirs = torch.randn(40, rank + rope, generator=g)
+    ours = theirs.clone()
+    latent, rotated = torch.randn(5, 1, rank, generator=g), torch.randn(5, 1, rope, generator=g)
+    write = torch.tensor([9, 10, 11, 12, 13])
+    read = torch.tensor([2, 3, 0, 9, 10, 11, 12, 13]) if reads else torch.tensor([], dtype=torch.long)
+    views = {layer: (theirs[layer * page:, :rank], theirs[layer * page:, rank:]) for layer in (0, 1)}
+    fake_alloc = types.SimpleNamespace(_latent_token_views=views, cache_tensor=theirs, kv_lora_rank=rank)
+    assert paged_attention.latent_offsets(fake_alloc) == {0: (0, rank), 1: (page, rank)}
+    want = cls.update(fake_alloc, latent, rotated, 1, read, write)
+    if reads:
+        got = paged_attention.paged_latent_update(ours, latent, rotated, read, write, page)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:
+        paged_attention.paged_latent_write(ours, latent, rotated, write, page)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    fake_alloc._latent_token_views = {0: (theirs[:, :rank], theirs[1:, rank:])}  # not one row offset: refused
+    assert paged_attention.latent_offsets(fake_alloc) is None
+
+
+def test_paged_latent_ops_pass_opcheck():
+    cache = torch.randn(16, 10)
+    latent, rope = torch.randn(3, 1, 6), torch.randn(3, 1, 4)
+    write, read = torch.tensor([4, 5, 6]), torch.tensor([0, 4, 5, 6])
+    torch.library.opcheck(paged_attention.paged_latent_update, (cache, latent, rope, read, write, 2))
+    torch.library.opcheck(paged_attention.paged_latent_write, (cache, latent, rope, write, 2))
+
+
+@pytest.mark.slow  # 20-30 s on a shared 2-core machine (the trace of HF's CB forward), as the Qwen3 test above
+def test_mla_generate_batch_is_one_graph_with_every_fusion():
+    """transformers 5.25 caches DeepSeek-V3's compressed MLA latents (``MLACacheAllocator``): its update runs as
+    ``paged_latent_update`` in the graph, so one CB forward is one graph with the static-cache path's fusions, and
+    the tokens equal eager ``generate``."""
+    _mla_allocator()
+    mla = tiny.build("deepseek_v3", dtype=torch.float32)
+    mla.generation_config.eos_token_id = None  # the oracle must not stop where CB does not
+    prompts = PROMPTS[:1] + PROMPTS[-1:]
+    frames, breaks = _frames(), _breaks()
+    out = mla.generate_batch(prompts, generation_config=_gen(),
+                             continuous_batching_config=_cb(*paged_attention.cb_compile_configs(FAST)))
+    assert _frames() - frames == 1 and _breaks() == breaks
+    (report,) = ep_fuse.reports()
+    assert report.counts() == tiny.EXPECTED_SITES["deepseek_v3"][0]
+    assert _tokens(out) == _generate(mla, prompts)
+
+
 def test_prepare_installs_the_update_once():
     from transformers.generation.continuous_batching.cache import PagedAttentionCache
 

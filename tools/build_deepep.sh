@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build DeepEP (V1 API, e.g. commit 29d31c0) from a checkout you provide, for ep_backend="deepep".
+# Build DeepEP (V1 API, e.g. commit 29d31c0) from a checkout you provide, for ep_engine="deepep".
 #   bash tools/build_deepep.sh SRC_DIR [DEST_DIR]        then: export PYTHONPATH=DEST_DIR:$PYTHONPATH
 # Needs nvcc, the CUDA build of torch, and NVSHMEM (the nvidia-nvshmem-cu13 / -cu12 wheel or NVSHMEM_DIR).
 # ep_fuse does not ship DeepEP's code; this only drives its own setup.py. ~70 s with 32 cores.

@@ -5,23 +5,24 @@
 # Steps: deepep (build from .deepep/, or reuse a carried .deepep_build/), deepep_test (DeepEP's own
 # intranode + low-latency tests, 2 GPUs), gpu_single / gpu_multi (python -m pytest tests/gpu: one-GPU
 # checks / the rest), ep (bench_ep.py on every GPU, with --e2e), generate[:MODELS[:BATCHES]]
-# (bench_generate.py), accuracy (tools/accuracy_decode.py), dynamic[:TAG] (tools/check_dynamic.py with $DYN_ARGS or
+# (bench_generate.py), accuracy (experiments/2026-12/accuracy_decode.py), dynamic[:TAG] (experiments/2026-12/check_dynamic.py with $DYN_ARGS or
 # $DYN_ARGS_TAG), gg_tma (tests/gpu/test_gpu_moe_grouped_gemm_tma.py, then bench/bench_moe_grouped_gemm_tma.py with $GG_ARGS; gg_bench: the bench alone),
-# profile_dynamic (tools/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
+# profile_dynamic (experiments/2026-12/profile_dynamic.py static and --dynamic, $PROF_ARGS), fp8 (tests/gpu/test_gpu_fp8.py,
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
 # (bench_gemm_swiglu.py --part prefill with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
-# host_overhead (tools/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
+# host_overhead (experiments/2026-12/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
 # result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS, extra pytest
 # arguments in $GPU_TESTS_ARGS), deepgemm (build DeepGEMM from a
 # carried .deepgemm/ source tree, or reuse a carried .deepgemm_build/; JIT cache in .deepgemm_cache/),
 # deepgemm_pack (the build and JIT cache as $OUT/deepgemm_build.tgz, to carry next time), deepgemm_bench
-# (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: tools/profile_grouped_gemm_tma.py
+# (bench_deepgemm.py with $DG_ARGS), ncu_gg (Nsight Compute counters of the TMA grouped GEMMs: experiments/2026-12/profile_grouped_gemm_tma.py
 # with $NCU_GG_ARGS), all (bench/run.py: every bench family at its default size, $RUN_ARGS, results in
 # $OUT/run), serving (bench_serving.py with $SERVING_ARGS, $SERVING_TIMEOUT), varlen_attention
 # (bench_varlen_attention.py with $VA_ARGS), sweep (tools/sweep_models.py on CUDA in bf16 against backend="inductor", $SWEEP_SHARDS processes). Wheels
-# in .whl/ are installed first (--no-deps). Bench scripts are under bench/, diagnostics and build scripts under tools/.
+# in .whl/ are installed first (--no-deps). Bench scripts are under bench/, build scripts under tools/, past one-off
+# investigations under experiments/<date>/ (run with bench/ on PYTHONPATH for bench/common.py and bench/hf_models.py).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # a fresh Inductor cache per call: a warm machine keeps the last call's, and Inductor's FX cache keys on the
@@ -102,10 +103,10 @@ for s in "$@"; do
     gpu_multi)
       step gpu_multi timeout 540 python3 -m pytest -q -p no:cacheprovider "$repo/tests/gpu" \
         --ignore "$repo/tests/gpu/test_gpu_serving.py" ${MULTI_ARGS:-} ;;
-    ncu_gg)  # Nsight Compute counters of the TMA grouped GEMMs (tools/profile_grouped_gemm_tma.py with $NCU_GG_ARGS)
+    ncu_gg)  # Nsight Compute counters of the TMA grouped GEMMs (experiments/2026-12/profile_grouped_gemm_tma.py with $NCU_GG_ARGS)
       step ncu_gg timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k regex:_grouped_gemm_tma_kernel \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-        python3 "$repo/tools/profile_grouped_gemm_tma.py" ${NCU_GG_ARGS:-}
+        env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/profile_grouped_gemm_tma.py" ${NCU_GG_ARGS:-}
       grep -E "us$|_grouped_gemm_tma_kernel|Duration|DRAM Throughput|L2 Cache Throughput|L1/TEX Cache Throughput|Compute \(SM\) Throughput|Memory Throughput|L2 Hit Rate|Mem Busy|Max Bandwidth|Executed Ipc A|SM Busy" \
         "$OUT/ncu_gg.log" | tail -${NCU_LINES:-120} ;;
     gg_bench)  # bench_moe_grouped_gemm_tma.py alone ($GG_ARGS)
@@ -129,13 +130,13 @@ for s in "$@"; do
     moe_experts)
       step moe_experts timeout ${MOE_EXP_TIMEOUT:-330} python3 "$repo/bench/bench_moe_experts.py" ${MOE_EXP_ARGS:-} ;;
     host_overhead)
-      step host_overhead timeout 120 python3 "$repo/tools/host_overhead.py" ${HOST_ARGS:-} ;;
+      step host_overhead timeout 120 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/host_overhead.py" ${HOST_ARGS:-} ;;
     ep_fp8)
       step ep_fp8 timeout 330 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" \
         --shapes "DeepSeek-V3 decode,DeepSeek-V3 prefill" --backends deepep,all_to_all --fp8-wire ;;
     profile_dynamic)  # host time per call, ep_fuse vs Inductor, static and dynamic (issue 14)
-      step profile_static timeout 200 python3 "$repo/tools/profile_dynamic.py" ${PROF_ARGS:-}
-      step profile_dynamic timeout 200 python3 "$repo/tools/profile_dynamic.py" --dynamic ${PROF_ARGS:-} ;;
+      step profile_static timeout 200 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/profile_dynamic.py" ${PROF_ARGS:-}
+      step profile_dynamic timeout 200 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/profile_dynamic.py" --dynamic ${PROF_ARGS:-} ;;
     all)  # every bench family at its default size: bench/run.py ($RUN_ARGS, e.g. --only rms_norm,moe)
       step all timeout ${RUN_TIMEOUT:-580} python3 "$repo/bench/run.py" --out "$OUT/run" ${RUN_ARGS:-} ;;
     pack)  # one archive back through the device tool (it returns at most 8 files)
@@ -147,12 +148,12 @@ for s in "$@"; do
       step "generate_${models:-all}" timeout 580 python3 "$repo/bench/bench_generate.py" \
         ${models:+--models $models} ${batches:+--batches $batches} ${GEN_ARGS:-} ;;
     accuracy)
-      step accuracy timeout 400 python3 "$repo/tools/accuracy_decode.py" ${ACC_ARGS:-} ;;
+      step accuracy timeout 400 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/accuracy_decode.py" ${ACC_ARGS:-} ;;
     dynamic*)  # dynamic[:TAG]: check_dynamic.py with $DYN_ARGS (or $DYN_ARGS_<TAG>), log dynamic[_TAG].log
       IFS=: read -r _ tag <<<"$s"
       var=DYN_ARGS${tag:+_$tag}
-      [ -f "$repo/tools/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
-        python3 "$repo/tools/check_dynamic.py" ${!var:-} ;;
+      [ -f "$repo/experiments/2026-12/check_dynamic.py" ] && step "dynamic${tag:+_$tag}" timeout ${DYN_TIMEOUT:-400} \
+        env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/check_dynamic.py" ${!var:-} ;;
     sweep)  # the generality sweep on the GPU, bf16, ep_fuse (inductor executor) vs backend="inductor",
       # $SWEEP_SHARDS processes side by side (Inductor's compile is CPU-bound); JSON per shard in $OUT
       fams=$(python3 -c 'from ep_fuse.models import sweep; print(" ".join(sweep.discover()))')

@@ -11,6 +11,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation . 2>&1 | tail -2
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=1
 repo=$PWD
+export PYTHONPATH=$repo/bench${PYTHONPATH:+:$PYTHONPATH}  # experiments/<date>/ scripts import bench/common.py
 cd /tmp
 if [ "$#" -ge 2 ] && [[ "$2" == *.py ]]; then
   status=0

@@ -3,8 +3,10 @@
 * :func:`shard_experts` / :func:`ep_options`: shard a model's experts over a process group and get the
   backend options that enable the EP pass (``ep_fuse/passes/ep.py``).
 * :mod:`ep_fuse.ops.ep`: the canonical ``ep_dispatch`` / ``ep_combine`` ops.
-* Providers: :mod:`~ep_fuse.ep.all_to_all` (default, the reference), :mod:`~ep_fuse.ep.deepep`,
-  :mod:`~ep_fuse.ep.npu`, :mod:`~ep_fuse.ep.symm_mem`.
+* Engines (the implementations of the two ops, named by the option ``ep_engine``; each registers itself with
+  :func:`ep_fuse.ops.ep.register_engine`, and :func:`ep_fuse.ops.ep.engine_names` lists them):
+  :mod:`~ep_fuse.ep.all_to_all` (default, the reference), :mod:`~ep_fuse.ep.deepep`, :mod:`~ep_fuse.ep.npu`,
+  :mod:`~ep_fuse.ep.symm_mem`.
 """
 
 from ep_fuse.ep.groups import EpError
@@ -12,7 +14,7 @@ from ep_fuse.ep.shard import ep_options, shard_experts
 
 
 def release_buffers() -> None:
-    """Release the communication buffers EP providers keep per process group (DeepEP ``Buffer``s,
+    """Release the communication buffers EP engines keep per process group (DeepEP ``Buffer``s,
     symmetric-memory workspaces). Collective: call on every rank, before ``destroy_process_group``."""
     from ep_fuse.ep import deepep, symm_mem  # engines load through the catalog; asked only here, at release
 
@@ -22,6 +24,4 @@ def release_buffers() -> None:
         symm_mem.destroy_buffers()
 
 
-BACKENDS = ("auto", "all_to_all", "deepep", "deepep_low_latency", "npu", "symm_mem")
-
-__all__ = ["BACKENDS", "EpError", "ep_options", "release_buffers", "shard_experts"]
+__all__ = ["EpError", "ep_options", "release_buffers", "shard_experts"]

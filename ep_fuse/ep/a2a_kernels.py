@@ -1,4 +1,4 @@
-"""Triton kernels of the ``all_to_all`` EP provider, rank layout (no host synchronisation).
+"""Triton kernels of the ``all_to_all`` EP engine, rank layout (no host synchronisation).
 
 Wire format and handle: :mod:`ep_fuse.ops.ep_layout` (:func:`~ep_fuse.ops.ep_layout.packed_row`). Dispatch is
 three launches around the one NCCL message:

@@ -1,4 +1,4 @@
-"""The default EP provider, and the reference kernels of ``ep_dispatch`` / ``ep_combine``:
+"""The default EP engine, and the reference kernels of ``ep_dispatch`` / ``ep_combine``:
 ``torch.distributed.all_to_all_single`` on any backend (gloo on CPU, NCCL on GPU, HCCL on NPU).
 
 Layouts, wire format and handle: :mod:`ep_fuse.ops.ep_layout`. Rank layout: one message per direction
@@ -41,7 +41,7 @@ from ep_fuse.ops.ep_layout import (
     recv_rows,
     unpack_rows,
 )
-from ep_fuse.ops.ep import register_ep_async, register_ep_provider
+from ep_fuse.ops.ep import register_ep_async, register_engine
 
 log = logging.getLogger("ep_fuse.ep")
 CODE = CODES["all_to_all"]
@@ -86,7 +86,7 @@ def combine(
 ) -> torch.Tensor:
     group = groups.resolve_group(group_name)
     if handle.device.type == "cpu" and int(handle[0]) != CODE:
-        raise groups.EpError(f"ep_fuse: all_to_all combine got a handle of provider code {int(handle[0])}")
+        raise groups.EpError(f"ep_fuse: all_to_all combine got a handle of engine code {int(handle[0])}")
     if layout == "rank":
         return _combine_rank(y, handle, topk_ids.shape[0], group, capacity, timeout_s, out_dtype)
     return _combine_expert(y, handle, topk_ids, topk_weights, num_experts, group, capacity, timeout_s, out_dtype)
@@ -166,7 +166,7 @@ def sum_rank_rows(back: torch.Tensor, handle: torch.Tensor, tokens: int, world: 
                   out_dtype: torch.dtype) -> torch.Tensor:
     """The local half of a rank-layout combine: ``out[t] = sum_r back[slot[t, r]]`` in fp32, rank order, one
     cast, from the ``[T, W]`` slot table at ``handle[HEADER + 2W:]`` (the Triton kernel where it runs, else
-    the reference). Any provider whose combine returns the rows to their send slots shares it."""
+    the reference). Any engine whose combine returns the rows to their send slots shares it."""
     if _combine_kernels(back, tokens, out_dtype):
         return combine_rank(back, handle, tokens, world, out_dtype)
     return combine_rank_reference(back, handle, tokens, world, out_dtype)
@@ -409,11 +409,11 @@ def combine_start(y, handle, topk_ids, topk_weights, num_experts, group_name, la
     if layout == "rank":
         group = groups.resolve_group(group_name)
         if handle.device.type == "cpu" and int(handle[0]) != CODE:
-            raise groups.EpError(f"ep_fuse: all_to_all combine got a handle of provider code {int(handle[0])}")
+            raise groups.EpError(f"ep_fuse: all_to_all combine got a handle of engine code {int(handle[0])}")
         return _combine_rank_start(y, handle, topk_ids.shape[0], group, capacity, timeout_s, out_dtype)
     out = combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s, out_dtype)
     return lambda: out
 
 
-register_ep_provider("all_to_all", dispatch, combine, layout="rank")
+register_engine("all_to_all", dispatch, combine, layout="rank")
 register_ep_async("all_to_all", dispatch_start, combine_start, devices=("cpu", "cuda", "npu"))

@@ -1,4 +1,4 @@
-"""DeepEP provider (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; contract: ``docs/ep.md``).
+"""DeepEP engine (``deep_ep.Buffer``, V1 API at DeepEP commit 29d31c0; contract: ``docs/ep.md``).
 
 Run for real on 2 GPUs (``tests/gpu/``, ``bench/bench_ep.py``; build: ``tools/build_deepep.sh``) and
 on CPU against ``tests/support/deepep_double.py``, a double of the same contract.
@@ -16,7 +16,7 @@ on CPU against ``tests/support/deepep_double.py``, a double of the same contract
   only when a larger or low-latency buffer is needed; ``clean_low_latency_buffer`` runs whenever a
   low-latency kernel follows normal kernels on a buffer.
 * Guards (checked at compile time by :func:`supports`; run-time errors are raised, never a silent
-  switch of provider, which would desynchronise the ranks): ``deep_ep`` importable; BF16 tokens and
+  switch of engine, which would desynchronise the ranks): ``deep_ep`` importable; BF16 tokens and
   output; rows of 16-byte multiples; at most 1024 local experts; the group size in DeepEP's config
   table (normal); ``num_worst_tokens`` intranode only; low-latency: a hidden size its kernels are
   built for, top-k <= 11, ``T <= C``, ``(C + 1) * 2 <= NVSHMEM_QP_DEPTH`` and an RDMA buffer under
@@ -50,7 +50,7 @@ import torch
 
 from ep_fuse.ep import groups, handles
 from ep_fuse.ops.ep_layout import CODES, HEADER, capacity_rows, handle_len, recv_rows, valid_slots
-from ep_fuse.ops.ep import register_ep_async, register_ep_provider
+from ep_fuse.ops.ep import register_ep_async, register_engine
 
 log = logging.getLogger("ep_fuse.ep")
 
@@ -114,7 +114,7 @@ def check_node_layout(group: Any) -> None:
         raise groups.EpError(
             f"ep_fuse: DeepEP assumes node n holds EP ranks [{per_node}n, {per_node}n + {per_node}); this group's "
             f"hosts by rank are {hosts}. Launch with {per_node} processes per node and node-contiguous ranks "
-            f"(torchrun --nproc-per-node {per_node}), or choose ep_backend='all_to_all'")
+            f"(torchrun --nproc-per-node {per_node}), or choose ep_engine='all_to_all'")
 
 
 @functools.lru_cache(maxsize=1)
@@ -327,7 +327,7 @@ def _dispatch_normal(x, topk_ids, topk_weights, num_experts, group_name, capacit
     t, k = topk_ids.shape
     if capacity == 0 and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise groups.EpError("ep_fuse: DeepEP normal dispatch syncs with the host and cannot be captured in a CUDA "
-                             "graph; set ep_capacity (num_worst_tokens) or ep_backend='deepep_low_latency'")
+                             "graph; set ep_capacity (num_worst_tokens) or ep_engine='deepep_low_latency'")
     if capacity > 0 and t > capacity:
         raise groups.EpError(f"ep_fuse: {t} tokens on this rank exceed ep_capacity={capacity}; raise ep_capacity "
                              "to the largest per-rank batch")
@@ -487,10 +487,10 @@ __all__ = ["HEADER", "available", "check_node_layout", "destroy_buffers", "get_b
 
 
 # module attributes are looked up per call (tests swap runtimes and limits in and out)
-register_ep_provider(
+register_engine(
     "deepep", dispatch_normal, combine_normal, layout="rank", available=lambda: available(),
     supports=lambda x, ids, dt, world, e, cap: supports("normal", x, ids, dt, world, cap, e), row_bytes=ROW_BYTES)
-register_ep_provider(
+register_engine(
     "deepep_low_latency", dispatch_low_latency, combine_low_latency, layout="expert", available=lambda: available(),
     supports=lambda x, ids, dt, world, e, cap: supports("low_latency", x, ids, dt, world, cap, e), masked_blocks=True)
 register_ep_async("deepep", dispatch_normal_start, combine_normal_start, devices=("cpu", "cuda"))

@@ -1,7 +1,7 @@
 """Process groups by name, and collectives that wait with a timeout.
 
 Custom-op schemas cannot carry a ``ProcessGroup``; the EP ops take the group's name
-(``group.group_name``) and resolve it here at run time. Every collective the EP providers issue
+(``group.group_name``) and resolve it here at run time. Every collective the EP engines issue
 goes through :func:`wait`, so a peer that never arrives raises instead of hanging.
 """
 

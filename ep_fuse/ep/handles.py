@@ -1,7 +1,7 @@
-"""Process-local registry for opaque provider handles (DeepEP, Ascend), keyed by the handle tensor.
+"""Process-local registry for opaque engine handles (DeepEP, Ascend), keyed by the handle tensor.
 
 The graph carries the handle as an explicit int64 tensor from ``ep_dispatch`` to ``ep_combine``
-(a graph value, not module state: ``docs/ep.md``, "The ops"). Providers whose native handle is a
+(a graph value, not module state: ``docs/ep.md``, "The ops"). Engines whose native handle is a
 Python object (DeepEP's tuple of tensors) keep it here under a fresh integer key written into the
 tensor (``handle[1]``) and, to avoid reading that key back from the device (a sync), under the
 tensor's storage address; combine pops the entry, so nothing outlives one dispatch/combine pair.
@@ -23,7 +23,7 @@ _keys = itertools.count(1)
 
 def put(handle: torch.Tensor, value: Any, write_key: bool = True) -> int:
     """Store ``value`` for the dispatch whose handle tensor is ``handle``; ``write_key`` also writes the
-    key into ``handle[1]`` (a device write: providers skip it on GPUs, where lookups go by address)."""
+    key into ``handle[1]`` (a device write: engines skip it on GPUs, where lookups go by address)."""
     with _lock:
         key = next(_keys)
         _entries[key] = value

@@ -1,4 +1,4 @@
-"""Ascend provider: ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``
+"""Ascend EP engine: ``torch_npu.npu_moe_distribute_dispatch`` / ``npu_moe_distribute_combine``
 (``docs/npu.md``), ``expert`` layout. **Not run on Ascend hardware**: tested on CPU
 against ``tests/support/npu_ep_double.py``, a double of the documented contract, bound to torch_npu 2.14.0's schemas
 and run through its meta functions (``docs/npu.md``).
@@ -29,7 +29,7 @@ import torch
 from ep_fuse import runtime
 from ep_fuse.ep import groups, handles
 from ep_fuse.ops.ep_layout import CODES, capacity_rows, handle_len, valid_slots
-from ep_fuse.ops.ep import register_ep_provider
+from ep_fuse.ops.ep import register_engine
 
 log = logging.getLogger("ep_fuse.ep")
 
@@ -166,6 +166,6 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
     return out.to(out_dtype or torch.promote_types(y.dtype, topk_weights.dtype))
 
 
-register_ep_provider(
+register_engine(
     "npu", dispatch, combine, layout="expert", available=lambda: available(),
     supports=lambda x, ids, dt, world, e, cap: supports(x, ids, e, world, cap), contracts=CONTRACTS)

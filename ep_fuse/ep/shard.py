@@ -77,9 +77,16 @@ def shard_experts(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     return model
 
 
-def ep_options(model: torch.nn.Module | None = None, group: Any = None, backend: str = "auto",
-               capacity: int | None = None, timeout_s: float | None = None) -> dict[str, Any]:
-    """Backend options enabling EP for ``model`` (sharded by :func:`shard_experts` on ``group``)."""
+def ep_options(model: torch.nn.Module | None = None, group: Any = None, engine: str = "auto",
+               capacity: int | None = None, timeout_s: float | None = None, *,
+               backend: str | None = None) -> dict[str, Any]:
+    """Backend options enabling EP for ``model`` (sharded by :func:`shard_experts` on ``group``) with the EP
+    ``engine`` (``backend``: its first name, kept as an alias)."""
+    if backend is not None:
+        if engine not in ("auto", backend):
+            raise groups.EpError(f"ep_fuse.ep_options: engine={engine!r} and backend={backend!r}; give one (backend "
+                                 "is the engine's first name)")
+        engine = backend
     record = getattr(model, RECORD, None) if model is not None else None
     if model is not None and record is None:
         raise groups.EpError("ep_fuse.ep_options: the model's experts are not sharded; call "
@@ -88,7 +95,7 @@ def ep_options(model: torch.nn.Module | None = None, group: Any = None, backend:
     if record is not None and record["world"] != pg.size():
         raise groups.EpError(f"ep_fuse.ep_options: the model was sharded over {record['world']} ranks but the "
                              f"group has {pg.size()}")
-    opts: dict[str, Any] = {"ep": True, "ep_group": pg, "ep_backend": backend}
+    opts: dict[str, Any] = {"ep": True, "ep_group": pg, "ep_engine": engine}
     if capacity is not None:
         opts["ep_capacity"] = capacity
     if timeout_s is not None:

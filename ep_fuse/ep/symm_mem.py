@@ -1,4 +1,4 @@
-"""PyTorch symmetric-memory (NVSHMEM) EP provider, ``rank`` layout: ``torch.ops.symm_mem.all_to_all_vdev_2d``
+"""PyTorch symmetric-memory (NVSHMEM) EP engine, ``rank`` layout: ``torch.ops.symm_mem.all_to_all_vdev_2d``
 dispatch and ``all_to_all_vdev_2d_offset`` combine. **Not run on a GPU yet**: tested on CPU against
 ``tests/support/symm_mem_double.py``, a double of the ops' contract (torch 2.11; ``docs/ep.md``).
 
@@ -27,11 +27,13 @@ dispatch and ``all_to_all_vdev_2d_offset`` combine. **Not run on a GPU yet**: te
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -48,13 +50,13 @@ from ep_fuse.ops.ep_layout import (
     local_slots,
     symm_mem_chunks,
 )
-from ep_fuse.ops.ep import register_ep_provider
+from ep_fuse.ops.ep import register_engine
 
 log = logging.getLogger("ep_fuse.ep")
 CODE = CODES["symm_mem"]
 MAX_WORLD = 8
 """``all_to_all_vdev_2d_offset`` takes <= 16 ranks; above 8 both ops launch only 8 blocks, which then
-loop over splits (internode tuning): the provider is meant for one NVLink node."""
+loop over splits (internode tuning): the engine is meant for one NVLink node."""
 DEFAULT_HEAP = 1 << 30
 """NVSHMEM's default symmetric heap (``NVSHMEM_SYMMETRIC_SIZE``)."""
 _GRAIN = 1 << 20
@@ -64,20 +66,37 @@ _GRAIN = 1 << 20
 class Runtime:
     """Where the ops live: ``symm`` is ``torch.distributed._symmetric_memory`` (``empty``, ``rendezvous``,
     ``set_backend``, ``get_backend``, ``is_nvshmem_available``, ``enable_symm_mem_for_group``), ``ops``
-    is ``torch.ops.symm_mem``. Tests install a CPU double in :data:`RUNTIME`."""
+    is ``torch.ops.symm_mem``. Tests run the engine on a CPU double with :func:`use_runtime`."""
 
     symm: Any
     ops: Any
     device_type: str = "cuda"
 
 
-RUNTIME: Runtime | None = None
-"""Override of the real runtime (tests: ``tests/support/symm_mem_double.py``); call ``available.cache_clear()``."""
+OVERRIDE: contextvars.ContextVar[Runtime | None] = contextvars.ContextVar("ep_fuse_symm_mem_runtime", default=None)
+"""The runtime :func:`use_runtime` set in this context (``None``: the real one)."""
+
+
+@contextlib.contextmanager
+def use_runtime(rt: Runtime) -> Iterator[Runtime]:
+    """Run the engine on ``rt`` in this context (tests: ``tests/support/symm_mem_double.py``). The buffers and
+    :func:`available`'s answer belong to one runtime: both are dropped on entry and on exit."""
+    destroy_buffers()
+    available.cache_clear()
+    token = OVERRIDE.set(rt)
+    try:
+        yield rt
+    finally:
+        destroy_buffers()
+        OVERRIDE.reset(token)
+        available.cache_clear()
 
 
 def runtime() -> Runtime:
-    if RUNTIME is not None:
-        return RUNTIME
+    """The runtime the engine runs on: :func:`use_runtime`'s, else torch's symmetric memory on CUDA."""
+    rt = OVERRIDE.get()
+    if rt is not None:
+        return rt
     import torch.distributed._symmetric_memory as symm
 
     return Runtime(symm, torch.ops.symm_mem, "cuda")
@@ -85,7 +104,8 @@ def runtime() -> Runtime:
 
 def device_type() -> str:
     """Device type the ops run on (``cuda``; ``cpu`` under the test double)."""
-    return RUNTIME.device_type if RUNTIME is not None else "cuda"
+    rt = OVERRIDE.get()
+    return rt.device_type if rt is not None else "cuda"
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,7 +128,7 @@ def available() -> str | None:
         current = rt.symm.get_backend(rt.device_type) if hasattr(rt.symm, "get_backend") else None
         if current != "NVSHMEM":
             rt.symm.set_backend("NVSHMEM")
-            log.info("ep_fuse: symmetric-memory backend %s -> NVSHMEM (symm_mem EP provider)", current)
+            log.info("ep_fuse: symmetric-memory backend %s -> NVSHMEM (symm_mem EP engine)", current)
     except Exception as exc:  # backend already in use, missing bindings
         return (f"torch's symmetric memory cannot use NVSHMEM here ({type(exc).__name__}: {exc}); set "
                 "TORCH_SYMMMEM=NVSHMEM before any symmetric-memory allocation")
@@ -187,7 +207,7 @@ def buffer_bytes(world: int, rows: int, row: _Row, out_dtype: torch.dtype | None
 
 
 def supports(x: Any, topk_ids: Any, out_dtype: Any, world: int, capacity: int) -> str | None:
-    """Why the symm_mem provider cannot run this block (``None``: it can)."""
+    """Why the symm_mem engine cannot run this block (``None``: it can)."""
     if x.device.type != device_type():
         return f"the NVSHMEM ops run on {device_type()} tensors; the block is on {x.device.type}"
     if not 2 <= world <= MAX_WORLD:
@@ -242,10 +262,10 @@ def _enable_group(rt: Runtime, name: str) -> None:
 
 def _agree(group: Any, sizes: list[int], device: torch.device, timeout_s: float) -> list[int]:
     """The element-wise max of ``sizes`` over the group (every rank allocates the same symmetric sizes)."""
-    dev = device if groups._backend(group) in groups.DEVICE_ORDERED else torch.device("cpu")
+    dev = device if groups.backend_of(group) in groups.DEVICE_ORDERED else torch.device("cpu")
     t = torch.tensor(sizes, dtype=torch.int64, device=dev)
     groups.wait(dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True), timeout_s,
-                "symm_mem buffer allocation (sizes)", groups._backend(group))
+                "symm_mem buffer allocation (sizes)", groups.backend_of(group))
     return [int(v) for v in t.tolist()]
 
 
@@ -262,11 +282,11 @@ def _buffers(rt: Runtime, group: Any, device: torch.device, send_bytes: int, rec
     if state is not None and state.send.numel() >= send_bytes and state.recv.numel() >= recv_bytes:
         return state
     if _capturing(device):
-        raise groups.EpError("ep_fuse: the symm_mem provider must allocate its symmetric buffers outside CUDA-graph "
+        raise groups.EpError("ep_fuse: the symm_mem engine must allocate its symmetric buffers outside CUDA-graph "
                              "capture: run the model once eagerly (warm-up) before capturing it")
     why = available()  # also selects the NVSHMEM backend (direct op calls skip the compile-time check)
     if why:
-        raise groups.EpError(f"ep_fuse: the symm_mem EP provider cannot run: {why}")
+        raise groups.EpError(f"ep_fuse: the symm_mem EP engine cannot run: {why}")
     if state is not None:
         send_bytes, recv_bytes = max(send_bytes, state.send.numel()), max(recv_bytes, state.recv.numel())
     send_bytes, recv_bytes = _agree(group, [_align(send_bytes, _GRAIN), _align(recv_bytes, _GRAIN)], device,
@@ -296,10 +316,10 @@ def _buffers(rt: Runtime, group: Any, device: torch.device, send_bytes: int, rec
 def _order(state: _Buffers, kind: str, group: Any, device: torch.device, timeout_s: float) -> None:
     """Barrier before reusing the buffers when the last op on the group was of the same kind."""
     if state.last == kind:
-        dev = device if groups._backend(group) in groups.DEVICE_ORDERED else torch.device("cpu")
+        dev = device if groups.backend_of(group) in groups.DEVICE_ORDERED else torch.device("cpu")
         t = torch.zeros(1, device=dev)
         groups.wait(dist.all_reduce(t, group=group, async_op=True), timeout_s, f"symm_mem {kind} ordering barrier",
-                    groups._backend(group))
+                    groups.backend_of(group))
     state.last = kind
 
 
@@ -385,7 +405,7 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
     t = topk_ids.shape[0]
     h = y.shape[1]
     if handle.device.type == "cpu" and int(handle[0]) != CODE:
-        raise groups.EpError(f"ep_fuse: symm_mem combine got a handle of provider code {int(handle[0])}")
+        raise groups.EpError(f"ep_fuse: symm_mem combine got a handle of engine code {int(handle[0])}")
     rows = world * capacity_rows("rank", t, capacity)
     comb = (rows + 1) * h * _size(y.dtype)
     state = _buffers(rt, group, y.device, comb, comb, timeout_s)
@@ -404,6 +424,6 @@ def combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, 
 __all__ = ["Runtime", "available", "buffer_bytes", "destroy_buffers", "heap_bytes", "runtime", "supports"]
 
 
-register_ep_provider(
+register_engine(
     "symm_mem", dispatch, combine, layout="rank", available=lambda: available(),
     supports=lambda x, ids, dt, world, e, cap: supports(x, ids, dt, world, cap))

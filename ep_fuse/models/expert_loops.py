@@ -31,13 +31,14 @@ from __future__ import annotations
 import logging
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ep_fuse.models.moe_expert_storage import ACTIVATIONS, experts_function
 from ep_fuse.models.loop_dataflow import (LoopNotRecognised, dataflow_forward, infer_layout, recognise_loop,
                                          routed_expert_lists)
 
@@ -72,6 +73,7 @@ class Conversion:
     num_experts: int = 0
     layout: tuple[str, ...] = ()
     reason: str | None = None
+    block: nn.Module | None = field(default=None, compare=False, repr=False)
 
     @property
     def converted(self) -> bool:
@@ -81,14 +83,9 @@ class Conversion:
 # --------------------------------------------------------------------------- stacked experts
 def _experts_function(implementation: str) -> Callable[..., torch.Tensor]:
     try:
-        from transformers.integrations import moe  # optional dependency
-    except ImportError as e:  # pragma: no cover - transformers is installed with the tests
-        raise LoopRefused(f"needs transformers >= 5 for its {implementation} experts function ({e})") from e
-    fn = {"grouped_mm": getattr(moe, "grouped_mm_experts_forward", None),
-          "batched_mm": getattr(moe, "batched_mm_experts_forward", None)}.get(implementation)
-    if fn is None:
-        raise LoopRefused(f"this transformers has no {implementation} experts function")
-    return fn
+        return experts_function(implementation)
+    except LookupError as e:
+        raise LoopRefused(str(e)) from e
 
 
 def relu_squared(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +104,7 @@ class _ExpertView:
         if not self.experts.has_gate:
             return F.linear(relu_squared(h), self.experts.down_proj[self.index])
         gate, up = h.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.experts.down_proj[self.index])
+        return F.linear(self.experts.act_fn(gate) * up, self.experts.down_proj[self.index])
 
 
 class StackedExperts(nn.Module):
@@ -123,7 +120,8 @@ class StackedExperts(nn.Module):
     """
 
     def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, layout: tuple[str, ...],
-                 implementation: str = "grouped_mm", key_order: tuple[str, ...] | None = None) -> None:
+                 implementation: str = "grouped_mm", key_order: tuple[str, ...] | None = None,
+                 act: str = "silu") -> None:
         super().__init__()
         self.has_gate = layout not in UNGATED_LAYOUTS
         self.first_name = "gate_up_proj" if self.has_gate else "up_proj"
@@ -137,7 +135,8 @@ class StackedExperts(nn.Module):
         self.num_experts = gate_up_proj.shape[0]
         self.has_bias, self.is_transposed = False, False
         self.has_post_expert_norm, self._is_expert_parallel = False, False
-        self.act_fn = F.silu if self.has_gate else relu_squared
+        self.act = act if self.has_gate else "relu2"
+        self.act_fn = ACTIVATIONS[act] if self.has_gate else relu_squared
 
     @property
     def first(self) -> torch.Tensor:
@@ -146,7 +145,7 @@ class StackedExperts(nn.Module):
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.act_fn(gate) * up
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         return self._experts_forward(self, hidden, top_k_index, top_k_weights)
@@ -295,7 +294,8 @@ def analyze_experts(experts: nn.ModuleList) -> tuple[tuple[str, ...], int, int]:
     return layout, hidden, inter
 
 
-def stack_experts(experts: nn.ModuleList, layout: tuple[str, ...], implementation: str) -> StackedExperts:
+def stack_experts(experts: nn.ModuleList, layout: tuple[str, ...], implementation: str,
+                  act: str = "silu") -> StackedExperts:
     """One-time stacked copies of the experts' weights (the list's own tensors are not kept)."""
     with torch.no_grad():
         gate_up = torch.stack([torch.cat([getattr(e, n).weight for n in layout[:-1]], dim=0) for e in experts])
@@ -303,7 +303,7 @@ def stack_experts(experts: nn.ModuleList, layout: tuple[str, ...], implementatio
     gate_up.requires_grad_(getattr(experts[0], layout[0]).weight.requires_grad)
     down.requires_grad_(getattr(experts[0], layout[-1]).weight.requires_grad)
     order = tuple(name for name, _ in experts[0].named_children() if name in layout)
-    return StackedExperts(gate_up, down, layout, implementation, order)
+    return StackedExperts(gate_up, down, layout, implementation, order, act)
 
 
 # --------------------------------------------------------------------------- replacements
@@ -502,11 +502,20 @@ UNFUSED_EXPERTS: dict[str, str] = {
 by :func:`convert_expert_loops`, shown by the generality sweep)."""
 
 
+UNFUSED_ONLY_IF: dict[str, Callable[[nn.Module], bool]] = {
+    # transformers 5.25 moved the identity experts out of the module (weight-0 remapped slots): a plain block
+    "LongcatFlashExperts": lambda module: hasattr(module, "identity_expert"),
+}
+"""Classes of :data:`UNFUSED_EXPERTS` that are unfused only in some transformers versions: the test on the module."""
+
+
 def unfused_experts(model: nn.Module) -> list[tuple[str, str, str]]:
     """``(path, class, reason)`` of the modules of :data:`UNFUSED_EXPERTS` in ``model`` (outermost only)."""
     found: list[tuple[str, str, str]] = []
     for path, module in model.named_modules():
         reason = UNFUSED_EXPERTS.get(type(module).__name__)
+        if reason is not None and not UNFUSED_ONLY_IF.get(type(module).__name__, lambda m: True)(module):
+            continue
         if reason is not None and not any(path.startswith(p + ".") for p, _, _ in found):
             found.append((path, type(module).__name__, reason))
     return found
@@ -527,12 +536,14 @@ _REPLACED = {"moe_infer": "moe_infer", "moe": "moe", "softmax_topk": "forward (s
              "dataflow": "forward (recognised by dataflow: router, stacked experts, shared experts)"}
 
 
-def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", strict: bool = False) -> list[Conversion]:
+def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", strict: bool = False,
+                         report_refusals: bool = True) -> list[Conversion]:
     """Convert every per-expert loop of ``model`` in place (see the module docstring).
 
     Logs each converted block at INFO and each refused one at WARNING with the reason; with
     ``strict=True`` a refusal raises ``ValueError`` instead (blocks already converted stay converted:
-    each passed its check)."""
+    each passed its check). ``report_refusals=False`` only returns the refusals (the caller tries the block
+    another way, :mod:`ep_fuse.models.moe_semantics`, and reports once)."""
     results = []
     for path, cls, reason in unfused_experts(model):
         log.info("ep_fuse.prepare: %s (%s) gets no moe_experts block: %s", path, cls, reason)
@@ -541,15 +552,21 @@ def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", s
         try:
             form, n, layout = convert_block(block, name, implementation)
         except LoopRefused as e:
-            results.append(Conversion(label, type(block).__name__, reason=str(e)))
-            msg = (f"ep_fuse.prepare: {label} ({type(block).__name__}) keeps its per-expert loop, which breaks the "
-                   f"graph and gets no MoE fusion: {e}")
-            if strict:
-                raise ValueError(msg + " (strict=True; pass strict=False to keep the loop)") from e
-            log.warning(msg)
+            results.append(Conversion(label, type(block).__name__, reason=str(e), block=block))
+            if report_refusals:
+                report_refusal(label, block, str(e), strict)
             continue
-        results.append(Conversion(label, type(block).__name__, form, n, layout))
+        results.append(Conversion(label, type(block).__name__, form, n, layout, block=block))
         log.info("ep_fuse.prepare: %s (%s): %d experts (%s) stacked into %s.%s/down_proj, %s replaced, "
                  "experts_implementation=%s", label, type(block).__name__, n, "/".join(layout), name,
                  getattr(block, name).first_name, _REPLACED.get(form, f"forward ({form})"), implementation)
     return results
+
+
+def report_refusal(label: str, block: nn.Module, reason: str, strict: bool) -> None:
+    """The WARNING (or, ``strict``, the ``ValueError``) for a per-expert loop that stays."""
+    msg = (f"ep_fuse.prepare: {label} ({type(block).__name__}) keeps its per-expert loop, which breaks the "
+           f"graph and gets no MoE fusion: {reason}")
+    if strict:
+        raise ValueError(msg + " (strict=True; pass strict=False to keep the loop)")
+    log.warning(msg)

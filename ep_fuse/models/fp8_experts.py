@@ -72,6 +72,14 @@ def _refusal(module: Any) -> str | None:
     if getattr(module, "activation_scheme", "dynamic") != "dynamic":
         return f"activation_scheme={module.activation_scheme!r} (static activation scales) is not supported"
     for attr in ("swiglu_alpha", "limit", "gate_softcap", "up_softcap"):
+        if attr == "limit" and getattr(module, "limit_after_act", False):
+            # transformers 5.25's act(gate).clamp(max=L) * up.clamp(-L, L) (ops' "silu_clamp_post"); a layer whose
+            # per-layer limit is 0 ("no clamp") reaches FP8Experts as None: plain SwiGLU
+            limit = getattr(module, "limit", None)
+            if limit is not None and not limit > 0:
+                return (f"limit={limit!r} with limit_after_act: FP8Experts' own forward clamps to it (a model's "
+                        "per-layer 0 means 'no clamp' only once the model turns it into None)")
+            continue
         if getattr(module, attr, None) is not None:
             return f"{attr}={getattr(module, attr)!r}: a clamped or soft-capped gate is not SwiGLU"
     config = getattr(module, "config", None)
@@ -121,9 +129,12 @@ class _Dequantized:
         self.down_proj = down_proj
         self.gate_up_proj_bias = None
         self.down_proj_bias = None
+        self.limit = getattr(module, "limit", None) if getattr(module, "limit_after_act", False) else None
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is not None:  # limit_after_act, as FP8Experts computes it
+            return self.act_fn(gate).clamp(max=self.limit) * up.clamp(min=-self.limit, max=self.limit)
         return self.act_fn(gate) * up
 
 

@@ -7,7 +7,7 @@ sends its tokens through the ``EPImplementation`` that ``ep_implementation`` nam
 ``transformers.distributed.expert_parallel`` is imported; ``ep_fuse/__init__.py``): :class:`EpFuseEP` runs
 ``ep_fuse::ep_dispatch`` -> ``ep_fuse::moe_experts`` on the local experts -> ``ep_fuse::ep_combine``, the ops the
 EP pass inserts for a model sharded by :func:`ep_fuse.shard_experts`. Compiled with ``backend="ep_fuse"``, the
-EP pass re-chooses the engine of each such block from ``ep_backend`` (``docs/ep.md``).
+EP pass re-chooses the engine of each such block from ``ep_engine`` (``docs/ep.md``).
 
 :func:`for_inference` turns the loaded model into plain tensors for inference: the FSDP-sharded dense weights
 are gathered once (every rank holds them whole, as data-parallel attention needs) and FSDP's hooks removed, the
@@ -34,7 +34,14 @@ RECORD = "ep_fuse_hf_ep"
 """Attribute of an experts module that holds its :class:`EpFuseEP` (read by :func:`for_inference`)."""
 
 DEFAULT_TIMEOUT_S = 300.0
-ANNOUNCED: list[bool] = []
+
+
+@functools.lru_cache(maxsize=None)
+def announce(world: int) -> None:
+    """Say how to get one compiled graph (logged once per process and world size: the cache remembers)."""
+    log.info('ep_fuse: ep_implementation="%s" on %d ranks; after loading, call '
+             "ep_fuse.models.hf_expert_parallel.for_inference(model) on every rank for one compiled "
+             "graph (FSDP's hooks split it otherwise)", NAME, world)
 
 
 def plain_swiglu(experts: torch.nn.Module) -> bool:
@@ -80,22 +87,18 @@ def implementation_class() -> type:
             self.group_name: str = group.group_name
             self.world: int = ep_mesh.size()
             self.num_experts: int = self.num_local_experts * self.world
-            self.backend = "all_to_all"
+            self.engine = "all_to_all"
             self.capacity = 0
             self.timeout_s = DEFAULT_TIMEOUT_S
             self.fused = plain_swiglu(experts)
             self.experts = experts
             object.__setattr__(experts, RECORD, self)  # not a submodule: a plain attribute
-            if not ANNOUNCED:
-                ANNOUNCED.append(True)
-                log.info('ep_fuse: ep_implementation="%s" on %d ranks; after loading, call '
-                         "ep_fuse.models.hf_expert_parallel.for_inference(model) on every rank for one compiled "
-                         "graph (FSDP's hooks split it otherwise)", NAME, self.world)
+            announce(self.world)
 
         def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor) -> torch.Tensor:
             ops = torch.ops.ep_fuse
-            common = (self.num_experts, self.group_name, self.backend, "rank", self.capacity, float(self.timeout_s))
+            common = (self.num_experts, self.group_name, self.engine, "rank", self.capacity, float(self.timeout_s))
             recv_x, recv_ids, recv_w, handle = ops.ep_dispatch(hidden_states, top_k_index, top_k_weights, *common)
             y = self.local_experts(recv_x, recv_ids, recv_w, hidden_states.dtype)
             return ops.ep_combine(y, handle, top_k_index, top_k_weights, *common, None)
@@ -127,19 +130,21 @@ def register() -> bool:
     return True
 
 
-def configure(model: torch.nn.Module, *, backend: str | None = None, capacity: int | None = None,
-              timeout_s: float | None = None) -> int:
-    """Set the engine (``all_to_all`` and the other ``ep_backend`` names but ``auto``), static capacity and
+def configure(model: torch.nn.Module, *, engine: str | None = None, capacity: int | None = None,
+              timeout_s: float | None = None, backend: str | None = None) -> int:
+    """Set the engine (``all_to_all`` and the other ``ep_engine`` names but ``auto``), static capacity and
     timeout that the ``ep_fuse`` EP implementation of every experts module of ``model`` uses when it runs
     outside ``backend="ep_fuse"`` (eager, other compilers); the EP pass re-chooses the engine under
-    ``backend="ep_fuse"``. Returns the number of experts modules set."""
-    if backend == "auto":
-        raise EpError("ep_fuse: configure(backend='auto') is chosen by the compiler; name an engine, e.g. "
-                      "'all_to_all', or leave backend unset")
+    ``backend="ep_fuse"`` (``backend``: the engine's first name, kept as an alias). Returns the number of experts
+    modules set."""
+    engine = engine if backend is None else backend
+    if engine == "auto":
+        raise EpError("ep_fuse: configure(engine='auto') is chosen by the compiler; name an engine, e.g. "
+                      "'all_to_all', or leave engine unset")
     impls = ep_implementations(model)
     for impl in impls:
-        if backend is not None:
-            impl.backend = backend
+        if engine is not None:
+            impl.engine = engine
         if capacity is not None:
             impl.capacity = int(capacity)
         if timeout_s is not None:
@@ -173,6 +178,17 @@ def drop_fsdp(module: torch.nn.Module) -> bool:
         module.__class__ = next(b for b in cls.__bases__ if b.__name__ != "FSDPModule")
         found = True
     return found
+
+
+def prepare_loaded(model: torch.nn.Module) -> bool:
+    """:func:`ep_fuse.prepare`'s step for a model loaded with HF's native EP (``ep_implementation="ep_fuse"``):
+    :func:`for_inference` once (collective: every rank calls ``prepare``), so that ``torch.compile`` sees one
+    graph instead of the pieces FSDP's hooks cut. Returns whether it ran; other models and a model already
+    prepared (``model.ep_fuse_ep`` recorded) are left as they are."""
+    if getattr(model, "ep_fuse_ep", None) is not None or not ep_implementations(model):
+        return False
+    for_inference(model)
+    return True
 
 
 def for_inference(model: torch.nn.Module) -> torch.nn.Module:

@@ -94,15 +94,16 @@ def dataflow_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tens
 
 
 # --------------------------------------------------------------------------- the recorder
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value`` (nested tuples, lists and dict values), in order."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for v in value:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
 @dataclass(eq=False)
@@ -141,7 +142,7 @@ class _Recorder(TorchFunctionMode):
         return self.tags.get(id(t), 0) | self.storage_tags.get(_storage(t), 0)
 
     def add(self, value: Any, bits: int) -> None:
-        for t in _tensors(value):
+        for t in tensors_in(value):
             self.alive.append(t)
             self.tags[id(t)] = self.tags.get(id(t), 0) | bits
 
@@ -164,7 +165,7 @@ class _Recorder(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         self.clock += 1
-        arg_tags = [self.tag(t) for t in _tensors((args, kwargs))]
+        arg_tags = [self.tag(t) for t in tensors_in((args, kwargs))]
         out = func(*args, **kwargs)
         union = 0
         for bits in arg_tags:
@@ -179,7 +180,7 @@ class _Recorder(TorchFunctionMode):
         if args and isinstance(args[0], torch.Tensor) and (name in _IN_PLACE or (name.endswith("_") and
                                                                                   not name.startswith("__"))):
             mutated.append(args[0])
-        for t in _tensors(mutated):
+        for t in tensors_in(mutated):
             self.add(t, union)
             key = _storage(t)
             if key:
@@ -377,7 +378,7 @@ def _analyse(block: nn.Module, list_name: str, record: _Record) -> LoopPlan:
         raise LoopNotRecognised("the routed experts' outputs do not reach the block output")
     seen = _routed_tokens(record, num_experts)
     router, ids_at = _find_router(record, seen)
-    tensors = list(_tensors((router.args, router.kwargs)))
+    tensors = list(tensors_in((router.args, router.kwargs)))
     arg = _as_tokens(router.args[0], record.x) if len(router.args) == 1 and not router.kwargs else None
     if arg is None or len(tensors) != 1:
         raise LoopNotRecognised(f"the router {router.name} takes more than the block's tokens")

@@ -11,8 +11,9 @@ AOTAutograd functionalizes it (``auto_functionalized``) and Inductor re-inplaces
 
 Only the index-based update of HF's full-attention and sliding-window allocators is replaced, for caches whose
 per-layer views were checked at construction to be the rows ``[offset:]`` of one ``[tokens, H, D]`` view of the
-allocator's cache tensor; everything else (the block-table decode fast path, other allocators) runs HF's own
-method (a graph break, as before). :func:`cb_compile_configs` gives the ``CompileConfig`` pair for both paths.
+allocator's cache tensor, and that of transformers 5.25's MLA allocator (``paged_latent_update``: one row
+``latent | rope`` per token, the layer's views the column slices of its rows); everything else (the block-table
+decode fast path, other allocators) runs HF's own method (a graph break, as before). :func:`cb_compile_configs` gives the ``CompileConfig`` pair for both paths.
 """
 
 from __future__ import annotations
@@ -86,6 +87,74 @@ paged_kv_write = define_op(
     _write_impl, _write_fake)
 
 
+def _latent_views(cache: torch.Tensor, row: int, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = cache[row:]
+    return rows[:, :split], rows[:, split:]
+
+
+def _latent_update_impl(cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, read_index: torch.Tensor,
+                        write_index: torch.Tensor, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's compressed cache (transformers 5.25's ``MLACacheAllocator``): one row ``latent | rope`` per token of
+    ``cache`` [tokens, R + P], the layer's rows from ``row``. Write ``latent`` [T, 1, R] and ``rope`` [T, 1, P] at
+    ``write_index``, return both latents at ``read_index`` ([N, 1, R], [N, 1, P])."""
+    _latent_write_impl(cache, latent, rope, write_index, row)
+    lat_cache, rope_cache = _latent_views(cache, row, latent.shape[-1])
+    return (torch.index_select(lat_cache, 0, read_index).unsqueeze(1),
+            torch.index_select(rope_cache, 0, read_index).unsqueeze(1))
+
+
+def _latent_update_fake(cache, latent, rope, read_index, write_index, row):
+    return (cache.new_empty((read_index.shape[0], *latent.shape[-2:])),
+            cache.new_empty((read_index.shape[0], *rope.shape[-2:])))
+
+
+def _latent_write_impl(cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor, write_index: torch.Tensor,
+                       row: int) -> None:
+    """Write the latents at ``write_index`` (a batch that reads no cached rows)."""
+    lat_cache, rope_cache = _latent_views(cache, row, latent.shape[-1])
+    lat_cache.index_copy_(0, write_index, latent.flatten(1))
+    rope_cache.index_copy_(0, write_index, rope.flatten(1))
+
+
+def _latent_write_fake(cache, latent, rope, write_index, row):
+    return None
+
+
+paged_latent_update = define_op(
+    NAMESPACE, "paged_latent_update",
+    "(Tensor(a!) cache, Tensor latent, Tensor rope, Tensor read_index, Tensor write_index, int row) "
+    "-> (Tensor, Tensor)",
+    _latent_update_impl, _latent_update_fake)
+paged_latent_write = define_op(
+    NAMESPACE, "paged_latent_write",
+    "(Tensor(a!) cache, Tensor latent, Tensor rope, Tensor write_index, int row) -> ()",
+    _latent_write_impl, _latent_write_fake)
+
+
+def latent_offsets(allocator: Any) -> dict[int, tuple[int, int]] | None:
+    """``{layer: (row, kv_lora_rank)}`` if every per-layer latent view HF made is ``cache[row:, :R]`` /
+    ``cache[row:, R:]`` of the allocator's ``[tokens, R + P]`` cache tensor, else None."""
+    cache = getattr(allocator, "cache_tensor", None)
+    views = getattr(allocator, "_latent_token_views", None)
+    split = getattr(allocator, "kv_lora_rank", None)
+    if (not isinstance(cache, torch.Tensor) or cache.dim() != 2 or not cache.is_contiguous() or not views
+            or not isinstance(split, int) or not 0 < split < cache.shape[1]):
+        return None
+    offsets = {}
+    for layer, pair in views.items():
+        lat = pair[0]
+        delta = lat.storage_offset() - cache.storage_offset()
+        if delta % cache.stride(0) or lat.untyped_storage().data_ptr() != cache.untyped_storage().data_ptr():
+            return None
+        row = delta // cache.stride(0)
+        want = _latent_views(cache, row, split)
+        if any(v.dtype != w.dtype or v.shape != w.shape or v.stride() != w.stride()
+               or v.storage_offset() != w.storage_offset() for v, w in zip(pair, want)):
+            return None
+        offsets[int(layer)] = (row, split)
+    return offsets
+
+
 def _layer_offsets(allocator: Any) -> dict[int, tuple[int, int]] | None:
     """``{layer: (k_row, v_row)}`` if every per-layer view HF made is ``flat[row:]`` of ``cache_tensor``, else None."""
     cache = getattr(allocator, "cache_tensor", None)
@@ -122,6 +191,12 @@ def _traceable_update(original: Any, self: Any, key_states: torch.Tensor, value_
     write_index = kwargs["write_index"][allocator.index]
     k_row, v_row = offsets[layer_idx]
     key, value = (x.squeeze(0).transpose(0, 1) for x in (key_states, value_states))
+    if getattr(allocator, "ep_fuse_latents", False):  # MLA: (row, kv_lora_rank)
+        if read_index.numel() == 0:
+            paged_latent_write(allocator.cache_tensor, key, value, write_index, k_row)
+            return key_states, value_states
+        key, value = paged_latent_update(allocator.cache_tensor, key, value, read_index, write_index, k_row)
+        return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
     if read_index.numel() == 0:
         paged_kv_write(allocator.cache_tensor, key, value, write_index, k_row, v_row)
         return key_states, value_states
@@ -137,19 +212,26 @@ def _checked_init(original_init: Any, self: Any, *args: Any, **kwargs: Any) -> N
     from transformers.generation.continuous_batching.cache_allocators.sliding_attention import (
         SlidingAttentionCacheAllocator)
 
+    try:  # transformers >= 5.25: MLA layers cache their compressed latents
+        from transformers.generation.continuous_batching.cache_allocators import MLACacheAllocator
+    except ImportError:
+        MLACacheAllocator = None  # noqa: N806
+
     for name, allocator in getattr(self, "cache_allocators", {}).items():
-        if type(allocator) not in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator):
+        latents = MLACacheAllocator is not None and type(allocator) is MLACacheAllocator
+        if not latents and type(allocator) not in (FullAttentionCacheAllocator, SlidingAttentionCacheAllocator):
             log.warning("ep_fuse: continuous-batching allocator %r (%s) is not one ep_fuse knows; its layers "
                         "keep HF's compiler-disabled cache update (one graph break per layer)",
                         name, type(allocator).__name__)
             continue
-        offsets = _layer_offsets(allocator)
+        offsets = latent_offsets(allocator) if latents else _layer_offsets(allocator)
         if offsets is None:
             log.warning("ep_fuse: the KV views of continuous-batching allocator %r are not row offsets of one "
                         "cache tensor; its layers keep HF's compiler-disabled cache update", name)
             continue
         setattr(allocator, OFFSETS_ATTR, offsets)
         allocator.ep_fuse_sliding = type(allocator) is SlidingAttentionCacheAllocator
+        allocator.ep_fuse_latents = latents
 
 
 _ORIGINALS: dict[str, Any] = {}

@@ -10,8 +10,13 @@ from typing import Any
 
 import torch
 
-from ep_fuse.models.expert_loops import convert_expert_loops
+from ep_fuse.models.expert_loops import convert_expert_loops, report_refusal
+from ep_fuse.models.moe_semantics import convert_semantic_blocks
 from ep_fuse.models.fp8_experts import convert_fp8_experts
+from ep_fuse.models.hf_expert_parallel import prepare_loaded as prepare_hf_expert_parallel
+from ep_fuse.models.hookless_experts import convert_hookless_experts
+from ep_fuse.models.hub_kernels import restore_plain_forwards
+from ep_fuse.models.inference_mode import unwrap_inference_mode
 from ep_fuse.models.paged_attention import install as install_paged_cache_update
 from ep_fuse.models.varlen_attention import enable as enable_varlen_attention
 
@@ -39,12 +44,17 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
       ``kernels-community/finegrained-fp8`` hub kernel; they get a forward that dequantizes the
       block-scaled weights (``ep_fuse::fp8_block_dequant``) and runs the same ``experts_implementation``
       (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
+    * 3-D experts without transformers' experts-implementation switch (an eager loop over the hit experts: Step-3.7,
+      Gemma-4 where its version lacks the hook): they run the same ``experts_implementation`` once it reproduced
+      their own forward (:mod:`ep_fuse.models.hookless_experts`).
     * continuous batching (``generate_batch``, ``transformers serve``): HF's paged KV-cache update, a graph
       break per layer, becomes one opaque op so each forward is one graph
       (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent), and where every layer can take it and
       a fused provider runs it (CUDA, fp16/bf16), its SDPA over a dense host-built ``[tokens, keys read]`` mask
       becomes ``ep_fuse::varlen_attention`` over each request's own keys, no mask built
       (:mod:`ep_fuse.models.varlen_attention`).
+    * ``@torch.inference_mode()`` forwards (torch 2.13 cannot compile them when an output views an input) run
+      the undecorated forward under ``torch.no_grad()`` (:mod:`ep_fuse.models.inference_mode`).
 
     Models without experts are returned unchanged.
     """
@@ -53,19 +63,44 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
             f"ep_fuse.prepare: experts_implementation={experts_implementation!r}; use one of {TRACEABLE_EXPERTS} "
             "(the eager per-expert loop cannot be captured as one graph)"
         )
+    prepare_hf_expert_parallel(model)  # HF's native EP (ep_implementation="ep_fuse"): for_inference, every rank
+    restore_plain_forwards(model)  # transformers' Hub kernels on layers ep_fuse fuses (add+RMSNorm, RoPE, SwiGLU)
     setter = getattr(model, "set_experts_implementation", None)
     can_set = getattr(model, "_can_set_experts_implementation", None)
     switched = setter is not None and not (callable(can_set) and not _safe(can_set))
     if switched:
         setter(experts_implementation)
         log.info("ep_fuse.prepare: %s uses experts_implementation=%s", type(model).__name__, experts_implementation)
+    unwrapped = unwrap_inference_mode(model, strict)
     fp8 = convert_fp8_experts(model, experts_implementation, strict)
+    hookless = convert_hookless_experts(model, experts_implementation, strict)
     install_paged_cache_update()
     enable_varlen_attention(model)
-    if not convert_expert_loops(model, experts_implementation, strict) and not switched and not fp8:
+    loops = convert_expert_loops(model, experts_implementation, strict, report_refusals=False)
+    semantic = _convert_semantic(model, experts_implementation, loops, strict)
+    if not (loops or semantic or switched or fp8 or hookless or unwrapped):
         log.info("ep_fuse.prepare: %s has no switchable experts and no per-expert loops; unchanged",
                  type(model).__name__)
     return model
+
+
+def _convert_semantic(model: Any, implementation: str, loops: list[Any], strict: bool) -> list[Any]:
+    """MoE blocks of any spelling recognised by what they compute (:mod:`ep_fuse.models.moe_semantics`), after the
+    known loop forms; a loop block refused by both is reported once, with both reasons."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    converted = {id(c.block) for c in loops if c.converted}
+    refused = {id(c.block): c for c in loops if not c.converted}
+    semantic = convert_semantic_blocks(model, implementation, skip=converted, strict=strict,
+                                       quiet=set(refused))
+    by_block = {s.block_id: s for s in semantic}
+    for key, loop in refused.items():
+        other = by_block.get(key)
+        if other is not None and other.converted:
+            continue
+        reason = loop.reason if other is None else f"{loop.reason}; by what it computes: {other.reason}"
+        report_refusal(loop.path, loop.block, reason, strict)
+    return semantic
 
 
 def _safe(fn: Any) -> bool:
@@ -98,7 +133,7 @@ def dynamic_batch(inputs: dict[str, Any], names: tuple[str, ...] = ("input_ids",
     with a WARNING. Measured on a GPU with torch 2.11 (``docs/benchmarks.md``), the cuDNN backend guards on the unbacked batch
     (``Eq(u0, 1)``) whenever the attention has a mask, which breaks the graph at every attention layer for
     ``backend="ep_fuse"`` and ``backend="inductor"`` alike (20 graphs for a 2-layer model over the sequence of
-    ``tools/check_dynamic.py`` instead of 4 with plain ``dynamic=True``; ``docs/benchmarks.md#dynamic-shapes``).
+    ``experiments/2026-12/check_dynamic.py`` instead of 4 with plain ``dynamic=True``; ``docs/benchmarks.md#dynamic-shapes``).
     With cuDNN's SDPA off both backends compiled 2 graphs there (``docs/benchmarks.md``).
 
     Call it on the inputs of every call (marks live on the tensors); returns ``inputs`` (updated in place).

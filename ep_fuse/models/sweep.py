@@ -43,6 +43,7 @@ SIZES: dict[str, Any] = {
     "max_position_embeddings": 128, "intermediate_size": 96, "moe_intermediate_size": 48,
     "shared_expert_intermediate_size": 96, "shared_intermediate_size": 64, "shared_experts_intermediate_size": 48,
     "moe_shared_expert_intermediate_size": 48, "intermediate_size_mlp": 96, "dense_intermediate_size": 96,
+    "first_dense_intermediate_size": 96,
     "expert_ffn_hidden_size": 48, "ffn_hidden_size": 96, "num_experts_per_tok": TOP_K, "moe_topk": TOP_K,
     "top_k_experts": TOP_K, "q_lora_rank": 48, "kv_lora_rank": 32, "o_lora_rank": 32, "qk_rope_head_dim": 16,
     "qk_nope_head_dim": 16, "v_head_dim": 16, "qk_head_dim": 32, "index_head_dim": 32, "index_n_heads": 2,
@@ -81,6 +82,18 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "dbrx": {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 128, "vocab_size": 128,
              "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": 96, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K}},
+    "dots1": {"n_shared_experts": 1},  # its default None fails in Dots1MoE (moe_intermediate_size * None)
+    # MLA sliding layers check head_dim == qk_nope_head_dim + qk_rope_head_dim
+    "dots3_note": {"head_dim": 32},
+    # query-sparse attention: the indexer's sizes have no default (None // None in its __init__)
+    "qwen4_exp": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                  "indexer_compress_ratio": 4, "hc_lowrank": 16},
+    # sliding and indexed-attention layers (one indexer), one dense layer first; the indexer's pool and top-k
+    # smaller than the 16 tokens, so that its sparse path runs
+    "kolibri1_1": {"num_hidden_layers": 3,
+                   "layer_types": ["sliding_attention", "sliding_attention", "indexed_attention"], "mlp_only_layers": [0], "index_layers": [2], "kv_source_layers": [0, 1, 2], "index_num_heads": 2,
+                   "index_topk": 4, "index_pool_size": 8, "index_compression": 4, "index_num_local_tokens": 4,
+                   "index_num_sink_tokens": 2, "mlp_only_intermediate_size": 96},
     "gemma4": {"enable_moe_block": True, "num_experts": EXPERTS, "top_k_experts": TOP_K, "moe_intermediate_size": 48},
 }
 """Settings a family needs beyond the generic rules (applied last); ``keep_layers``: the indices of the default
@@ -150,9 +163,39 @@ def _keep_layers(lists: dict[str, list[Any]], layers: int) -> list[int]:
     return sorted(keep)
 
 
+def _per_layer_values(cfg: Any) -> list[dict[str, Any]]:
+    """Each layer's own values of the per-layer attributes of a heterogeneous config (``[]`` if homogeneous), read
+    through transformers' ``config.per_layer_config[i]``."""
+    attrs = sorted(getattr(cfg, "per_layer_attributes", None) or ())
+    if not attrs:
+        return []
+    return [{a: getattr(layer, a) for a in attrs} for layer in cfg.per_layer_config]
+
+
+def _tiny_layer_value(default: Any, tiny: Any, value: Any) -> Any:
+    """A layer's own value of an attribute whose global ``default`` shrinks to ``tiny``: scaled by the same integer
+    factor where it is a whole multiple or divisor of the default (Gemma-4's 512 vs 256 head dim: 2 x tiny), else
+    the global tiny value (the layer then differs only in kind, not in size)."""
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (default, tiny, value)) or default == tiny:
+        return value if default == tiny else tiny
+    if value == default or value <= 0 or default <= 0:
+        return tiny
+    if value % default == 0:
+        return tiny * (value // default)
+    if default % value == 0 and tiny % (default // value) == 0:
+        return tiny // (default // value)
+    return tiny
+
+
 def tiny_overrides(family: str, cfg: Any) -> dict[str, Any]:
-    """The attribute values that shrink ``cfg`` (a default config of ``family``)."""
+    """The attribute values that shrink ``cfg`` (a default config of ``family``).
+
+    A heterogeneous config (transformers' ``per_layer_config``: e.g. Gemma-4's ``head_dim`` of its full-attention
+    layers) is read through its global values, and the kept layers' own values are shrunk by
+    :func:`_tiny_layer_value` into a new ``per_layer_config``."""
     new: dict[str, Any] = {}
+    if getattr(cfg, "is_heterogeneous", False):
+        cfg.allow_global_per_layer_attribute_access = True  # our own default instance: read the global values
     for k, v in SIZES.items():
         old = getattr(cfg, k, False)
         if (isinstance(old, int) and not isinstance(old, bool)) or (old is None and k in DERIVED_WHEN_NONE):
@@ -182,10 +225,20 @@ def tiny_overrides(family: str, cfg: Any) -> dict[str, Any]:
     layers = getattr(cfg, "num_hidden_layers", None)
     if isinstance(layers, int):
         lists = _layer_lists(cfg, layers)
-        keep = family_new.pop("keep_layers", None) or _keep_layers(lists, layers)
+        per_layer = _per_layer_values(cfg)
+        kinds = {**lists, "per_layer_config": per_layer} if per_layer else lists
+        keep = family_new.pop("keep_layers", None) or _keep_layers(kinds, layers)
         new["num_hidden_layers"] = len(keep)
         for k, v in lists.items():
             new[k] = [v[i] for i in keep]
+        if per_layer:
+            new["per_layer_config"] = {}  # explicit even when empty: Gemma-4 would otherwise derive its defaults
+            for j, i in enumerate(keep):
+                values = {a: _tiny_layer_value(getattr(cfg, a), new.get(a, getattr(cfg, a)), v)
+                          for a, v in per_layer[i].items()}
+                values = {a: v for a, v in values.items() if v != new.get(a, getattr(cfg, a))}
+                if values:
+                    new["per_layer_config"][j] = values
     for k in ("moe_layers",):
         if isinstance(getattr(cfg, k, None), list):
             new[k] = list(range(new.get("num_hidden_layers", LAYERS)))
@@ -232,11 +285,15 @@ class Run:
     rel: float | None = None
     """``max |compiled - eager| / max |eager|`` of the logits."""
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    variants: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Matches per ``pattern[variant]``."""
     graphs: int = 0
     fallbacks: list[str] = dataclasses.field(default_factory=list)
     """Graphs that ran unrewritten because a pass failed (``GraphReport.skipped``)."""
     error: str | None = None
     seconds: float = 0.0
+    eager_finite: bool = True
+    """The eager logits are finite (fp16 overflows in some families: then the dtype is not pinned)."""
 
 
 @dataclasses.dataclass
@@ -302,14 +359,19 @@ def _logits(out: Any) -> torch.Tensor:
 
 
 def compile_once(model: torch.nn.Module, inputs: dict[str, Any], ref: torch.Tensor, backend: str, dtype: str,
-                 executor: str) -> Run:
-    """Compile ``model`` with ``backend`` (fresh Dynamo state), run it once and compare with ``ref``."""
+                 executor: str, providers: dict[str, list[str]] | None = None) -> Run:
+    """Compile ``model`` with ``backend`` (fresh Dynamo state), run it once and compare with ``ref``.
+
+    ``providers`` (ep_fuse's option, e.g. ``{"cpu": ["reference"]}``) does not change which sites fuse: on a CPU
+    the reference alone is several times faster than the Triton interpreter, which is enough for site counts."""
     run = Run(backend=backend if backend == "inductor" else f"ep_fuse/{executor}", dtype=dtype)
     torch._dynamo.reset()
     ep_fuse.reset_reports()
     t0 = time.perf_counter()
     try:
-        opts = {"executor": executor} if backend == "ep_fuse" else None
+        opts: dict[str, Any] | None = None
+        if backend == "ep_fuse":
+            opts = {"executor": executor, **({"providers": providers} if providers else {})}
         with torch.no_grad():
             out = _logits(torch.compile(model, backend=backend, options=opts)(**inputs))
         diff = (out.float() - ref.float()).abs()
@@ -325,19 +387,27 @@ def compile_once(model: torch.nn.Module, inputs: dict[str, Any], ref: torch.Tens
         for rep in reports:
             for k, v in rep.counts().items():
                 run.counts[k] = run.counts.get(k, 0) + v
+            for match in rep.matches:
+                key = f"{match.pattern}[{match.variant}]"
+                run.variants[key] = run.variants.get(key, 0) + 1
             if rep.skipped and "rewrite failed" in rep.skipped:
                 run.fallbacks.append(rep.skipped)
     torch._dynamo.reset()
     return run
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+REFERENCE_ONLY = {"cpu": ["reference"], "cuda": ["reference"]}
+"""ep_fuse's ``providers`` option that lowers every site to its reference (the counts are the same)."""
 
 
 def sweep_family(family: str, dtypes: tuple[str, ...] = ("fp32",), executor: str = "eager",
-                 inductor: bool = False, device: str = "cpu") -> FamilyResult:
+                 inductor: bool = False, device: str = "cpu",
+                 providers: dict[str, dict[str, list[str]]] | None = None) -> FamilyResult:
     """Build ``family`` tiny in each dtype on ``device``, compile it with ep_fuse (and Inductor) and compare with
-    eager."""
+    eager. ``providers``: dtype -> ep_fuse's ``providers`` option for that dtype's compile (default: every
+    provider)."""
     res = FamilyResult(family)
     t0 = time.perf_counter()
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in example_inputs().items()}
@@ -355,7 +425,8 @@ def sweep_family(family: str, dtypes: tuple[str, ...] = ("fp32",), executor: str
             log.info("ep_fuse.sweep: %s cannot be built tiny", family, exc_info=exc)
             break
         res.built = True
-        res.runs.append(compile_once(model, inputs, ref, "ep_fuse", dt, executor))
+        res.runs.append(compile_once(model, inputs, ref, "ep_fuse", dt, executor, (providers or {}).get(dt)))
+        res.runs[-1].eager_finite = bool(torch.isfinite(ref).all())
         if inductor:
             res.runs.append(compile_once(model, inputs, ref, "inductor", dt, executor))
         del model
@@ -417,6 +488,30 @@ def markdown(results: list[FamilyResult], dtypes: tuple[str, ...], inductor: boo
     lines.append(f"{t['moe_experts']} of {t['moe_blocks']} routed MoE blocks get moe_experts, "
                  f"{t['moe_gating']} of {t['moe_blocks']} get moe_gating ({dtypes[0]}).")
     return "\n".join(lines)
+
+
+PINNED = ("moe_experts", "moe_gating", "add_rms_norm", "rms_norm", "rope", "gemm_swiglu")
+"""Patterns pinned per dtype by ``tests/test_sweep.py`` (with whatever else a run counts)."""
+
+
+def pins(res: FamilyResult) -> dict[str, Any] | str:
+    """``tests/support/sweep_expected.py``'s entry for one family: the routed MoE blocks and, per dtype, every
+    pattern's site count (``PINNED`` at least, 0 included), or ``"skip: <why>"`` for a dtype the family does not
+    run in (a compile error, or eager logits that are not finite) and for a family that does not build."""
+    if not res.built:
+        return f"skip: {res.skip}"
+    out: dict[str, Any] = {"moe_blocks": res.moe_blocks}
+    if res.skip:  # a later dtype failed eagerly (built in the first)
+        out["skip"] = res.skip[:160]
+    for run in res.runs:
+        if not run.backend.startswith("ep_fuse"):
+            continue
+        if run.error or not run.eager_finite:
+            out[run.dtype] = f"skip: {run.error or 'eager logits not finite (overflow)'}"[:160]
+        else:
+            out[run.dtype] = {**{k: run.counts.get(k, 0) for k in PINNED},
+                              **{k: v for k, v in sorted(run.counts.items()) if k not in PINNED}}
+    return out
 
 
 def to_json(results: list[FamilyResult]) -> list[dict[str, Any]]:

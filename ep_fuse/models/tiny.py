@@ -24,7 +24,8 @@ EXPECTED_SITES = {
     "deepseek_v3": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "deinterleave"),
     "deepseek_v2": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "complex"),
     "glm4_moe": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2, "moe_experts": 1, "moe_gating": 1}, "partial"),  # + q/k-norm
-    "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4}, "chunk"),  # its GLU is not SwiGLU
+    # its GLU is not SwiGLU; its routers take a bf16 softmax of the top-k values (moe_gating with score_dtype=bf16)
+    "gpt_oss": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "moe_gating": 2}, "chunk"),
     "llama4": ({"add_rms_norm": 4, "rms_norm": 5, "rope": 4, "gemm_swiglu": 2}, "complex"),  # + L2 q/k-norm
     # router: top-k of the logits, softmax of the K values
     "granitemoe": ({"add_rms_norm": 4, "rms_norm": 1, "rope": 4, "moe_experts": 2, "moe_gating": 2}, "half"),
@@ -46,10 +47,10 @@ without RoPE."""
 NOT_MOE_BLOCKS = {"gpt_oss": 2}
 """Models whose expert blocks are candidates (a ``sort`` of routed ids) that must not match: near misses."""
 
-DECLINED_ROUTERS = {"gpt_oss": 2, "llama4": 2}
-"""Models whose routers are candidates declined on purpose (near misses at their ``topk``): GPT-OSS takes a
-bf16 softmax of its top-k values, whose bf16 rounding the fused providers do not reproduce bitwise; Llama-4's
-dense [T, E] scores are a form recognised to say why it is not fused (``moe_gating[dense_topk_sigmoid]``)."""
+DECLINED_ROUTERS = {"llama4": 2}
+"""Models whose routers are candidates declined on purpose (near misses at their ``topk``): Llama-4's dense [T, E]
+scores are a form recognised to say why it is not fused (``moe_gating[dense_topk_sigmoid]``). (GPT-OSS's bf16
+softmax of its top-k values fuses with ``score_dtype=bf16``; the fused providers decline that, the reference runs.)"""
 
 
 def _config(name: str, **overrides: Any) -> Any:

@@ -1,14 +1,14 @@
 """The EP family: the canonical ops ``ep_fuse::ep_dispatch`` / ``ep_fuse::ep_combine`` and the table of engines
 that run them.
 
-``ep_dispatch(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s)
+``ep_dispatch(x, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity, timeout_s)
 -> (recv_x, recv_ids, recv_weights, handle)`` sends each token to the ranks owning its experts;
-``ep_combine(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+``ep_combine(y, handle, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity,
 timeout_s, out_dtype) -> out [T, H]`` returns and reduces. Layouts, shapes and the handle format:
 :mod:`ep_fuse.ops.ep_layout`.
 
-* The kernels run the engine named by ``backend`` (``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu``,
-  ``symm_mem``), looked up in a table the engines fill from their own modules (:func:`register_ep_provider`,
+* The kernels run the engine named by ``engine`` (``all_to_all``, ``deepep``, ``deepep_low_latency``, ``npu``,
+  ``symm_mem``), looked up in a table the engines fill from their own modules (:func:`register_engine`,
   called by :mod:`ep_fuse.ep.all_to_all` etc.; :mod:`ep_fuse.catalog` imports them). The EP pass picks the
   engine at compile time, identically on every rank, so dispatch and combine of one block always use the
   same one. ``all_to_all`` is the reference.
@@ -62,16 +62,16 @@ def resolve_group(group: Any) -> Any:
 
 
 DISPATCH_SCHEMA = (
-    "(Tensor x, Tensor topk_ids, Tensor topk_weights, int num_experts, str group_name, str backend, str layout, "
+    "(Tensor x, Tensor topk_ids, Tensor topk_weights, int num_experts, str group_name, str engine, str layout, "
     "int capacity, float timeout_s) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 COMBINE_SCHEMA = (
     "(Tensor y, Tensor handle, Tensor topk_ids, Tensor topk_weights, int num_experts, str group_name, "
-    "str backend, str layout, int capacity, float timeout_s, ScalarType? out_dtype) -> Tensor"
+    "str engine, str layout, int capacity, float timeout_s, ScalarType? out_dtype) -> Tensor"
 )
 
 @dataclasses.dataclass(frozen=True)
-class EpProvider:
+class EpEngine:
     """One dispatch/combine engine: its kernels, the receive layout it produces, and the compile-time
     checks the EP pass asks before choosing it (decided from static shapes and options, alike on every rank)."""
 
@@ -96,61 +96,66 @@ class EpProvider:
     id -1), so the local experts may read it in place (``moe_experts_masked``, ``ep_fuse.passes.ep_masked``)."""
 
 
-_PROVIDERS: dict[str, EpProvider] = {}
+_ENGINES: dict[str, EpEngine] = {}
 
 
 def _nothing(*_args: Any) -> None:
     return None
 
 
-def register_ep_provider(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any], *, layout: str,
+def register_engine(name: str, dispatch: Callable[..., Any], combine: Callable[..., Any], *, layout: str,
                          available: Callable[[], str | None] = _nothing,
                          supports: Callable[..., str | None] = _nothing,
                          contracts: dict[str, str] | None = None, row_bytes: int = 1,
-                         masked_blocks: bool = False) -> EpProvider:
-    """Make ``ep_backend=name`` run ``dispatch`` / ``combine`` (signatures on :class:`EpProvider`)."""
-    prov = _PROVIDERS[name] = EpProvider(name, dispatch, combine, layout, available, supports, dict(contracts or {}),
+                         masked_blocks: bool = False) -> EpEngine:
+    """Make ``ep_engine=name`` run ``dispatch`` / ``combine`` (signatures on :class:`EpEngine`)."""
+    prov = _ENGINES[name] = EpEngine(name, dispatch, combine, layout, available, supports, dict(contracts or {}),
                                          row_bytes, masked_blocks)
     return prov
 
 
-def ep_provider(backend: str) -> EpProvider:
-    """The engine registered as ``backend`` (:class:`EpError` when there is none)."""
-    if backend not in _PROVIDERS:
-        raise EpError(f"ep_fuse: unknown EP backend {backend!r}; known: {', '.join(sorted(_PROVIDERS)) or 'none'} "
+def engine_names() -> list[str]:
+    """The EP engines registered so far (what the option ``ep_engine`` takes besides ``"auto"``), sorted."""
+    return sorted(_ENGINES)
+
+
+def ep_engine(engine: str) -> EpEngine:
+    """The engine registered as ``engine`` (:class:`EpError` when there is none)."""
+    if engine not in _ENGINES:
+        raise EpError(f"ep_fuse: unknown EP engine {engine!r}; known: {', '.join(sorted(_ENGINES)) or 'none'} "
                       "(import ep_fuse.catalog to register the built-in engines)")
-    return _PROVIDERS[backend]
+    return _ENGINES[engine]
 
 
-def ep_dispatch_impl(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s):
-    """The kernel of ``ep_fuse::ep_dispatch``: the provider named by ``backend``."""
-    return ep_provider(backend).dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
+def ep_dispatch_impl(x, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity, timeout_s):
+    """The kernel of ``ep_fuse::ep_dispatch``: the engine named by ``engine``."""
+    return ep_engine(engine).dispatch(x, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
                                         timeout_s)
 
 
-def ep_combine_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+def ep_combine_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity,
                     timeout_s, out_dtype):
     """The kernel of ``ep_fuse::ep_combine``."""
-    return ep_provider(backend).combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
+    return ep_engine(engine).combine(y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity,
                                  timeout_s, out_dtype)
 
 
-def ep_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity, timeout_s):
+def ep_dispatch_fake(x, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity, timeout_s):
     world = resolve_group(group_name).size()
     t, k = topk_ids.shape
     rows = recv_rows(layout, world, num_experts, t, capacity)
     kk = k if layout == "rank" else 1
     h = x.shape[1]
-    if backend == "all_to_all" and layout == "rank":  # a view of the packed receive buffer (layout.packed_row)
+    if engine == "all_to_all" and layout == "rank":  # a view of the packed receive buffer (layout.packed_row)
         recv_x = x.new_empty(rows, packed_row(h, x.dtype, k, topk_weights.dtype)[0])[:, :h]
     else:
         recv_x = x.new_empty(rows, h)
     return (recv_x, topk_ids.new_empty(rows, kk, dtype=torch.int64),
             topk_weights.new_empty(rows, kk),
-            x.new_empty(handle_len(layout, world, num_experts, t, k, capacity, backend), dtype=torch.int64))
+            x.new_empty(handle_len(layout, world, num_experts, t, k, capacity, engine), dtype=torch.int64))
 
 
-def ep_combine_fake(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+def ep_combine_fake(y, handle, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity,
                     timeout_s, out_dtype):
     if out_dtype is None:
         out_dtype = y.dtype if layout == "rank" else torch.promote_types(y.dtype, topk_weights.dtype)
@@ -207,9 +212,9 @@ def register_ep_async(name: str, dispatch_start: Callable[..., Callable[[], Any]
     return entry
 
 
-def ep_async(backend: str, device: str) -> EpAsync | None:
-    """The async form of ``backend`` on ``device``, or ``None`` (the sync ops then run, without overlap)."""
-    entry = _ASYNC.get(backend)
+def ep_async(engine: str, device: str) -> EpAsync | None:
+    """The async form of ``engine`` on ``device``, or ``None`` (the sync ops then run, without overlap)."""
+    entry = _ASYNC.get(engine)
     return entry if entry is not None and device in entry.devices else None
 
 
@@ -250,37 +255,37 @@ def _sync_start(run: Callable[[], Any]) -> Callable[[], Any]:
     return lambda: out
 
 
-def ep_dispatch_start_impl(x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+def ep_dispatch_start_impl(x, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity,
                            timeout_s):
     """The kernel of ``ep_fuse::ep_dispatch_start``: the engine's async start, or the sync dispatch."""
     args = (x, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s)
-    entry = _ASYNC.get(backend)
+    entry = _ASYNC.get(engine)
     if entry is not None:
         complete = entry.dispatch_start(*args)
     else:
-        complete = _sync_start(lambda: ep_provider(backend).dispatch(*args))
+        complete = _sync_start(lambda: ep_engine(engine).dispatch(*args))
     return _token(x.device, complete)
 
 
-def ep_dispatch_wait_impl(token, x, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+def ep_dispatch_wait_impl(token, x, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity,
                           timeout_s):
     """The kernel of ``ep_fuse::ep_dispatch_wait``: what ``ep_dispatch`` returns."""
     return tuple(_complete(token))
 
 
-def ep_combine_start_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout, capacity,
+def ep_combine_start_impl(y, handle, topk_ids, topk_weights, num_experts, group_name, engine, layout, capacity,
                           timeout_s, out_dtype):
     """The kernel of ``ep_fuse::ep_combine_start``."""
     args = (y, handle, topk_ids, topk_weights, num_experts, group_name, layout, capacity, timeout_s, out_dtype)
-    entry = _ASYNC.get(backend)
+    entry = _ASYNC.get(engine)
     if entry is not None:
         complete = entry.combine_start(*args)
     else:
-        complete = _sync_start(lambda: ep_provider(backend).combine(*args))
+        complete = _sync_start(lambda: ep_engine(engine).combine(*args))
     return _token(y.device, complete)
 
 
-def ep_combine_wait_impl(token, y, handle, topk_ids, topk_weights, num_experts, group_name, backend, layout,
+def ep_combine_wait_impl(token, y, handle, topk_ids, topk_weights, num_experts, group_name, engine, layout,
                          capacity, timeout_s, out_dtype):
     """The kernel of ``ep_fuse::ep_combine_wait``: what ``ep_combine`` returns."""
     return _complete(token)

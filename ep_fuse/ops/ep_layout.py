@@ -57,11 +57,11 @@ def symm_mem_chunks(world: int) -> int:
 
 
 def handle_len(layout: str, world: int, num_experts: int, tokens: int, top_k: int, capacity: int,
-               backend: str = ""):
+               engine: str = ""):
     """Length of the int64 dispatch handle. Rank layout: ``[header, per-peer counts (2W), [T, W] slot
     table]`` (DeepEP leaves the payload unused); ``symm_mem`` appends its received splits (W x chunks)."""
     if layout == "rank":
-        extra = world * symm_mem_chunks(world) if backend == "symm_mem" else 0
+        extra = world * symm_mem_chunks(world) if engine == "symm_mem" else 0
         return HEADER + 2 * world + tokens * world + extra
     return HEADER + tokens * top_k
 

@@ -9,7 +9,7 @@ The quant pass (:mod:`ep_fuse.passes.quant`) rewrites each
 ``align`` (default 1): with ``align > 1`` the permute starts every expert's rows at a multiple of ``align``
 (zero padding rows after each expert's real rows), and the GEMM stages are told so: the layout a
 fixed-tile grouped GEMM such as DeepGEMM's needs (:mod:`ep_fuse.providers.deepgemm`). The quant pass
-chooses it (:func:`ep_fuse.providers.deepgemm.align_for`).
+chooses it (:func:`ep_fuse.providers.deepgemm.fp8.align_for`).
 
 The references below are the semantics (the oracle):
 

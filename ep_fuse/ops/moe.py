@@ -25,6 +25,10 @@ Conventions shared by every MoE op and provider:
   - ``"swigluoai"``: ``g' = g.clamp(max=limit)``, ``(u.clamp(-limit, limit) + 1) * (g' * sigmoid(g' * a))`` with
     ``a`` = :data:`SWIGLUOAI_ALPHA`, each op rounded to the activation dtype (MiniMax-M3 on gate|up halves;
     GPT-OSS writes it on interleaved halves with biases);
+  - ``"gelu_tanh"``: ``gelu(g, approximate="tanh") * u`` in the activation dtype (GeGLU: Gemma-4's experts,
+    transformers' ``gelu_pytorch_tanh``; ``gelu_new``, ``gelu_fast`` and ``gelu_python_tanh`` write the tanh
+    formula out in Python ops, which round differently, and are not this act);
+  - ``"gelu"``: ``gelu(g) * u`` (erf GELU, transformers' ``gelu``; not ``gelu_python``, written out with ``erf``);
   - the non-gated ``"relu2"`` (:data:`UNGATED_ACTS`): ``relu(u) ** 2`` in the activation dtype, where ``w13`` is
     the up projection alone, [E, I, H] (NemotronH).
 
@@ -127,7 +131,15 @@ def grouped_gemm_traceable(args: tuple) -> bool:
 UNGATED_ACTS = ("relu2",)
 """Activations of the up projection alone (no gate): ``w13`` is [E, I, H] and the output is [.., I]."""
 
-ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32", "swigluoai") + UNGATED_ACTS
+GELU_ACTS = {"gelu_tanh": "tanh", "gelu": "none"}
+"""The GeGLU activations and the ``approximate`` argument of ``torch.nn.functional.gelu`` each one is."""
+
+HF_GELU_NAMES = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+"""transformers' ``ACT2FN`` names that are exactly one of :data:`GELU_ACTS` (``F.gelu`` itself); the other GELU names
+(``gelu_new``, ``gelu_fast``, ``gelu_python``, ``gelu_python_tanh``, ``gelu_accurate``, ...) are Python formulas that
+round differently."""
+
+ACTS = ("silu", "silu_clamp", "silu_clamp_post", "silu_fp32", "softcap_fp32", "swigluoai", *GELU_ACTS) + UNGATED_ACTS
 """The activations of the ``act`` argument (module docstring): gated, then :data:`UNGATED_ACTS`."""
 
 LIMIT_ACTS = ("silu_clamp", "silu_clamp_post", "swigluoai")
@@ -200,6 +212,8 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str = "silu", limit: fl
     if act == "swigluoai":
         g = gate.clamp(max=limit)
         return (up.clamp(min=-limit, max=limit) + 1.0) * (g * torch.sigmoid(g * SWIGLUOAI_ALPHA))
+    if act in GELU_ACTS:
+        return torch.nn.functional.gelu(gate, approximate=GELU_ACTS[act]) * up
     g, u = gate.float(), up.float()
     if act == "silu_fp32":
         return (silu(g) * u).to(gate.dtype)

@@ -1,8 +1,8 @@
 """The router family: ``ep_fuse::moe_gating`` (schema and pure-torch reference).
 
 ``moe_gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-scale, weight_dtype, renorm_clamp=False) -> (weights [T, K], ids [T, K] int64)`` covers the Hugging Face
-routers::
+scale, weight_dtype, renorm_clamp=False, expert_scale=None, score_dtype=None) -> (weights [T, K], ids [T, K]
+int64)`` covers the Hugging Face routers::
 
     probs   = softmax(logits, -1) | sigmoid(logits)          # fp32 (the router logits are fp32)
     sel     = probs + bias            (bias: selection only, never in the weights)
@@ -48,6 +48,13 @@ both outputs are ``[..., K]``; the fused providers take ``[T, E]`` only (``check
 ``expert_scale`` (Gemma-4): ``weights * expert_scale[ids]`` after the renormalisation and ``scale``, before the cast
 (torch's promotion). ``topk_sigmoid`` with a bias (Kolibri-1): the top-k of ``logits + bias`` (torch's promotion),
 the sigmoid of the chosen *logits*.
+
+**``score_dtype``** (bf16/fp16 routers that never upcast: Aria's and GPT-OSS's softmax of the bf16 top-k values,
+Mistral-4's and Zaya's softmax of bf16 logits, DeepSeek-V4's bf16 ``sqrt(softplus)``): ``None`` (the default) computes
+the scores from fp32 logits (bf16/fp16 logits are upcast first, as the HF routers that call ``.float()`` do); the
+logits' own dtype computes every step in that dtype with the same torch ops as the model (each op rounds its output
+to bf16/fp16, the selection bias added with torch's promotion), so the reference stays bitwise the model. The fused
+providers compute in fp32 and decline it.
 
 **``topk_sigmoid``** (Cohere2-MoE ``expert_selection_fn="sigmoid"``): ``values, ids = topk(logits, K)``,
 then ``sigmoid(values)`` (fp32 logits: the sigmoid must run in fp32), optionally renormalised. Sigmoid is
@@ -121,10 +128,14 @@ def check_gating_args(
     topk_group: int,
     group_score: str,
     expert_scale: torch.Tensor | None = None,
+    score_dtype: torch.dtype | None = None,
 ) -> None:
     """Raise ``ValueError`` for arguments outside the op's contract."""
     if logits.dim() != 2:
         raise ValueError(f"ep_fuse moe_gating: logits must be [T, E], got {list(logits.shape)}")
+    if score_dtype is not None and score_dtype != logits.dtype:
+        raise ValueError(f"ep_fuse moe_gating: score_dtype {score_dtype} must be None (fp32 scores) or the dtype of "
+                         f"the logits ({logits.dtype})")
     e = logits.shape[1]
     if score not in SCORES:
         raise ValueError(f"ep_fuse moe_gating: score {score!r} is not one of {SCORES}")
@@ -194,8 +205,10 @@ def _gating(
     renorm_clamp: bool,
     expert_scale: torch.Tensor | None,
     stable: bool,
+    score_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale)
+    check_gating_args(logits, bias, top_k, score, n_group, topk_group, group_score, expert_scale, score_dtype)
+    compute = score_dtype or torch.float32
     if score in TOPK_FIRST:
         # select on the logits in their own dtype, as the model does (an upcast is exact and keeps the order);
         # with a bias (Kolibri-1) on ``logits + bias`` (torch's promotion), the values gathered from the logits
@@ -205,11 +218,11 @@ def _gating(
             values = logits.gather(1, ids)
         else:
             values, ids = torch.topk(logits, top_k, dim=-1)
-        values = values.to(torch.float32)
+        values = values.to(compute)
         weights = torch.softmax(values, dim=-1) if score == "topk_softmax" else torch.sigmoid(values)
         return finish_weights(weights, renormalize, renorm_eps, scale, weight_dtype, renorm_clamp,
                               expert_scale, ids), ids
-    x = logits.to(torch.float32)
+    x = logits.to(compute)
     probs = scores_of(x, score)
     sel = probs + bias if bias is not None else probs
     src = probs
@@ -226,7 +239,7 @@ def _gating(
 
 
 def scores_of(x: torch.Tensor, score: str) -> torch.Tensor:
-    """The dense [T, E] score of fp32 logits: ``softmax``, ``sigmoid`` or ``sqrt(softplus(x))`` (DeepSeek-V4)."""
+    """The dense [T, E] score of the logits (fp32, or the model's dtype with ``score_dtype``): ``softmax``, ``sigmoid`` or ``sqrt(softplus(x))`` (DeepSeek-V4)."""
     if score == "softmax":
         return torch.softmax(x, dim=-1)
     if score == "sqrt_softplus":
@@ -270,13 +283,14 @@ def moe_gating_ref(
     weight_dtype: torch.dtype | None,
     renorm_clamp: bool = False,
     expert_scale: torch.Tensor | None = None,
+    score_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weights [T, K], ids [T, K] int64)`` selected with ``torch.topk`` (the model's ties)."""
     if logits.dim() > 2:  # Zaya's [B, S, E] router: per row over the last dim, outputs [B, S, K]
         return _leading(moe_gating_ref, logits, bias, top_k, score, n_group, topk_group, group_score, renormalize,
-                        renorm_eps, scale, weight_dtype, renorm_clamp, expert_scale)
+                        renorm_eps, scale, weight_dtype, renorm_clamp, expert_scale, score_dtype)
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                   scale, weight_dtype, renorm_clamp, expert_scale, stable=False)
+                   scale, weight_dtype, renorm_clamp, expert_scale, stable=False, score_dtype=score_dtype)
 
 
 def moe_gating_stable_ref(
@@ -293,13 +307,14 @@ def moe_gating_stable_ref(
     weight_dtype: torch.dtype | None,
     renorm_clamp: bool = False,
     expert_scale: torch.Tensor | None = None,
+    score_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused providers' contract: as :func:`moe_gating_ref` with stable, lowest-index-first ties."""
     if logits.dim() > 2:
         return _leading(moe_gating_stable_ref, logits, bias, top_k, score, n_group, topk_group, group_score,
-                        renormalize, renorm_eps, scale, weight_dtype, renorm_clamp, expert_scale)
+                        renormalize, renorm_eps, scale, weight_dtype, renorm_clamp, expert_scale, score_dtype)
     return _gating(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                   scale, weight_dtype, renorm_clamp, expert_scale, stable=True)
+                   scale, weight_dtype, renorm_clamp, expert_scale, stable=True, score_dtype=score_dtype)
 
 
 def _leading(fn: Any, logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,11 +327,11 @@ def _leading(fn: Any, logits: torch.Tensor, *args: Any) -> tuple[torch.Tensor, t
 MOE_GATING_SCHEMA = (
     "(Tensor logits, Tensor? bias, int top_k, str score, int n_group, int topk_group, str group_score, "
     "bool renormalize, float renorm_eps, float scale, ScalarType? weight_dtype, bool renorm_clamp=False, "
-    "Tensor? expert_scale=None) "
+    "Tensor? expert_scale=None, ScalarType? score_dtype=None) "
     "-> (Tensor, Tensor)"
 )
-"""``renorm_clamp`` (Ernie-4.5-MoE) and ``expert_scale`` (Gemma-4) are passed only when set: calls keep the 11
-arguments otherwise."""
+"""``renorm_clamp`` (Ernie-4.5-MoE), ``expert_scale`` (Gemma-4) and ``score_dtype`` (routers computed in bf16/fp16)
+are passed only when set: calls keep the 11 arguments otherwise."""
 moe_gating = define_canonical("moe_gating", MOE_GATING_SCHEMA, moe_gating_ref)
 """``moe_gating(logits, bias, K, ...) -> (weights, ids int64)``: see :mod:`ep_fuse.ops.moe_gating`."""
 

@@ -128,7 +128,7 @@ ROPE_QK_SCHEMA = (
 )
 
 rope = define_canonical("rope", ROPE_SCHEMA, rope_ref)
-"""``rope(x, cos, sin, form, rot_dim, out_dtype)``: see :func:`ep_fuse.ops.reference.rope_ref`."""
+"""``rope(x, cos, sin, form, rot_dim, out_dtype)``: see :func:`ep_fuse.ops.rope.rope_ref`."""
 
 rope_qk = define_canonical("rope_qk", ROPE_QK_SCHEMA, rope_qk_ref)
 """``rope_qk(q, k, ...) -> (q', k')``: q and k rotated with one cos/sin."""
@@ -136,7 +136,7 @@ rope_qk = define_canonical("rope_qk", ROPE_QK_SCHEMA, rope_qk_ref)
 rope_cache = define_canonical(
     "rope_cache", "(Tensor x, Tensor cos_sin_cache, Tensor positions, str form, int rot_dim) -> Tensor", rope_cache_ref)
 """``rope_cache(x [*T, H, D], cos_sin_cache [max_pos, rot_dim], positions [*T], form, rot_dim)``: RoPE with
-cos/sin gathered by position (vLLM's cache form): see :func:`ep_fuse.ops.reference.rope_cache_ref`."""
+cos/sin gathered by position (vLLM's cache form): see :func:`ep_fuse.ops.rope.rope_cache_ref`."""
 
 rope_qk_cache = define_canonical(
     "rope_qk_cache",

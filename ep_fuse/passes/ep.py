@@ -3,14 +3,14 @@
 Runs after canonicalization, before Expand. For every ``ep_fuse::moe_experts(x, ids, w, w13, w2, dt)``
 whose weights hold this rank's ``E_r`` experts (``ep_fuse.shard_experts``) and whose ids are global::
 
-    recv_x, recv_ids, recv_w, handle = ep_dispatch(x, ids, w, E, group, backend, layout, C, timeout)
+    recv_x, recv_ids, recv_w, handle = ep_dispatch(x, ids, w, E, group, engine, layout, C, timeout)
     y   = moe_experts(recv_x, recv_ids, recv_w, w13, w2, dt')     # local ids, -1 = elsewhere / padding
-    out = ep_combine(y, handle, ids, w, E, group, backend, layout, C, timeout, dt'')
+    out = ep_combine(y, handle, ids, w, E, group, engine, layout, C, timeout, dt'')
 
 Routing weights are applied exactly once (``docs/ep.md``): ``rank`` layout (all_to_all,
 DeepEP normal) in the local unpermute (non-local slots carry weight 0 / id -1) and combine sums
 unweighted; ``expert`` layout (DeepEP low-latency, Ascend) runs the experts with unit weights and
-combine weights on the source rank. The provider is chosen here, once, identically on every rank.
+combine weights on the source rank. The engine is chosen here, once, identically on every rank.
 
 Without EP (no ``ep``/``ep_group`` option, or a group of one rank) nothing is inserted; a block whose
 router scores more experts than its weights hold (a sharded model compiled without EP) is an error.
@@ -27,7 +27,7 @@ from torch import fx
 
 from ep_fuse.ep import groups
 from ep_fuse.ep.groups import EpError
-from ep_fuse.ops.ep import ep_combine, ep_dispatch, ep_provider
+from ep_fuse.ops.ep import ep_combine, ep_dispatch, ep_engine
 from ep_fuse.fx_utils import module_path, val
 from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops.registry import canonical_ops
@@ -88,7 +88,7 @@ FALLBACKS = {
     "symm_mem": ("symm_mem", "all_to_all"),
     "all_to_all": ("all_to_all",),
 }
-"""What an explicitly requested backend falls back to, in order, when it cannot run a block (a
+"""What an explicitly requested engine falls back to, in order, when it cannot run a block (a
 low-latency capacity DeepEP cannot hold takes DeepEP normal mode before all_to_all)."""
 
 
@@ -96,7 +96,7 @@ MEASURED_AUTO: dict[tuple[int, bool], tuple[str, ...]] = {
     (2, True): ("all_to_all",),
     (2, False): ("deepep", "all_to_all"),
 }
-"""``auto`` on CUDA where it was measured: ``(ranks, capacity set) -> providers, fastest first``.
+"""``auto`` on CUDA where it was measured: ``(ranks, capacity set) -> engines, fastest first``.
 ``bench/bench_ep.py`` on 2 GPUs with NVLink (``docs/ep.md``), per-rank EP MoE layer, Inductor executor:
 with a capacity (CUDA graphs) the Triton-indexed NCCL all_to_all was fastest at every shape
 (DeepSeek-V3 decode 2847 us vs DeepEP normal 2895, low-latency 4017, symm_mem 3644; prefill 8218 vs
@@ -106,7 +106,7 @@ DeepEP's own run-to-run spread)."""
 
 
 def auto_order(device: str, capacity: int, world: int = 0) -> tuple[str, ...]:
-    """``ep_backend="auto"``: the providers tried, fastest first, for a graph on ``device``.
+    """``ep_engine="auto"``: the engines tried, fastest first, for a graph on ``device``.
 
     Measured group sizes follow :data:`MEASURED_AUTO`; elsewhere DeepEP comes first (low-latency with a
     capacity, then normal), then all_to_all. ``symm_mem`` is never chosen automatically: it ran slower
@@ -121,29 +121,29 @@ def auto_order(device: str, capacity: int, world: int = 0) -> tuple[str, ...]:
     return ("all_to_all",)
 
 
-def choose_backend(
+def choose_engine(
     requested: str, device: str, x: Any, ids: Any, block_dtype: Any, world: int, num_experts: int, capacity: int
 ) -> tuple[str, str, list[tuple[str, str]]]:
-    """``(backend, layout, declined)`` for one block, decided from static shapes and options only (so
+    """``(engine, layout, declined)`` for one block, decided from static shapes and options only (so
     every rank decides alike); raises when an explicitly requested runtime is missing."""
     if requested == "auto":
         order = auto_order(device, capacity, world)
     else:
-        why = ep_provider(requested).available()
+        why = ep_engine(requested).available()
         if why:
-            raise EpError(f"ep_fuse: ep_backend={requested!r} but {why}. Install it, or use ep_backend="
+            raise EpError(f"ep_fuse: ep_engine={requested!r} but {why}. Install it, or use ep_engine="
                           "'all_to_all' / 'auto'.")
         order = FALLBACKS[requested]
     declined: list[tuple[str, str]] = []
     for name in order:
-        prov = ep_provider(name)
+        prov = ep_engine(name)
         why = prov.available() or prov.supports(x, ids, block_dtype, world, num_experts, capacity)
         if why is None:
             if requested != "auto" and declined:
                 log.warning("ep_fuse: %s cannot run this MoE block (%s); using %s", requested, declined[0][1], name)
             return name, prov.layout, declined
         declined.append((name, why))
-    raise EpError(f"ep_fuse: no EP provider can run this MoE block: {declined}")
+    raise EpError(f"ep_fuse: no EP engine can run this MoE block: {declined}")
 
 
 def behind_dispatch(block: fx.Node, depth: int = 8) -> bool:
@@ -189,7 +189,7 @@ def placed_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
 
 def adopt_placed(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, Any, int, float]]:
     """Turn each placed triple back into the global block it computes (``moe_experts`` on the dispatch's inputs,
-    the local weights), so that the rewrite re-chooses its engine from ``ep_backend``; returns ``(block, group,
+    the local weights), so that the rewrite re-chooses its engine from ``ep_engine``; returns ``(block, group,
     capacity, timeout)`` per site (the capacity and timeout the model code gave, unless the options set them)."""
     sites = []
     for d, y, c in placed_sites(gm):
@@ -267,13 +267,13 @@ class ExpertParallel(GraphPass):
         cfg = ctx.config
         cap = (cfg.ep_capacity or 0) if capacity is None else capacity
         block_dtype = out_dtype or torch.promote_types(xv.dtype, wv.dtype)
-        backend, layout, declined = choose_backend(cfg.ep_backend, ctx.device, xv, idv, block_dtype, world,
+        engine, layout, declined = choose_engine(cfg.ep_engine, ctx.device, xv, idv, block_dtype, world,
                                                    num_experts, cap)
-        common = (num_experts, group.group_name, backend, layout, cap,
+        common = (num_experts, group.group_name, engine, layout, cap,
                   float(cfg.ep_timeout_s if timeout_s is None else timeout_s))
         keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
         w13v, w2v = val(w13), val(w2)
-        why_not_masked = masked_decline(backend, layout, xv, idv, w13v, w2v, world, cap, activation, ctx)
+        why_not_masked = masked_decline(engine, layout, xv, idv, w13v, w2v, world, cap, activation, ctx)
         with graph.inserting_before(node):
             d = graph.call_function(ep_dispatch.op, (x, ids, w, *common))
             parts = [graph.call_function(operator.getitem, (d, i)) for i in range(4)]
@@ -297,14 +297,14 @@ class ExpertParallel(GraphPass):
             ctx.match_by_node[y.name] = records
             for r in records:
                 r.fused_node = y.name
-        rec = EpRecord(block=y.name, module_path=module_path(y), backend=backend, layout=layout,
-                       requested=cfg.ep_backend, num_experts=num_experts, local_experts=local, world=world,
+        rec = EpRecord(block=y.name, module_path=module_path(y), engine=engine, layout=layout,
+                       requested=cfg.ep_engine, num_experts=num_experts, local_experts=local, world=world,
                        capacity=cap, declined=declined,
                        local_block="moe_experts" if why_not_masked else "moe_experts_masked")
         ctx.report.ep.append(rec)
-        ctx.report.contracts.update(ep_provider(backend).contracts)
+        ctx.report.contracts.update(ep_engine(engine).contracts)
         log.info("ep_fuse: EP at %s: %s (%s layout), %d of %d experts per rank x %d ranks, capacity %s, local %s%s",
-                 rec.module_path or rec.block, backend, layout, local, num_experts, world, cap or "data-dependent",
+                 rec.module_path or rec.block, engine, layout, local, num_experts, world, cap or "data-dependent",
                  rec.local_block, f" (not masked: {why_not_masked})" if why_not_masked and layout == "expert" else "")
 
     @staticmethod

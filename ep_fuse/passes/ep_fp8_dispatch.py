@@ -2,7 +2,7 @@
 wire as fp8 codes + scales instead of bf16.
 
 The quant pass calls :func:`quantize_before_dispatch` for each ``quant="fp8_block"`` block behind an ``ep_dispatch``
-that the EP pass (:mod:`ep_fuse.passes.ep`) inserted, while its switch ``ep_fuse.passes.quant.FP8_DISPATCH`` is on.
+that the EP pass (:mod:`ep_fuse.passes.ep`) inserted, while the option ``ep_fp8_dispatch`` is on (the default).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import fx
 
 from ep_fuse.fx_utils import val
 from ep_fuse.ops import fp8 as fp8_ops
-from ep_fuse.ops.ep import ep_provider
+from ep_fuse.ops.ep import ep_engine
 from ep_fuse.ops.fp8 import FP8, cdiv
 from ep_fuse.ops.registry import ask
 from ep_fuse.passes.base import PassContext
@@ -25,7 +25,7 @@ from ep_fuse.passes.graph_edit import call, fake_mode
 log = logging.getLogger("ep_fuse.passes.quant")
 aten = torch.ops.aten
 
-FP8_DISPATCH_BACKENDS = ("all_to_all", "deepep")
+FP8_DISPATCH_ENGINES = ("all_to_all", "deepep")
 """Dispatch engines that move rows of any element size bit for bit: ``all_to_all``'s packed rows take 1-byte
 elements, and DeepEP's normal (intranode) dispatch copies rows as 16-byte words whatever their dtype (its host
 checks: 2-D, contiguous, ``H * element_size % 16 == 0``; DeepEP V1 ``csrc/deep_ep.cpp``; the engine's
@@ -47,7 +47,7 @@ def quantize_before_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Nod
     d = dispatch_of(recv)
     if d is None:
         return None
-    x, backend, layout = d.args[0], d.args[5], d.args[6]
+    x, engine, layout = d.args[0], d.args[5], d.args[6]
     xv = val(x)
     static_width = isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(xv.shape[1], int)
     h = int(xv.shape[1]) if static_width else 0
@@ -58,13 +58,13 @@ def quantize_before_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Nod
     why = None
     if not_cleared:
         why = not_cleared[0]
-    elif backend not in FP8_DISPATCH_BACKENDS or layout != "rank":
-        why = (f"the {backend} dispatch sends the tokens as they are (FP8 dispatch: "
-               f"{', '.join(FP8_DISPATCH_BACKENDS)})")
+    elif engine not in FP8_DISPATCH_ENGINES or layout != "rank":
+        why = (f"the {engine} dispatch sends the tokens as they are (FP8 dispatch: "
+               f"{', '.join(FP8_DISPATCH_ENGINES)})")
     elif not static_width or h % 4:
         why = "the token width is not a static multiple of 4 (the scales must start 4-byte aligned)"
-    elif row_bytes % (words := ep_provider(backend).row_bytes):
-        why = (f"{backend} moves rows in {words}-byte words and the codes + scales row of {row_bytes} bytes "
+    elif row_bytes % (words := ep_engine(engine).row_bytes):
+        why = (f"{engine} moves rows in {words}-byte words and the codes + scales row of {row_bytes} bytes "
                "is not")
     elif len(recv.users) != 1:
         why = "the received tokens have other users than the block"
@@ -89,5 +89,5 @@ def quantize_before_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Nod
         if rec.block == block.name:
             rec.payload = f"fp8 e4m3 + 1x{bk} fp32 scales"
     log.info("ep_fuse: quant: %s: the %s dispatch sends fp8 codes + 1x%d scales (%d + %d bytes per token, "
-             "bf16 would be %d)", block.name, backend, bk, h, 4 * ng, 2 * h)
+             "bf16 would be %d)", block.name, engine, bk, h, 4 * ng, 2 * h)
     return rcodes, rscales, xv.dtype

@@ -1,7 +1,7 @@
 """The local experts of an EP block on the masked expert layout (``ep_fuse::moe_experts_masked``).
 
 Behind a dispatch whose receive buffer is expert-major with each expert's valid rows first (DeepEP low-latency:
-``[E_r, W*C, H]``, rows past ``recv_count[e]`` are padding with id -1; ``EpProvider.masked_blocks``), the EP pass
+``[E_r, W*C, H]``, rows past ``recv_count[e]`` are padding with id -1; ``EpEngine.masked_blocks``), the EP pass
 asks :func:`masked_experts` for the local experts instead of ``moe_experts`` over all ``E_r*W*C`` rows (a permute
 and unpermute over the padding)::
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ep_fuse.ops.ep import ep_provider
+from ep_fuse.ops.ep import ep_engine
 from ep_fuse.ops.ep_layout import capacity_rows
 from ep_fuse.ops.moe_masked import moe_experts_masked
 from ep_fuse.ops.registry import REFERENCE, choose
@@ -32,11 +32,11 @@ log = logging.getLogger("ep_fuse.passes")
 aten = torch.ops.aten
 
 
-def masked_decline(backend: str, layout: str, xv: Any, idv: Any, w13v: Any, w2v: Any, world: int, capacity: int,
+def masked_decline(engine: str, layout: str, xv: Any, idv: Any, w13v: Any, w2v: Any, world: int, capacity: int,
                    activation: tuple, ctx: PassContext) -> str | None:
     """Why the local experts of this block keep ``moe_experts`` (``None``: they take the masked layout)."""
-    if layout != "expert" or not ep_provider(backend).masked_blocks:
-        return f"{backend} ({layout} layout) does not receive expert blocks with their valid rows first"
+    if layout != "expert" or not ep_engine(engine).masked_blocks:
+        return f"{engine} ({layout} layout) does not receive expert blocks with their valid rows first"
     if ctx.config.quant:
         return f"quant={ctx.config.quant!r}: the quantized block runs on permuted rows"
     sizes = (*xv.shape, *idv.shape, *w13v.shape, *w2v.shape)

@@ -37,7 +37,8 @@ Runs after the EP pass (and the quant pass), before Expand. Per EP block (``ep_d
   sequence, or packed / varlen sequences in one row), a node without a batch dim, a step along dim 0 (a
   reduction, a transpose, tensor indexing, a cat), an op of another library, an impure call in the range, or
   any failing check.
-* ``auto``: per block and token count from :data:`MEASURED_RULES` (no rule measured yet: ``none``).
+* ``auto``: per block and token count from the option ``ep_overlap_rules``, then :data:`MEASURED_RULES` (no rule
+  measured yet: ``none``).
 
 Engines without an async form on the graph's device keep the synchronous ops (one INFO line). Each decision
 and the schedule is recorded on the block's :class:`~ep_fuse.report.EpRecord` (``overlap``, ``schedule``).
@@ -82,8 +83,8 @@ class OverlapRule:
     """A :class:`ep_fuse.providers.measured.Threshold` (an ``int`` carrying its evidence and bench command)."""
 
 
-MEASURED_RULES: list[OverlapRule] = []
-"""What ``auto`` follows, first match wins. Empty: ``bench/bench_ep.py --overlap`` has not run on a GPU yet, so
+MEASURED_RULES: tuple[OverlapRule, ...] = ()
+"""What ``auto`` follows after the option ``ep_overlap_rules``, first match wins. Empty: ``bench/bench_ep.py --overlap`` has not run on a GPU yet, so
 no mode is known to be faster than ``none`` anywhere and ``auto`` keeps ``none`` (and says so in the record)."""
 
 
@@ -243,14 +244,14 @@ class EpOverlap(GraphPass):
 
     def _block(self, gm: fx.GraphModule, block: EpBlock, mode: str, ctx: PassContext, sync_said: set[str]) -> int:
         rec = block.record
-        backend, cap = block.dispatch.args[5], int(block.dispatch.args[7])
+        engine, cap = block.dispatch.args[5], int(block.dispatch.args[7])
         chosen, why = self._choose(mode, block, ctx)
-        if chosen != "none" and ep_ops.ep_async(backend, ctx.device) is None:
-            if backend not in sync_said:
+        if chosen != "none" and ep_ops.ep_async(engine, ctx.device) is None:
+            if engine not in sync_said:
                 log.info("ep_fuse: EP engine %s has no async form on %s: its blocks keep the synchronous "
-                         "dispatch/combine (no overlap)", backend, ctx.device)
-                sync_said.add(backend)
-            chosen, why = "none", f"{backend} has no async form on {ctx.device}"
+                         "dispatch/combine (no overlap)", engine, ctx.device)
+                sync_said.add(engine)
+            chosen, why = "none", f"{engine} has no async form on {ctx.device}"
         if chosen == "two_batch":
             reason = self._two_batch_blocker(block, cap)
             if reason is not None:
@@ -475,20 +476,20 @@ class EpOverlap(GraphPass):
     def _choose(mode: str, block: EpBlock, ctx: PassContext) -> tuple[str, str]:
         if mode != "auto":
             return mode, ""
-        backend = block.dispatch.args[5]
+        engine = block.dispatch.args[5]
         tokens = int(block.dispatch.args[7]) or _static_rows(block.dispatch.args[1])  # alike on every rank
-        for rule in MEASURED_RULES:
-            if rule.device == ctx.device and rule.engine == backend and tokens is not None \
+        for rule in (*ctx.config.ep_overlap_rules, *MEASURED_RULES):
+            if rule.device == ctx.device and rule.engine == engine and tokens is not None \
                     and tokens >= rule.min_tokens:
                 return rule.mode, (f"auto: {rule.mode} from {int(rule.min_tokens)} tokens "
                                     f"({getattr(rule.min_tokens, 'evidence', 'no evidence given')})")
-        return "none", (f"auto: no measured overlap rule for {backend} on {ctx.device} at "
+        return "none", (f"auto: no measured overlap rule for {engine} on {ctx.device} at "
                         f"{tokens if tokens is not None else 'symbolic'} tokens")
 
     @staticmethod
     def _two_batch_blocker(block: EpBlock, cap: int) -> str | None:
-        backend = block.dispatch.args[5]
-        if backend == "deepep_low_latency":
+        engine = block.dispatch.args[5]
+        if engine == "deepep_low_latency":
             return "DeepEP low-latency keeps two receive buffers; interleaving micro-batches on them is not checked"
         tokens = _static_rows(block.dispatch.args[1])
         if not cap and tokens is None:

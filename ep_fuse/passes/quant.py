@@ -26,7 +26,7 @@ weights are quantized only where the FP8 experts measured faster (the providers'
 :func:`ep_fuse.passes.quant_weights.fp8_not_faster`), and the permuted layout is aligned where a provider asks for
 it (DeepGEMM). Behind an ``all_to_all`` or DeepEP-normal EP dispatch the activation quantization moves
 before the dispatch (:func:`ep_fuse.passes.ep_fp8_dispatch.quantize_before_dispatch`: fp8 codes + scales on the
-wire; :data:`FP8_DISPATCH` turns it off) and the block becomes ``moe_experts_fp8_q`` on the received codes and
+wire; the option ``ep_fp8_dispatch=False`` turns it off) and the block becomes ``moe_experts_fp8_q`` on the received codes and
 scales.
 
 The pass imports no provider: what only providers know (DeepGEMM's layout, the measured rule, which variants are
@@ -50,10 +50,6 @@ from ep_fuse.passes.ep_fp8_dispatch import quantize_before_dispatch
 from ep_fuse.passes.quant_weights import fp8_weights, int8_weight
 
 log = logging.getLogger("ep_fuse.passes.quant")
-
-FP8_DISPATCH = True
-"""Quantize before an ``all_to_all`` EP dispatch under ``quant="fp8_block"`` (tests turn it off to compare)."""
-
 
 class QuantizeExperts(GraphPass):
     name = "quant"
@@ -81,7 +77,7 @@ class QuantizeExperts(GraphPass):
                     if found is None:
                         continue
                     (q13, s13), (q2, s2), (bn, bk) = found
-                    sent = quantize_before_dispatch(gm, ctx, node, bk) if FP8_DISPATCH else None
+                    sent = quantize_before_dispatch(gm, ctx, node, bk) if ctx.config.ep_fp8_dispatch else None
                     if sent is not None:  # the block on the received codes and scales
                         xq, xs, act_dtype = sent
                         new = gm.graph.call_function(fp8_ops.moe_experts_fp8_q.op,

@@ -1,4 +1,4 @@
-"""GPU check of the ``all_to_all`` EP provider's Triton kernels on 2 NCCL processes (skipped without 2 GPUs).
+"""GPU check of the ``all_to_all`` EP engine's Triton kernels on 2 NCCL processes (skipped without 2 GPUs).
 
     python -m pytest tests/gpu/test_ep_a2a_gpu.py -q        (or: python tests/gpu/test_ep_a2a_gpu.py)
 

@@ -1,4 +1,4 @@
-"""The symm_mem EP provider on real GPUs: PyTorch's NVSHMEM ``all_to_all_vdev_2d`` / ``_offset`` through
+"""The symm_mem EP engine on real GPUs: PyTorch's NVSHMEM ``all_to_all_vdev_2d`` / ``_offset`` through
 ``ep_dispatch`` / ``ep_combine``, checked against the ``all_to_all`` provider (NCCL) on random routings.
 
 Needs >= 2 CUDA GPUs, torch with the ``symm_mem`` ops and NVSHMEM (``pip install nvidia-nvshmem-cu13``);

@@ -52,7 +52,7 @@ def _hf(name, backend, capacity=None, mode=None, batch=2, seq=8, **overrides):
     with torch.no_grad():
         ref = model(**inp).logits
     ep_fuse.shard_experts(model)
-    opts = {**ep_fuse.ep_options(model, backend=backend, capacity=capacity), "executor": "inductor"}
+    opts = {**ep_fuse.ep_options(model, engine=backend, capacity=capacity), "executor": "inductor"}
     if mode:
         opts["mode"] = mode
     fn = torch.compile(model, backend="ep_fuse", options=opts)
@@ -60,7 +60,7 @@ def _hf(name, backend, capacity=None, mode=None, batch=2, seq=8, **overrides):
         for _ in range(3 if mode else 1):  # reduce-overhead: warm-up, capture, replay
             out = fn(**inp).logits
     sites = _sites()
-    assert sites and {s.backend for s in sites} == {backend}, sites
+    assert sites and {s.engine for s in sites} == {backend}, sites
     _agree_close(out, ref)
 
 
@@ -110,7 +110,7 @@ def _layer(t, backend, capacity, e=256, h=7168, i=2048, k=8, mode=None):
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
     del full
-    opts = {**ep_fuse.ep_options(model, backend=backend, capacity=capacity), "executor": "inductor"}
+    opts = {**ep_fuse.ep_options(model, engine=backend, capacity=capacity), "executor": "inductor"}
     if mode:
         opts["mode"] = mode
     fn = torch.compile(model, backend="ep_fuse", options=opts)
@@ -123,24 +123,24 @@ def _layer(t, backend, capacity, e=256, h=7168, i=2048, k=8, mode=None):
 
 def sc_deepseek_v3_layer(world):
     sites = _layer(128, "deepep_low_latency", 128, mode="reduce-overhead")  # decode: LL under CUDA graphs
-    assert sites[0].backend == "deepep_low_latency", sites
+    assert sites[0].engine == "deepep_low_latency", sites
     torch._dynamo.reset()
     sites = _layer(512, "deepep", 512)  # prefill-like: normal, num_worst_tokens
-    assert sites[0].backend == "deepep", sites
+    assert sites[0].engine == "deepep", sites
     torch._dynamo.reset()
     sites = _layer(256, "deepep", None)  # data-dependent
-    assert sites[0].backend == "deepep", sites
+    assert sites[0].engine == "deepep", sites
 
 
 def sc_low_latency_limit_declines_to_normal(world):
     # 4096 tokens per rank at H7168 x 256 experts: beyond the LL buffer / QP depth limits
     sites = _layer(4096, "deepep_low_latency", 4096)
-    assert sites[0].backend == "deepep" and sites[0].declined[0][0] == "deepep_low_latency", sites
+    assert sites[0].engine == "deepep" and sites[0].declined[0][0] == "deepep_low_latency", sites
     torch._dynamo.reset()
     sites = _layer(4096, "auto", 4096)  # auto follows the measured order for this group size (never LL here)
     from ep_fuse.passes.ep import auto_order
 
-    assert sites[0].backend == auto_order("cuda", 4096, world)[0] != "deepep_low_latency", sites
+    assert sites[0].engine == auto_order("cuda", 4096, world)[0] != "deepep_low_latency", sites
 
 
 def sc_teardown(world):

@@ -39,7 +39,7 @@ def _case(backend, cap, mode, graphs):
     with torch.no_grad():
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
-    opts = {**ep_fuse.ep_options(model, backend=backend, capacity=cap), "executor": "inductor", "ep_overlap": mode,
+    opts = {**ep_fuse.ep_options(model, engine=backend, capacity=cap), "executor": "inductor", "ep_overlap": mode,
             **({"mode": "reduce-overhead"} if graphs else {})}
     torch._dynamo.reset()
     fn = torch.compile(model, backend="ep_fuse", options=opts)
@@ -48,7 +48,7 @@ def _case(backend, cap, mode, graphs):
             out = fn(x, ids, w).clone()
     torch.cuda.synchronize()
     rec = ep_fuse.last_report().ep[0]
-    assert rec.backend == backend, rec
+    assert rec.engine == backend, rec
     assert rec.overlap == mode or (backend == "deepep_low_latency" and rec.overlap == "shared"), rec
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < 2e-2, (backend, cap, mode, err)

@@ -43,7 +43,6 @@ def sc_fp8_dispatch_decode(world, backend="all_to_all"):
     import torch.distributed as dist
 
     import ep_fuse
-    from ep_fuse.passes import quant
     from ep_fuse.passes.ep import ep_sites
     from ep_fuse.providers.triton import fp8 as triton_fp8
 
@@ -57,22 +56,20 @@ def sc_fp8_dispatch_decode(world, backend="all_to_all"):
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
     del full
-    opts = {**ep_fuse.ep_options(model, backend=backend, capacity=t), "executor": "inductor",
+    opts = {**ep_fuse.ep_options(model, engine=backend, capacity=t), "executor": "inductor",
             "quant": "fp8_block"}
     outs, payloads = {}, {}
     rule = triton_fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT
     triton_fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT = 1 << 30  # this checks the wire format, not the speed rule
     try:
         for on in (True, False):
-            quant.FP8_DISPATCH = on
             torch._dynamo.reset()
             with torch.no_grad():
-                outs[on] = torch.compile(model, backend="ep_fuse", options=opts)(x, ids, w)
+                outs[on] = torch.compile(model, backend="ep_fuse", options={**opts, "ep_fp8_dispatch": on})(x, ids, w)
             (site,) = ep_sites(ep_fuse.last_report())
-            assert site.backend == backend, site
+            assert site.engine == backend, site
             payloads[on] = site.payload
     finally:
-        quant.FP8_DISPATCH = True
         triton_fp8.FP8_BLOCK_MAX_ROWS_PER_EXPERT = rule
     assert payloads == {True: "fp8 e4m3 + 1x128 fp32 scales", False: ""}, payloads
     same = torch.tensor([float(torch.equal(outs[True], outs[False]))], device="cuda")

@@ -13,6 +13,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ACT_ARGS = {"silu_clamp": ("silu_clamp", 7.0, None, None), "silu_clamp_post": ("silu_clamp_post", 7.0, None, None),
             "silu_fp32": ("silu_fp32", None, None, None), "softcap_fp32": ("softcap_fp32", None, 4.0, 25.0)}
 ACT_ARGS["swigluoai"] = ("swigluoai", 7.0, None, None)  # MiniMax-M3 (listed in UNVERIFIED_ON_GPU until this runs)
+# Gemma-4's GeGLU and the erf GELU's (grouped_gemm_swiglu:gelu_tanh/gelu and moe_experts_masked:gelu_tanh/gelu are in
+# UNVERIFIED_ON_GPU until this runs)
+ACT_ARGS["gelu_tanh"] = ("gelu_tanh", None, None, None)
+ACT_ARGS["gelu"] = ("gelu", None, None, None)
+HF_GELU = {"gelu_tanh": "gelu_pytorch_tanh", "gelu": "gelu"}
 
 
 @pytest.fixture(autouse=True)
@@ -63,12 +68,16 @@ def test_forms_compile_under_inductor(name, impl):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from support.geglu_moe_modules import GeGLUExperts
     from support.moe_modules import GATED
     from support.oai_moe_modules import OaiSwiGLU
 
     import ep_fuse
 
-    mod = {**GATED, "swigluoai": OaiSwiGLU}[name](8, 256, 128, impl=impl, scale=3.0).cuda()
+    if name in HF_GELU:
+        mod = GeGLUExperts(8, 256, 128, impl=impl, scale=3.0, act=HF_GELU[name]).cuda()
+    else:
+        mod = {**GATED, "swigluoai": OaiSwiGLU}[name](8, 256, 128, impl=impl, scale=3.0).cuda()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 256, generator=g).bfloat16().cuda()
     w, ids = torch.randn(64, 8, generator=g).softmax(-1).topk(2)
@@ -127,3 +136,29 @@ def test_relu2_form_compiles_under_inductor(impl):
     assert len(matches) == 1, [str(r) for r in reps]
     assert matches[0].stages["grouped_gemm_swiglu"] == "triton"
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.float().abs().max().item())
+
+
+# --------------------------------------------------------------------------- GeGLU in the masked expert layout
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [3, 40, 200])
+@pytest.mark.parametrize("name", sorted(HF_GELU))
+def test_masked_layout_geglu_matches_reference(name, rows, dtype):
+    """``moe_experts_masked:<gelu act>``: the masked layout's kernels with the GeGLU epilogue vs the reference on the
+    rows below each count."""
+    from ep_fuse.ops.moe_masked import moe_experts_masked_ref, valid_rows
+    from ep_fuse.providers.triton.moe_masked import moe_experts_masked_kernel
+
+    e, m, h, i = 8, 256, 512, 256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = (8 * torch.randn(e, 2 * i, h, generator=g, device="cuda") / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g, device="cuda") / i**0.5).to(dtype)
+    x = torch.randn(e, m, h, generator=g, device="cuda").to(dtype)
+    counts = torch.full((e,), rows, dtype=torch.int32, device="cuda")
+    counts[0] = 0
+    args = (x, counts, w13, w2, 0, *ACT_ARGS[name])
+    out = moe_experts_masked_kernel(*args)
+    ref = moe_experts_masked_ref(*(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)).cuda()
+    keep = valid_rows(counts, m)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[keep].float(), ref[keep].float(), rtol=tol,
+                               atol=tol * ref[keep].float().abs().max().item())

@@ -128,7 +128,7 @@ def sc_deepseek_v3_ll_masked(world):
         ref = full(x, ids, w)
     model = ep_fuse.shard_experts(copy.deepcopy(full))
     del full
-    opts = {**ep_fuse.ep_options(model, backend="deepep_low_latency", capacity=t), "executor": "inductor",
+    opts = {**ep_fuse.ep_options(model, engine="deepep_low_latency", capacity=t), "executor": "inductor",
             "mode": "reduce-overhead", "unverified_kernels": True}
     fn = torch.compile(model, backend="ep_fuse", options=opts)
     with torch.no_grad():

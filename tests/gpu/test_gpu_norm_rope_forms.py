@@ -1,6 +1,8 @@
 """The norm and RoPE forms added for issue 35 on CUDA: the ``_pow`` RMSNorm modes (Gemma4-style, the existing
 ``weight_fp32`` / ``none`` kernel code with ``rsqrt``) and the ``rotate_pairs_fp32`` RoPE (Ernie 4.5: fp32 math, one
-rounding at the store) against the references, at decode and prefill sizes, with q/k as views of one projection."""
+rounding at the store) against the references, at decode and prefill sizes, with q/k as views of one projection;
+and issue 45's rounded RMSNorm forms (``unverified.py``: ``rms_norm:none_rstd_cast``, ``add_rms_norm:none_rstd_cast``,
+``add_rms_norm:norm_dtype``): DeepSeek-V4's statistic rounded before the multiply, Zaya's fp32 residual stream."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 import ep_fuse.catalog  # noqa: F401  (defines every op and provider)
 from ep_fuse.ops.rms_norm import add_rms_norm_ref, rms_norm_ref
 from ep_fuse.ops.rope import rope_qk_ref
+from ep_fuse.providers.triton.rms_norm import supports as triton_norm_supports
 from ep_fuse.providers.triton.rope import check_rope_call
 
 BF16 = torch.bfloat16
@@ -68,3 +71,30 @@ def test_rotate_pairs_fp32_rope_matches_the_reference(b, s, hq, hk, d, dtype, co
         # fp32 math: FMA contraction may move the fp32 sum by an ulp, so at most one bf16/fp16 ulp apart
         _close(o, r)
         assert (o.float() != r.float()).float().mean() < 1e-3
+
+
+@pytest.mark.parametrize("rows, n", [(1, 2816), (37, 256), (4096, 2048), (64, 20000)])
+@pytest.mark.parametrize("form", ["rstd", "rstd_add", "norm_dtype"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float16])
+def test_rounded_rms_norm_forms_match_the_reference(rows, n, form, dtype):
+    """The statistic rounded to the model dtype (DeepSeek-V4) or the norm over the fp32 sum rounded (Zaya): the sum
+    bitwise, the output within one ulp of the model dtype on few elements (the fp32 statistic may differ in its last
+    bit, which the rounding of the statistic or of the output can carry); the 64-row case takes the chunked kernel."""
+    g = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = (torch.randn(rows, n, generator=g, device="cuda") * 3).to(dtype)
+    r = torch.randn(rows, n, generator=g, device="cuda") * 3
+    if form == "rstd":
+        args = (x, None, 1e-6, None, "none_rstd_cast", True, dtype)
+        assert triton_norm_supports(args) is None, "the kernel takes the call (no silent fallback)"
+        out, ref = torch.ops.ep_fuse_triton.rms_norm(*args), rms_norm_ref(*args)
+    else:
+        w = (torch.randn(n, generator=g, device="cuda") * 0.1 + 1).to(dtype)
+        args = ((x, r.to(dtype), None, 1e-6, None, "none_rstd_cast", True, dtype) if form == "rstd_add"
+                else (x, r, w, 1e-6, None, "llama", True, dtype, dtype))
+        assert triton_norm_supports(args) is None, "the kernel takes the call (no silent fallback)"
+        (out, s), (ref, ref_s) = torch.ops.ep_fuse_triton.add_rms_norm(*args), add_rms_norm_ref(*args)
+        assert s.dtype == ref_s.dtype and torch.equal(s, ref_s), "the sum rounds as x + residual"
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    rtol = {BF16: 1.6e-2, torch.float16: 2e-3}[dtype]  # one ulp of the model dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=1e-5)
+    assert (out.float() != ref.float()).float().mean() < 1e-2

@@ -31,3 +31,30 @@ def near_miss(device="cpu"):
 
 def broken():
     raise ValueError("factory failed on purpose")
+
+
+def semantic_moe(device="cpu"):
+    """A routed MoE block spelled with per-token weight gathers and einsum (fused only after ``prepare``)."""
+    _tests_on_path()
+    from support.semantic_moe_blocks import GeneratedMoE, Spec
+
+    spec = Spec(shared=True)
+    return GeneratedMoE(spec).to(device).eval(), (torch.randn(2, 6, spec.hidden, device=device),)
+
+
+def input_scaled_moe(device="cpu"):
+    """Scores multiplying the experts' inputs: ``prepare`` declines it at the combine."""
+    _tests_on_path()
+    from support.semantic_moe_blocks import InputScaledMoE, Spec
+
+    spec = Spec()
+    return InputScaledMoE(spec).to(device).eval(), (torch.randn(2, 6, spec.hidden, device=device),)
+
+
+def _tests_on_path():
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    if tests not in sys.path:
+        sys.path.insert(0, tests)

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Any
 
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -110,3 +111,23 @@ def check(results: list[dict[str, str]], name: str) -> None:
     for rank, res in enumerate(results):
         assert name in res, f"rank {rank} never finished {name} (hang or crash): {sorted(res)}"
         assert res[name] == "ok", f"rank {rank}:\n{res[name]}"
+
+
+def rank_tests(fixture: str, world: int, scenarios: list[Any], *, slow: bool = False,
+               timeout_s: float = 400.0) -> tuple[Any, Any]:
+    """A module-scoped pytest fixture named ``fixture`` that runs ``scenarios`` (functions of one test module) once on
+    ``world`` gloo ranks, and a test parametrised over the scenarios that checks each (marked slow if ``slow``).
+    In the test module: ``fx, test_two_ranks = rank_tests("ov2", 2, SCENARIOS_2)``."""
+    import pytest
+
+    names = [f.__name__ for f in scenarios]
+
+    @pytest.fixture(scope="module", name=fixture)
+    def results() -> list[dict[str, str]]:
+        return run_ranks(scenarios[0].__module__, names, world, "gloo", timeout_s)
+
+    @pytest.mark.parametrize("name", names)
+    def test(request: Any, name: str) -> None:
+        check(request.getfixturevalue(fixture), name)
+
+    return results, (pytest.mark.slow(test) if slow else test)

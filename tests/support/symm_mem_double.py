@@ -1,7 +1,7 @@
 """CPU test double of PyTorch's NVSHMEM symmetric-memory all-to-all ops (the torch 2.11 contract of
 ``torch/csrc/distributed/c10d/symm_mem/nvshmem_extension.cu`` and ``torch/distributed/_symmetric_memory``),
-emulated over ``torch.distributed`` (gloo). Install with :func:`install` (returns an undo function) or
-``monkeypatch.setattr(ep_fuse.ep.symm_mem, "RUNTIME", runtime())`` plus ``available.cache_clear()``.
+emulated over ``torch.distributed`` (gloo). Run the engine on it ``with installed():``
+(``ep_fuse.ep.symm_mem.use_runtime(runtime())``).
 
 What it enforces, like the real ops (host ``TORCH_CHECK`` s and device asserts):
 
@@ -229,18 +229,8 @@ def runtime() -> Any:
     return Runtime(symm=symm, ops=Ops(symm), device_type="cpu")
 
 
-def install() -> Any:
-    """Install a fresh double for ``ep_fuse.ep.symm_mem``; returns the undo function."""
+def installed() -> Any:
+    """A fresh double as ``ep_fuse.ep.symm_mem``'s runtime: a context manager (:func:`ep_fuse.ep.symm_mem.use_runtime`)."""
     from ep_fuse.ep import symm_mem
 
-    saved = symm_mem.RUNTIME
-    symm_mem.destroy_buffers()
-    symm_mem.RUNTIME = runtime()
-    symm_mem.available.cache_clear()
-
-    def undo() -> None:
-        symm_mem.destroy_buffers()
-        symm_mem.RUNTIME = saved
-        symm_mem.available.cache_clear()
-
-    return undo
+    return symm_mem.use_runtime(runtime())

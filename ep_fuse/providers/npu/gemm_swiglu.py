@@ -49,7 +49,9 @@ def concat_weights(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
 
 
 def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
-    x, w_gate, w_up = args
+    x, w_gate, w_up = args[:3]
+    if len(args) > 3 and args[3] and x.dtype != torch.float32:
+        return "SwiGLU in fp32 of low-precision GEMM outputs (act_fp32) is not checked against npu_swiglu"
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or w_gate.dtype != x.dtype:
         return f"dtype {x.dtype} / {w_gate.dtype}"
     if w_gate.dim() != 2 or not same_shape(w_up.shape, w_gate.shape):
@@ -59,7 +61,7 @@ def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
     return None
 
 
-def gemm_swiglu_kernel(x, w_gate, w_up):  # noqa: ANN001, ANN201 - schema-typed
+def gemm_swiglu_kernel(x, w_gate, w_up, act_fp32=False):  # noqa: ANN001, ANN201 - schema-typed
     y = torch.matmul(x, concat_weights(w_gate, w_up).t())
     return torch_npu().npu_swiglu(y, dim=-1)
 

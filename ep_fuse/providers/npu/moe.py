@@ -34,7 +34,7 @@ against ``tests/support/npu_double.py``: ``docs/npu.md``):
 * **SwiGLU** -- ``npu_swiglu(h, dim=-1)`` = silu(A)·B, A (gate) first: fp32 inside, rounded once;
   the HF/reference order rounds ``silu(gate)`` before the multiply, so results differ by about one
   bf16/fp16 ulp; for ``act="silu_fp32"`` (Beam) it is the reference's rounding. Other activations
-  (:data:`NPU_ACTS`: clamped, soft-capped) are declined.
+  (:data:`NPU_ACTS`: clamped, soft-capped; the GeGLUs, :data:`NPU_GELU_DECLINED`) are declined.
 * **unpermute** -- ``npu_moe_finalize_routing(y, None, None, None, scales, src2dst_i32, None,
   drop_pad_mode=2)`` (row-major ``n*K+k``; modes 0/1 are column-major ``k*N+n``). Dropless modes
   document indices in ``[0, N*K-1]`` only, so invalid slots point at row ``S-1`` with scale 0
@@ -216,13 +216,20 @@ reference's rounded ``silu(gate)``) and Beam's fp32 SwiGLU, which rounds exactly
 torch_npu op that clamps the halves before (or the SiLU after) the product, and no torch_npu op soft-caps them:
 declined (the reference runs)."""
 
+NPU_GELU_DECLINED = ("npu_swiglu computes SwiGLU only; torch_npu 2.14's npu_gelu_mul (gelu of the left half times "
+                     "the right half) is not called: it takes at most 1024 gate|up columns (Gemma-4 26B-A4B has 1408) "
+                     "and 200000 rows (Atlas A2/A3), and this provider declares one fixed set of torch_npu calls")
+"""Why the GeGLU activations (``ops.moe.GELU_ACTS``) keep the reference on Ascend."""
+
 
 def gemm_swiglu_supports(args: tuple[Any, ...]) -> str | None:
     reason = _gemm_reason(*args[:3])
     if reason is None and args[1].shape[1] % 2:
         reason = "odd gate|up width (npu_swiglu splits the last dim in two halves)"
     act = args[3] if len(args) > 3 else "silu"
-    if reason is None and act not in NPU_ACTS:
+    if reason is None and act in ops.GELU_ACTS:
+        reason = f"act={act}: {NPU_GELU_DECLINED}"
+    elif reason is None and act not in NPU_ACTS:
         reason = f"act={act}: npu_swiglu computes plain SwiGLU only (no clamp or soft cap of the halves)"
     return reason
 

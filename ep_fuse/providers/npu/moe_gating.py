@@ -41,6 +41,8 @@ def gating_supports(args: tuple[Any, ...]) -> str | None:
     """``None`` when ``npu_moe_gating_top_k`` (plus a division for softmax renorm) computes this call."""
     logits, bias, top_k, score, n_group, topk_group, group_score, renorm, _eps, _scale, weight_dtype = args[:11]
     expert_scale = args[12] if len(args) > 12 else None
+    if len(args) > 13 and args[13] not in (None, torch.float32):
+        return f"scores computed in {args[13]} (npu_moe_gating_top_k computes them in fp32)"
     if len(args) > 11 and args[11]:
         return "npu_moe_gating_top_k renormalises by sum + eps, not by clamp(sum, min=eps)"
     if group_score not in GROUP_SELECT_MODES:
@@ -72,8 +74,9 @@ def gating_supports(args: tuple[Any, ...]) -> str | None:
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                      scale, weight_dtype, renorm_clamp=False, expert_scale=None):  # noqa: ANN001, ANN201
-    """``ep_fuse_npu::moe_gating``."""
+                      scale, weight_dtype, renorm_clamp=False, expert_scale=None,
+                      score_dtype=None):  # noqa: ANN001, ANN201
+    """``ep_fuse_npu::moe_gating`` (``score_dtype`` is declined by :func:`gating_supports`)."""
     divide_after = score == "softmax" and renormalize
     y, ids, _norm = torch_npu().npu_moe_gating_top_k(
         logits.to(torch.float32), int(top_k), bias=bias.to(torch.float32) if bias is not None else None,

@@ -9,7 +9,8 @@ import torch
 
 from ep_fuse.ops import rms_norm as ops
 from ep_fuse.ops.registry import register_provider
-from ep_fuse.ops.rms_norm import base_mode, host_eps, rms_norm_out_dtype, unpack_norm_args
+from ep_fuse.ops.rms_norm import (ROUNDED_RSTD, base_mode, host_eps, norm_input_dtype, rms_norm_out_dtype,
+                                  unpack_norm_args)
 from ep_fuse.providers.npu.provider import available, contracts, devices, torch_npu
 from ep_fuse.providers.rms_norm import check_norm_call
 from ep_fuse.symbolic import known
@@ -20,6 +21,11 @@ def supports(args: tuple[Any, ...]) -> str | None:
     if reason:
         return reason
     x, residual, (weight, _eps, _eps_t, mode, upcast, out_dtype) = unpack_norm_args(args)
+    if mode in ROUNDED_RSTD:
+        return f"mode {mode!r} rounds the statistic to {out_dtype} before the multiply; npu_rms_norm does not"
+    norm_dtype = norm_input_dtype(args)
+    if norm_dtype is not None:
+        return f"the norm reads the residual sum rounded to {norm_dtype}; npu_add_rms_norm normalises the sum itself"
     if not 1 <= x.dim() <= 8:
         return "npu_rms_norm takes 1-D to 8-D inputs"
     if known(x.numel() == 0):  # a symbolic size may be empty at run time: re-checked per call
@@ -62,7 +68,10 @@ def rms_norm_kernel(x, weight, eps, eps_t, mode, upcast, out_dtype):  # noqa: AN
     return y
 
 
-def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype):  # noqa: ANN001, ANN201
+def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype,  # noqa: ANN001, ANN201
+                        norm_dtype=None):  # noqa: ANN001
+    if norm_dtype is not None:  # declined by check_norm_call
+        raise ValueError("ep_fuse npu add_rms_norm: norm_dtype is not implemented (the reference runs it)")
     y, _rstd, s = torch_npu().npu_add_rms_norm(x, residual, gamma(x, weight, mode), epsilon=host_eps(eps, eps_t))
     return y, s
 

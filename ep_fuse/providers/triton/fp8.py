@@ -214,7 +214,7 @@ bf16."""
 def fp8_block_quant_rule(x: Any, top_k: int, experts: int, deepgemm: bool = False) -> str | None:
     """Why ``quant="fp8_block"`` keeps a block (tokens ``x`` [T, H]) with bf16 weights in bf16 on CUDA (``None``:
     quantize it). Models whose experts already hold fp8 weights are not asked: they have no bf16 weights.
-    ``deepgemm``: DeepGEMM takes the block's GEMMs (:func:`ep_fuse.providers.deepgemm.align_for`), measured
+    ``deepgemm``: DeepGEMM takes the block's GEMMs (:func:`ep_fuse.providers.deepgemm.fp8.align_for`), measured
     faster than bf16 at every size it takes."""
     if deepgemm:
         return None

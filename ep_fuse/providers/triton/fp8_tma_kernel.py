@@ -12,7 +12,7 @@ belong to the next expert: computed and not stored, as in the bf16 kernel.
 
 Checked on a GPU by ``tests/gpu/test_gpu_fp8.py`` and measured by ``bench/bench_fp8.py --tma`` (``docs/benchmarks.md``):
 1.06-1.10x the one-tile-per-program kernel from 64 rows per expert
-(:data:`~ep_fuse.providers.triton.perf.FP8_TMA_MIN_ROWS_PER_EXPERT`). ``TmaGemmConfig.expert_groups`` (groups
+(:data:`~ep_fuse.providers.triton.fp8.FP8_TMA_MIN_ROWS_PER_EXPERT`). ``TmaGemmConfig.expert_groups`` (groups
 cut at expert boundaries, as in the bf16 kernel) is supported but not taken by :func:`config_for`: at
 DeepSeek-V3 sizes (29 MB of fp8 gate|up weights per expert) it measured mixed, -4 % to +8 % per GEMM and size
 , next to a spread of up to 5 % between two timings of one config.

@@ -30,7 +30,9 @@ from ep_fuse.symbolic import concrete_int
 
 
 def check_gemm_swiglu_call(args: tuple[Any, ...]) -> str | None:
-    x, wg, wu = args
+    x, wg, wu = args[:3]
+    if len(args) > 3 and args[3] and x.dtype != torch.float32:
+        return "SwiGLU in fp32 of low-precision GEMM outputs (act_fp32): the kernel rounds the silu to the input dtype"
     if x.dtype not in KERNEL_DTYPES or wg.dtype != x.dtype or wu.dtype != x.dtype:
         return f"dtypes {x.dtype}/{wg.dtype}/{wu.dtype} (the kernel takes one of fp16/bf16/fp32 for all)"
     if x.dim() < 1 or wg.dim() != 2 or wu.shape != wg.shape:
@@ -68,8 +70,9 @@ def run_dense(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, wrap: A
     return y
 
 
-def gemm_swiglu_kernel(x, w_gate, w_up, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
-    """``ep_fuse_triton::gemm_swiglu``."""
+def gemm_swiglu_kernel(x, w_gate, w_up, act_fp32=False, wrap=None):  # noqa: ANN001, ANN201 - schema-typed
+    """``ep_fuse_triton::gemm_swiglu`` (``act_fp32`` only for fp32 inputs, where it changes nothing:
+    :func:`check_gemm_swiglu_call`)."""
     return run_dense(x, w_gate, w_up, wrap)
 
 
@@ -119,7 +122,7 @@ def _dense_tma_wins(x: Any, w_gate: Any, w_up: Any, rows: int) -> bool:
 
 
 def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime | None:
-    x, w_gate, w_up = args
+    x, w_gate, w_up = args[:3]
     rows = static_rows(x)
     if rows is None:
         return AtRunTime(f"the kernel up to {GEMM_SWIGLU_MAX_ROWS} rows and on the TMA kernel's measured wins, "
@@ -133,7 +136,7 @@ def gemm_swiglu_prefers(args: tuple[Any, ...], executor: str) -> str | AtRunTime
 
 def gemm_swiglu_at_run_time(args: tuple[Any, ...]) -> str | None:
     """Per call of ``gemm_swiglu_by_size`` (real tensors): the kernel up to 32 rows or on a TMA win."""
-    x, w_gate, w_up = args
+    x, w_gate, w_up = args[:3]
     rows = x.numel() // max(x.shape[-1], 1)
     if rows <= GEMM_SWIGLU_MAX_ROWS or _dense_tma_wins(x, w_gate, w_up, rows):
         return None

@@ -4,7 +4,7 @@ A tile config (:class:`GemmConfig`), operand pointers, K-slice loads and the K l
 (:func:`accumulate`) for ``dot(x, w.T)`` with unit-stride K (optionally swapped, ``dot(w, x.T)``, so
 weight rows fill the MMA's M dimension when there are few rows of x), bf16/fp16/fp32 or int8, and the
 SwiGLU epilogue rounded as the unfused model rounds (and :func:`gated_rounded`, its clamped / fp32 / soft-capped
-variants).
+variants and the GeGLUs).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def swiglu_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr)
 
 
 ACT_CODES = {"silu": 0, "silu_clamp": 1, "silu_clamp_post": 2, "silu_fp32": 3, "softcap_fp32": 4, "relu2": 5,
-             "swigluoai": 6}
+             "swigluoai": 6, "gelu_tanh": 7, "gelu": 8}
 """The ``ACT`` constexpr of :func:`gated_rounded` for each activation of ``ep_fuse.ops.moe.ACTS`` (``relu2``, without
 a gate: the epilogue of the single-accumulator grouped GEMM)."""
 
@@ -65,7 +65,9 @@ def gated_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, 
     """The gated activation ``ACT`` (:data:`ACT_CODES`) of fp32 GEMM accumulators, in the models' op order and
     rounded where they round (``ep_fuse.ops.moe``): each GEMM output to the input dtype first; the clamped
     forms round each clamp, silu and the product; the fp32 forms round once at the end. ``CAP_G`` / ``CAP_U``
-    <= 0: no soft cap on that half; for ``swigluoai`` (6) ``CAP_G`` carries the sigmoid's scale."""
+    <= 0: no soft cap on that half; for ``swigluoai`` (6) ``CAP_G`` carries the sigmoid's scale. The GELUs (7 tanh,
+    8 erf) run in fp32 in torch's op order (``0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715 * g**3)))``,
+    ``0.5 * g * (1 + erf(g / sqrt(2)))``), rounded, then the product rounded."""
     g = round_as(acc_g, CODE, EMULATE_RTNE)
     u = round_as(acc_u, CODE, EMULATE_RTNE)
     if ACT == 0:
@@ -90,6 +92,13 @@ def gated_rounded(acc_g, acc_u, CODE: tl.constexpr, EMULATE_RTNE: tl.constexpr, 
         sig = round_as(1.0 / (1.0 + tl.exp(-z)), CODE, EMULATE_RTNE)
         glu = round_as(g * sig, CODE, EMULATE_RTNE)
         y = round_as(round_as(u + 1.0, CODE, EMULATE_RTNE) * glu, CODE, EMULATE_RTNE)
+    elif ACT == 7:
+        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        act = round_as(0.5 * g * (1.0 + _tanh(inner, LIBDEVICE)), CODE, EMULATE_RTNE)
+        y = round_as(act * u, CODE, EMULATE_RTNE)
+    elif ACT == 8:
+        act = round_as(0.5 * g * (1.0 + tl.erf(g * 0.7071067811865476)), CODE, EMULATE_RTNE)
+        y = round_as(act * u, CODE, EMULATE_RTNE)
     else:
         cg = tl.where(CAP_G > 0, CAP_G, 1.0)
         cu = tl.where(CAP_U > 0, CAP_U, 1.0)

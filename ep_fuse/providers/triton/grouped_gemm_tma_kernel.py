@@ -3,7 +3,7 @@
 rows per expert.
 
 Measured on a GPU and checked there by ``tests/gpu/test_gpu_moe_grouped_gemm_tma.py`` (``docs/benchmarks.md``);
-``bench/bench_moe_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.perf.grouped_gemm_tma_rule`
+``bench/bench_moe_grouped_gemm_tma.py`` measures it, :func:`~ep_fuse.providers.triton.grouped_gemm.grouped_gemm_tma_rule`
 says where it runs.
 
 Two launches, both CUDA-graph capturable (no tensor value is read on the host; grids and buffers are functions

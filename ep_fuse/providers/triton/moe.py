@@ -173,5 +173,3 @@ register(ops.grouped_gemm, grouped_gemm_kernel, supports=check_grouped_gemm_call
 register(ops.grouped_gemm_swiglu, grouped_gemm_swiglu_kernel, supports=check_grouped_gemm_swiglu_call,
          prefers=grouped_gemm_swiglu_prefers, run_time=grouped_gemm_swiglu_at_run_time,
          branches=(lambda x, w, seg, *act: grouped_branches(x, w, True, tuple(act)), lambda x, *rest: x.shape[0]))
-
-from ep_fuse.providers.triton import moe_masked  # noqa: E402,F401  (the masked expert layout's provider registers)

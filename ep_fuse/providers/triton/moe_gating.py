@@ -36,6 +36,8 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
     """``None`` when the Triton kernel can run these ``moe_gating`` arguments, else why not."""
     logits, bias, top_k, score, n_group, topk_group, group_score, _renorm, _eps, _scale, weight_dtype = args[:11]
     expert_scale = args[12] if len(args) > 12 else None
+    if len(args) > 13 and args[13] not in (None, torch.float32):
+        return f"scores computed in {args[13]} (the kernel computes them in fp32; the reference rounds as the model)"
     if logits.dim() > 2:  # [..., E] (Zaya): run as rows; the kernel needs them to be one [T, E] view
         if not contiguous(logits):
             return f"logits of shape {list(logits.shape)} do not view as [T, E] rows (not contiguous)"
@@ -78,7 +80,7 @@ def check_gating_call(args: tuple[Any, ...]) -> str | None:
 
 
 def moe_gating_kernel(logits, bias, top_k, score, n_group, topk_group, group_score, renormalize, renorm_eps,
-                      scale, weight_dtype, renorm_clamp=False, expert_scale=None,
+                      scale, weight_dtype, renorm_clamp=False, expert_scale=None, score_dtype=None,
                       wrap=None):  # noqa: ANN001, ANN201 - schema-typed
     """``ep_fuse_triton::moe_gating``: ``(weights [T, K], ids [T, K] int64)``; ``[..., E]`` logits give
     ``[..., K]`` (the rows of one contiguous view)."""

@@ -44,7 +44,8 @@ def check_moe_experts_masked_call(args: tuple[Any, ...]) -> str | None:
     if not (unit_last(x) and unit_last(w13) and unit_last(w2)):
         return "x, w13 or w2 is not unit-stride along its last dim"
     act = full_act(tuple(args[5:]))
-    return expert_weight_limits(w13) or expert_weight_limits(w2) or act_problem(*act) or gpu_unverified(VARIANT, x)
+    return (expert_weight_limits(w13) or expert_weight_limits(w2) or act_problem(*act) or gpu_unverified(VARIANT, x)
+            or gpu_unverified(f"moe_experts_masked:{act[0]}", x))
 
 
 def moe_experts_masked_kernel(x, counts, w13, w2, max_rows=0, act="silu", limit=None, gate_cap=None, up_cap=None,

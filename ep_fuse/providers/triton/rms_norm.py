@@ -20,11 +20,13 @@ from typing import Any
 import torch
 
 from ep_fuse.ops import rms_norm as ops
-from ep_fuse.ops.rms_norm import base_mode, host_eps, rms_norm_out_dtype, unpack_norm_args
+from ep_fuse.ops.rms_norm import (ROUNDED_RSTD, base_mode, host_eps, norm_input_dtype, rms_norm_out_dtype,
+                                  unpack_norm_args)
 from ep_fuse.providers.measured import Threshold
 from ep_fuse.providers.rms_norm import check_norm_call
 from ep_fuse.providers.tensor_checks import row_stride, static_rows
 from ep_fuse.providers.triton.provider import register
+from ep_fuse.providers.triton.unverified import gpu_unverified
 from ep_fuse.symbolic import concrete_int
 
 
@@ -37,16 +39,20 @@ def _run(
     upcast: bool,
     out_dtype: torch.dtype | None,
     wrap: Callable[[Any], Any] | None,
+    norm_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     from ep_fuse.providers.triton.rms_norm_kernel import launch  # imports triton: on first launch
 
-    y = torch.empty(x.shape, dtype=rms_norm_out_dtype(x, weight, mode, upcast, out_dtype), device=x.device)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
+    y_dtype = rms_norm_out_dtype(x, weight, mode, upcast, out_dtype, in_dtype=norm_dtype)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    s = None
+    if residual is not None:  # the sum in the operands' promoted dtype, as ``x + residual``
+        s = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
     sx = row_stride(x)
     sr = row_stride(residual) if residual is not None else 0
     assert sx is not None and sr is not None, "checked by the provider's supports()"
     # a ``_pow`` mode's ``pow(·, -0.5)`` is the kernel's ``rsqrt`` (fp32, a few ulp apart)
-    launch(x, residual, weight, y, s, eps, base_mode(mode), out_dtype, sx, sr, wrap=wrap)
+    launch(x, residual, weight, y, s, eps, base_mode(mode), out_dtype, sx, sr, wrap=wrap, norm_dtype=norm_dtype)
     return y, s
 
 
@@ -55,9 +61,10 @@ def rms_norm_kernel(x, weight, eps, eps_t, mode, upcast, out_dtype, wrap=None): 
     return _run(x, None, weight, host_eps(eps, eps_t), mode, upcast, out_dtype, wrap)[0]
 
 
-def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype, wrap=None):  # noqa: ANN001, ANN201
+def add_rms_norm_kernel(x, residual, weight, eps, eps_t, mode, upcast, out_dtype, norm_dtype=None,  # noqa: ANN001
+                        wrap=None):  # noqa: ANN001, ANN201
     """``ep_fuse_triton::add_rms_norm`` (canonical schema)."""
-    return _run(x, residual, weight, host_eps(eps, eps_t), mode, upcast, out_dtype, wrap)
+    return _run(x, residual, weight, host_eps(eps, eps_t), mode, upcast, out_dtype, wrap, norm_dtype)
 
 
 LARGE_BATCH_ROWS = Threshold(
@@ -90,10 +97,25 @@ def rms_norm_prefers(args: tuple[Any, ...], executor: str) -> str | None:
 
 def _eps_is_literal(args: tuple[Any, ...]) -> str | None:
     # a tensor eps (dynamic shapes) is read on the host, which a traced launch cannot do
-    return "eps is a tensor" if args[-4] is not None else None
+    return "eps is a tensor" if unpack_norm_args(args)[2][2] is not None else None
 
 
-register(ops.rms_norm, rms_norm_kernel, supports=check_norm_call, prefers=rms_norm_prefers,
+def rounded_variant(args: tuple[Any, ...]) -> str | None:
+    """The ``unverified.py`` name of a call's rounded form: ``<op>:none_rstd_cast`` or ``add_rms_norm:norm_dtype``."""
+    _x, residual, rest = unpack_norm_args(args)
+    op = "add_rms_norm" if residual is not None else "rms_norm"
+    if rest[3] in ROUNDED_RSTD:
+        return f"{op}:{rest[3]}"
+    return "add_rms_norm:norm_dtype" if norm_input_dtype(args) is not None else None
+
+
+def supports(args: tuple[Any, ...]) -> str | None:
+    """:func:`check_norm_call`, and the rounded forms only where cleared for the device (``unverified.py``)."""
+    variant = rounded_variant(args)
+    return check_norm_call(args) or (gpu_unverified(variant, args[0]) if variant else None)
+
+
+register(ops.rms_norm, rms_norm_kernel, supports=supports, prefers=rms_norm_prefers,
          inline_ok=_eps_is_literal, symbolic=True)
-register(ops.add_rms_norm, add_rms_norm_kernel, supports=check_norm_call, prefers=add_rms_norm_prefers,
+register(ops.add_rms_norm, add_rms_norm_kernel, supports=supports, prefers=add_rms_norm_prefers,
          inline_ok=_eps_is_literal, symbolic=True)

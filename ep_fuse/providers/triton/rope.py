@@ -6,6 +6,7 @@ kernel, most in the cos/sin-cache form, so they are used; fp32 heads and the com
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -177,9 +178,24 @@ def _before(lead: list[Any], xs: list[Any], i: int, j: int) -> int:
     return i - j
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeTuning:
+    """Benchmark-only overrides of a launch's choices (``bench/bench_rope.py``); ``None``: the kernel's own."""
+
+    rounding: int | None = None
+    """2: fp32 math with ``cvt.rn``; 3: packed ``fma.rn`` (:func:`rounding_mode`)."""
+    rows: int | None = None
+    num_warps: int | None = None
+    idx64: bool = False
+
+
+DEFAULT_TUNING = RopeTuning()
+
+
 def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.Tensor | None,
            cos: torch.Tensor, sin: torch.Tensor | None, form: str, rot: int,
-           wrap: Callable[[Any], Any] | None = None, positions: torch.Tensor | None = None) -> None:
+           wrap: Callable[[Any], Any] | None = None, positions: torch.Tensor | None = None,
+           tuning: RopeTuning = DEFAULT_TUNING) -> None:
     """One launch for q (and k); with ``positions``, ``cos`` is the cos/sin cache and ``sin`` is unused."""
     import triton
 
@@ -189,9 +205,9 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
 
     d = q.shape[-1]
     fp32_math = form == "rotate_pairs_fp32"  # fp32 products and sum (CODE fp32: no rounding), rounded at the store
-    mode = 2 if fp32_math else rounding_mode(q, TUNING.get("rounding"))
+    mode = 2 if fp32_math else rounding_mode(q, tuning.rounding)
     native = mode == 3
-    rows = TUNING.get("rows") or rows_per_program(int(d), native)
+    rows = tuning.rows or rows_per_program(int(d), native)
     qlead, qxs = _lead3(q)
     _, qys = _lead3(qy)
     qc, qs, qcs, qss = _trig(q, cos, sin, form, rot, positions)
@@ -222,13 +238,9 @@ def launch(q: torch.Tensor, qy: torch.Tensor, k: torch.Tensor | None, ky: torch.
         OUT_CODE=DTYPE_CODES[qy.dtype], BLOCK=triton.next_power_of_2(half),
         PASS_BLOCK=triton.next_power_of_2(max(int(d) - rot, 1)), ROWS=rows, HAS_K=k is not None,
         EMULATE_RTNE=1 if INTERPRET else mode,
-        IDX32=_fits_int32(q_rows + rows, k_rows + rows) and not TUNING.get("idx64", False),
-        HAS_POS=positions is not None, num_warps=TUNING.get("num_warps") or warps_for(int(d), native),
+        IDX32=_fits_int32(q_rows + rows, k_rows + rows) and not tuning.idx64,
+        HAS_POS=positions is not None, num_warps=tuning.num_warps or warps_for(int(d), native),
     )
-
-
-TUNING: dict[str, Any] = {}
-"""Benchmark-only overrides (``rounding``, ``idx64``, ``num_warps``); empty in normal use."""
 
 
 def rounding_mode(x: torch.Tensor, requested: int | None = None) -> int:
@@ -260,11 +272,12 @@ def rope_kernel(x, cos, sin, form, rot_dim, out_dtype, wrap=None):  # noqa: ANN0
     return y
 
 
-def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype, wrap=None):  # noqa: ANN001, ANN201
-    """``ep_fuse_triton::rope_qk``: q and k in one launch."""
+def rope_qk_kernel(q, k, cos, sin, form, rot_dim, out_dtype, wrap=None,  # noqa: ANN001, ANN201
+                   tuning: RopeTuning = DEFAULT_TUNING):
+    """``ep_fuse_triton::rope_qk``: q and k in one launch (``tuning``: a benchmark's overrides)."""
     qy = _check_out(_alloc(rope_ref, (q, cos, sin), (form, rot_dim, out_dtype)))
     ky = _check_out(_alloc(rope_ref, (k, cos, sin), (form, rot_dim, out_dtype)))
-    launch(q, qy, k, ky, cos, sin, form, rot_dim, wrap)
+    launch(q, qy, k, ky, cos, sin, form, rot_dim, wrap, tuning=tuning)
     return qy, ky
 
 

@@ -12,9 +12,15 @@ from typing import Any
 
 from ep_fuse import runtime
 
-UNVERIFIED_ON_GPU: dict[str, str] = {}
+UNVERIFIED_ON_GPU: dict[str, str] = {
+    "rms_norm:none_rstd_cast": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU",
+    "add_rms_norm:none_rstd_cast": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU",
+    "add_rms_norm:norm_dtype": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU, and "
+                               "bench/bench_rms_norm.py has not timed its wider residual loads against Inductor",
+}
 """``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
-(``docs/benchmarks.md`` says when and where): the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
+(``docs/benchmarks.md`` says when and where): the GeGLU epilogues (``grouped_gemm_swiglu`` and
+``moe_experts_masked`` ``:gelu_tanh`` / ``:gelu``, ``tests/gpu/test_gpu_moe_forms.py``, 2026-12-03), the router forms (``moe_gating:topk_softmax/topk_sigmoid/sum_top2_fill0/renorm_clamp``,
 ``tests/gpu/test_gpu_forms.py``), ``rope:rotate_pairs`` (same file), ``fp8:triton``
 (``tests/gpu/test_gpu_fp8.py``), ``grouped_gemm:tma`` (``tests/gpu/test_gpu_moe_grouped_gemm_tma.py``, then
 measured faster than ``torch._grouped_mm`` by ``bench/bench_moe_grouped_gemm_tma.py``), ``ep:fp8_dispatch``

@@ -1,6 +1,6 @@
 """Which fused stage moves the logits away from eager, and is it closer to or further from the truth?
 
-    python tools/accuracy_decode.py [--model deepseek_v3] [--shapes 64x1,1x2048]
+    PYTHONPATH=bench python experiments/2026-12/accuracy_decode.py [--model deepseek_v3] [--shapes 64x1,1x2048]
 
 One forward of a real-sized model (``hf_models.py``, random weights, bf16) per shape (batch x length).
 References: eager bf16 (what the user runs today) and an fp32 copy of the same weights ("truth").
@@ -15,13 +15,10 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 import hf_models  # noqa: E402
 from common import env_info, markdown_table, out_dir, write_json  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Host time per call of the grouped-GEMM ops at a small size, layer by layer (GPU; issue 14).
 
-    python tools/host_overhead.py [--shape T,H,I,E,K] [--calls 300]
+    PYTHONPATH=bench python experiments/2026-12/host_overhead.py [--shape T,H,I,E,K] [--calls 300]
 
 At decode sizes a compiled graph with symbolic sizes is bound by host time, and the opaque
-``<op>_by_size`` ops are where ep_fuse spends more of it than Inductor (``tools/profile_dynamic.py``). This
+``<op>_by_size`` ops are where ep_fuse spends more of it than Inductor (``experiments/2026-12/profile_dynamic.py``). This
 times the host (CPU) time of one call issued onto an idle queue (median of 30), and ``--calls`` back-to-back
 calls with one ``torch.cuda.synchronize()`` at the end (µs per call, wall clock) next to the GPU time of one
 call (CUDA-graph replay). Layers, outermost first: the ``_by_size`` op, the provider op, the provider's Python function,
@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 from common import bench_graph_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
-import ep_fuse.providers  # noqa: E402,F401  (registers torch.ops.ep_fuse_triton.*)
+import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
 from ep_fuse.ops.moe import moe_permute_ref  # noqa: E402
 from ep_fuse.providers.triton import moe as triton_moe  # noqa: E402
 

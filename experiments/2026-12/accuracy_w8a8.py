@@ -1,6 +1,6 @@
 """Accuracy of the W8A8 int8 experts (``quant="w8a8_int8"``) vs bf16, on CPU or GPU.
 
-    python tools/accuracy_w8a8.py [--device cpu|cuda]
+    PYTHONPATH=bench python experiments/2026-12/accuracy_w8a8.py [--device cpu|cuda]
 
 1. MoE layer (``moe_experts`` reference block vs ``moe_experts_w8a8`` reference block, same routing):
    relative L2 of the output vs the bf16 layer and vs an fp64 unquantized layer, per expert size,
@@ -13,13 +13,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 
 import ep_fuse
 import ep_fuse.catalog  # noqa: F401  (defines every op and provider)

@@ -1,7 +1,7 @@
 """Launch the TMA grouped GEMMs of one shape once per config, for Nsight Compute (``ncu``) to read counters.
 
     ncu --clock-control none -k regex:_grouped_gemm_tma_kernel --section SpeedOfLight ... \\
-        python tools/profile_grouped_gemm_tma.py [--shape deepseek_v3_T4096] [--config GEMM:BM,BN,...]
+        PYTHONPATH=bench python experiments/2026-12/profile_grouped_gemm_tma.py [--shape deepseek_v3_T4096] [--config GEMM:BM,BN,...]
 
 Each config runs twice (a warm-up for Triton's compile, then the launch to profile: give ncu
 ``--launch-skip`` accordingly or read the second of each pair). Without ``--config``: the default configs of
@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
 os.environ.setdefault("EP_FUSE_UNVERIFIED_KERNELS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 from bench_moe_grouped_gemm_tma import SHAPES, parse_config, tk  # noqa: E402
 from bench_moe_experts import make_weights, routed_rows  # noqa: E402
 

@@ -1,9 +1,9 @@
 """Where a compiled call spends its host time: ep_fuse vs Inductor on one shape, static or dynamic (GPU).
 
-    python tools/profile_dynamic.py [--shape 3x7] [--dynamic] [--mode default|reduce-overhead] [--layers 2]
+    PYTHONPATH=bench python experiments/2026-12/profile_dynamic.py [--shape 3x7] [--dynamic] [--mode default|reduce-overhead] [--layers 2]
     bash tools/device_run.sh profile_dynamic        (with $PROF_ARGS)
 
-Same Qwen2-MoE-style model as ``tools/check_dynamic.py`` (issue 14's odd sizes, random weights, bf16). For
+Same Qwen2-MoE-style model as ``experiments/2026-12/check_dynamic.py`` (issue 14's odd sizes, random weights, bf16). For
 each backend it compiles, warms up, then measures per call
 
 * **wall µs**: host time of one call with ``torch.cuda.synchronize()`` only after the loop (what the host
@@ -20,14 +20,11 @@ runs its provider ops opaque (no Inductor inlining), and the table shows which P
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 from common import env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402

@@ -1,8 +1,8 @@
 """GPU check of dynamic shapes on an odd-sized Qwen2-MoE-style model: graphs, fused sites, accuracy, speed.
 
-    python tools/check_dynamic.py [--dtype bf16 fp16] [--dynamic true auto] [--no-mark]
+    PYTHONPATH=bench python experiments/2026-12/check_dynamic.py [--dtype bf16 fp16] [--dynamic true auto] [--no-mark]
                                   [--mode default|reduce-overhead] [--layers 4] [--quick]
-    bash tools/run_on_device.sh tools/check_dynamic.py [args]      (installs ep_fuse first)
+    bash tools/run_on_device.sh experiments/2026-12/check_dynamic.py [args]      (installs ep_fuse first)
 
 The model (random weights, nothing downloaded) has the issue's sizes by default: hidden 2880, head_dim 80
 (36 heads, 4 KV heads), 60 experts, top-6, a shared expert (``--moe-inter``/``--shared-inter`` set the
@@ -27,12 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # bench/common.py, bench/hf_models.py
 from common import bench_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402

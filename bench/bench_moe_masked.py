@@ -1,4 +1,6 @@
-"""``bench_moe_experts.py --masked``: the local experts of a DeepEP low-latency layer, three ways, one rank.
+"""The ``moe_masked`` family: the local experts of a DeepEP low-latency layer, three ways, one rank.
+
+    python bench/bench_moe_masked.py            (also ``bench/bench_moe_experts.py --masked``)
 
 The rank's LL receive buffer ``[E_r, W*C, H]`` (C = T tokens per rank, every rank's tokens routed top-k over E
 experts; expert ``e``'s rows first, padding after) runs through
@@ -10,7 +12,7 @@ experts; expert ``e``'s rows first, padding after) runs through
 
 Dispatch and combine are not in these times (``bench_ep.py`` times the whole layer). Checked first: masked equals
 padded on the valid rows (relative L2). On CUDA the times are CUDA-graph replays; on a CPU (``TRITON_INTERPRET=1``)
-one run each at the tiny shape, a check of the wiring only.
+one run each at the tiny shape, a check of the wiring only. Writes ``$OUT/moe_masked.json`` / ``moe_masked.md``.
 """
 
 from __future__ import annotations
@@ -104,3 +106,26 @@ def run(shapes: dict[str, tuple[int, ...]], device: str) -> list[dict[str, Any]]
         if rel > 2e-2:
             raise AssertionError(f"{name}: masked vs padded relative L2 {rel:.2e}")
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """At the real shapes on CUDA, at the tiny shape on a CPU; the table to ``$OUT/moe_masked.md``."""
+    from common import bench_parser, env_info, markdown_table, out_dir, set_json_path, write_json
+
+    args = bench_parser(__doc__).parse_args(argv)
+    set_json_path(args.json)
+    cuda = torch.cuda.is_available()
+    rows = run(SHAPES if cuda else TINY, "cuda" if cuda else "cpu")
+    write_json("moe_masked.json", {"env": env_info(), "rows": rows})
+    head = ["shape", "T", "E_r", "rows", "valid rows", "masked µs", "padded µs", "one GPU µs", "padded / masked",
+            "masked / one GPU", "rel L2"]
+    table = markdown_table(head, [[r["shape"], r["T"], r["E_r"], r["rows"], r["valid_rows"], r["masked_us"],
+                                   r["padded_us"], r["one_gpu_us"], f"{r['masked_vs_padded']:.2f}×",
+                                   f"{r['masked_vs_one_gpu']:.2f}×", f"{r['rel_l2_masked_vs_padded']:.1e}"]
+                                  for r in rows])
+    (out_dir() / "moe_masked.md").write_text(table + "\n")
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    main()

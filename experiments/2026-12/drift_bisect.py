@@ -2,7 +2,7 @@
 once per pattern disabled (and with ``--alone`` once per pattern alone) and print max |Δ| of the logits against eager, beside
 ``backend="inductor"``'s.
 
-    python tools/drift_bisect.py exaone_moe granitemoe_swa [--device cuda] [--executor inductor] [--seeds 8]
+    PYTHONPATH=bench python experiments/2026-12/drift_bisect.py exaone_moe granitemoe_swa [--device cuda] [--executor inductor] [--seeds 8]
 
 With ``--seeds N`` each compile is compared on N input sets: a rewrite that changes how Inductor fuses the rest of
 the graph can flip a near-tied top-k choice on one input and not on the next, which one input cannot tell apart from

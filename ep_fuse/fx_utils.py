@@ -85,20 +85,31 @@ def literal_value(arg: Any) -> Any:
     return arg
 
 
-def module_path(node: fx.Node) -> str:
-    """Dotted module path from ``nn_module_stack`` (``model.layers.0.input_layernorm``), or ``''``."""
+def _innermost_module(node: fx.Node) -> tuple[str, Any] | None:
+    """The innermost ``(path, class)`` of ``nn_module_stack`` that belongs to the model: a module held in a global
+    (``G['...apply_rotary_pos_emb']``: transformers 5.25 wraps kernel-replaceable functions in modules) is skipped
+    for the module that called it."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
-        return ""
-    key, (path, _cls) = list(stack.items())[-1]
-    return clean_module_path(path)
+        return None
+    entries = list(stack.values())
+    for path, cls in reversed(entries):
+        if not str(path).startswith(("G[", "G.")):
+            return path, cls
+    return entries[-1]
+
+
+def module_path(node: fx.Node) -> str:
+    """Dotted module path from ``nn_module_stack`` (``model.layers.0.input_layernorm``), or ``''``."""
+    inner = _innermost_module(node)
+    return clean_module_path(inner[0]) if inner else ""
 
 
 def module_class(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
+    inner = _innermost_module(node)
+    if inner is None:
         return ""
-    _key, (_path, cls) = list(stack.items())[-1]
+    cls = inner[1]
     return getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1].rstrip("'>"))
 
 

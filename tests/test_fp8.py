@@ -464,7 +464,9 @@ def test_fp8_experts_need_the_hub_kernel_until_prepared():
 
     model, dequantized = _fp8_deepseek()
     inputs = tiny_models.example_inputs(batch=1, seq=8)
-    with torch.no_grad(), pytest.raises(ImportError, match="finegrained-fp8"):
+    # without `kernels`: ImportError; with it (transformers 5.25 installs it), the Hub lookup fails offline or on
+    # the publisher check, a ValueError; both name the kernel repository
+    with torch.no_grad(), pytest.raises((ImportError, ValueError, OSError), match="finegrained-fp8"):
         model(**inputs)
     ep_fuse.prepare(model)
     with torch.no_grad():

@@ -92,12 +92,19 @@ def test_hooked_and_other_expert_modules_are_left_alone():
 
 
 def test_step37_experts_convert_and_fuse():
-    """transformers 5.24's Step-3.7 experts (no hook, their own clamped ``_apply_gate``) fuse as ``silu_clamp_post``."""
+    """Step-3.7's experts (their own clamped ``_apply_gate``) fuse as ``silu_clamp_post``: transformers 5.24's have
+    no hook and are converted; 5.25's have the hook (and a per-layer limit) and fuse through its grouped_mm."""
     from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
     from transformers.models.step3p7.modeling_step3p7 import Step3p7Experts
 
-    cfg = Step3p7TextConfig(hidden_size=32, moe_intermediate_size=16, num_local_experts=4)
-    mod = Step3p7Experts(cfg, swiglu_limit=0.5)
+    hooked = getattr(Step3p7Experts.forward, "__wrapped__", None) is not None
+    if hooked:  # transformers >= 5.25
+        cfg = Step3p7TextConfig(hidden_size=32, moe_intermediate_size=16, num_local_experts=4, num_hidden_layers=1,
+                                swiglu_limits=[0.5])
+        mod = Step3p7Experts(cfg, 0)
+    else:
+        cfg = Step3p7TextConfig(hidden_size=32, moe_intermediate_size=16, num_local_experts=4)
+        mod = Step3p7Experts(cfg, swiglu_limit=0.5)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         mod.gate_up_proj.copy_(3 * torch.randn(mod.gate_up_proj.shape, generator=g) / 32**0.5)
@@ -105,7 +112,11 @@ def test_step37_experts_convert_and_fuse():
     x, ids, w = _inputs(9, 32, 4, 2, F32)
     with torch.no_grad():
         ref = mod(x, ids, w)
-    assert [c.converted for c in convert_hookless_experts(mod)] == [True]
+    if hooked:
+        assert convert_hookless_experts(mod) == []
+        mod.config._experts_implementation = "grouped_mm"  # what prepare sets on a model
+    else:
+        assert [c.converted for c in convert_hookless_experts(mod)] == [True]
     out = compile_and_run(mod, x, ids, w, executor="eager")
     reps = ep_fuse.reports()
     assert len(reps) == 1 and reps[0].count("moe_experts") == 1, [r.summary() for r in reps]

@@ -175,17 +175,22 @@ def test_tiny_nemotron_h_eager_loop_is_switched_by_prepare():
     from ep_fuse.models import tiny
 
     model = tiny.build("nemotron_h")
-    model.set_experts_implementation("eager")  # the .item() loop
     inputs = tiny.example_inputs()
     with torch.no_grad():
+        model.set_experts_implementation("grouped_mm")
         ref = model(**inputs).logits
+        model.set_experts_implementation("eager")  # the .item() loop
+        loop = model(**inputs).logits
     ep_fuse.prepare(model)
     out = compile_and_run(lambda: model(**inputs).logits, executor="eager", providers={"cpu": ["reference"]})
     assert len(ep_fuse.reports()) == 1
     assert ep_fuse.last_report().counts() == tiny.EXPECTED_SITES["nemotron_h"][0]
     assert {m.stages["grouped_gemm_swiglu"] for m in ep_fuse.last_report().matches if m.pattern == "moe_experts"} \
         == {"reference"}
+    # bitwise HF's grouped_mm; from 5.25 on, HF's own loop sums the experts in bf16 (5.24: fp32), so it differs from
+    # grouped_mm by that rounding
     assert torch.equal(out, ref)
+    torch.testing.assert_close(out, loop, rtol=2e-2, atol=1e-2)
 
 
 @pytest.mark.hf

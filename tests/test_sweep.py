@@ -17,7 +17,7 @@ import transformers
 from packaging.version import Version
 
 from ep_fuse.models import sweep
-from support.sweep_expected import EXPECTED, FAST, FAST_LOW_PRECISION, INDUCTOR_EXECUTOR_CHECKS
+from support.sweep_expected import EXPECTED, FAST, FAST_LOW_PRECISION, INDUCTOR_EXECUTOR_CHECKS, installed_sites
 
 pytestmark = pytest.mark.hf
 
@@ -38,15 +38,6 @@ def _added_later(pin: dict | str) -> str | None:
     if since is not None and Version(transformers.__version__) < Version(since):
         return f"added in transformers {since} (installed: {transformers.__version__})"
     return None
-
-
-def _sites(pin: dict, dtype: str) -> dict | str:
-    """The pinned site counts of ``dtype`` under the installed transformers: those of the newest release key
-    (``pin["5.25"]``) not newer than it, else the base pin's."""
-    for release in sorted((k for k in pin if k[:1].isdigit()), key=Version, reverse=True):
-        if Version(transformers.__version__) >= Version(release):
-            return pin[release][dtype]
-    return pin[dtype]
 
 
 def test_every_discovered_family_is_pinned():
@@ -112,7 +103,7 @@ def _check(family, res, dtype, pin):
         pytest.xfail(f"{pin['known_mismatch']} (max |Δ| {run.max_abs:.2e})")
     assert close, f"{family}: {dtype} max |Δ| {run.max_abs:.2e} ({run.rel:.2e} of the logits' scale) vs eager"
     assert res.moe_blocks >= pin["moe_blocks"], f"{family}: {res.moe_blocks} routed MoE blocks, pinned {pin['moe_blocks']}"
-    lost = {k: (run.counts.get(k, 0), v) for k, v in _sites(pin, dtype).items() if run.counts.get(k, 0) < v}
+    lost = {k: (run.counts.get(k, 0), v) for k, v in installed_sites(pin, dtype).items() if run.counts.get(k, 0) < v}
     assert not lost, f"{family} {dtype}: fewer sites than pinned (got, pinned): {lost}; all sites {run.counts}"
 
 

@@ -15,6 +15,9 @@ paste); lower a pin only with the reason in the commit."""
 
 from typing import Any
 
+import transformers
+from packaging.version import Version
+
 EXPECTED: dict[str, dict[str, Any] | str] = {
     'afmoe': {'moe_blocks': 1,
         'fp32': {'moe_experts': 1, 'moe_gating': 1, 'add_rms_norm': 5, 'rms_norm': 8, 'rope': 2, 'gemm_swiglu': 2},
@@ -361,3 +364,12 @@ inkling2_loop crashed there: an empty operand of ``torch.cat`` (its message atte
 Inductor's ``cat`` decomposition returns a clone of the other operand with that operand's strides, where ATen gives a
 contiguous result, so an ``aten.view`` recorded in the captured ATen graph became invalid when ``compile_fx``
 re-traced it (fixed: ``backend._views_as_reshapes``)."""
+
+
+def installed_sites(pin: dict, dtype: str) -> dict:
+    """The pinned site counts of ``dtype`` under the installed transformers: those of the newest release key
+    (``pin["5.25"]``) not newer than it, else the base pin's."""
+    for release in sorted((k for k in pin if k[:1].isdigit()), key=Version, reverse=True):
+        if Version(transformers.__version__) >= Version(release):
+            return pin[release][dtype]
+    return pin[dtype]

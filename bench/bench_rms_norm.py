@@ -54,17 +54,28 @@ def hf_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
     return w * n.to(x.dtype)
 
 
-FNS = {"add_rms_norm": hf_add_rms_norm, "rms_norm": hf_rms_norm}
+def zaya_add_rms_norm(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor):
+    """An fp32 residual stream in a bf16 model, normed after rounding the sum to bf16 (Zaya; ``add_rms_norm``'s
+    ``norm_dtype``): ``r`` is fp32, so the sum is read and written in fp32."""
+    s = x + r
+    return hf_rms_norm(s.to(x.dtype), None, w), s
+
+
+FNS = {"add_rms_norm": hf_add_rms_norm, "rms_norm": hf_rms_norm, "add_rms_norm_norm_dtype": zaya_add_rms_norm}
+BYTES_PER_ELEMENT = {"add_rms_norm": 8, "rms_norm": 4, "add_rms_norm_norm_dtype": 12}
+"""Bytes moved per element: the inputs read and the outputs written (bf16 = 2, fp32 = 4)."""
+NORM_DTYPE_GRID = [("add_rms_norm_norm_dtype", rows, h) for rows, h in ((1, 4096), (64, 4096), (512, 4096),
+                                                                         (4096, 4096), (16384, 4096), (4096, 2048))]
 
 
 def log(*a: Any, sep: str = " ") -> None:
     print(*a, sep=sep, flush=True)
 
 
-def inputs(rows: int, h: int, seed: int = 0):
+def inputs(rows: int, h: int, seed: int = 0, residual_dtype: torch.dtype = BF16):
     g = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, h, device="cuda", dtype=BF16, generator=g)
-    r = torch.randn(rows, h, device="cuda", dtype=BF16, generator=g)
+    r = torch.randn(rows, h, device="cuda", dtype=residual_dtype, generator=g)
     w = (torch.randn(h, device="cuda", generator=g) * 0.1 + 1).to(BF16)
     return x, r, w
 
@@ -205,8 +216,9 @@ def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[st
     results = []
     for op, rows, h in grid:
         fn = FNS[op]
-        x, r, w = inputs(rows, h, seed=rows + h)
-        nbytes = (4 if op == "add_rms_norm" else 2) * rows * h * 2 + h * 2
+        x, r, w = inputs(rows, h, seed=rows + h,
+                         residual_dtype=torch.float32 if op == "add_rms_norm_norm_dtype" else BF16)
+        nbytes = BYTES_PER_ELEMENT[op] * rows * h + h * 2
         row: dict[str, Any] = {"op": op, "rows": rows, "h": h, "bytes": nbytes}
         impls: dict[str, Any] = {"eager": lambda a, b, c: fn(a, b, c)}
         with torch.no_grad():
@@ -218,7 +230,7 @@ def time_grid(copy_gbs: float, grid: list[tuple[str, int, int]]) -> list[dict[st
                                   options={"perf_guard": False, "inline_in_inductor": inline})
                 f(x, r, w)
                 impls[label] = f
-            lf = liger_fn(op)
+            lf = liger_fn(op) if op in ("add_rms_norm", "rms_norm") else None
             if lf is not None:
                 impls["liger"] = lf
             for label, f in impls.items():
@@ -243,6 +255,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="baseline grid only, no sweep")
     ap.add_argument("--sweep", action="store_true", help="time launch configs of the raw kernel")
     ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--norm-dtype", action="store_true",
+                    help="time only the fp32-residual form (add_rms_norm:norm_dtype; run with EP_FUSE_UNVERIFIED_KERNELS=1 "
+                         "while unverified.py lists it)")
     args = ap.parse_args()
     start(args)
     t0 = time.time()
@@ -268,7 +283,7 @@ def main() -> None:
         for rows, h in ((16384, 7168), (4096, 7168), (16384, 4096), (64, 7168), (4096, 2048)):
             res["sweep"] += sweep(rows, h)
         write_json("rms_norm.json", res)
-    grid = GRID[:3] if args.quick else GRID
+    grid = NORM_DTYPE_GRID if args.norm_dtype else GRID[:3] if args.quick else GRID
     res["grid"] = time_grid(res["copy_gbs"], grid)
     write_json("rms_norm.json", res)
     head = ["op", "T×H", "eager µs", "Inductor µs", "ep_fuse µs", "ep_fuse GB/s", "% copy", "vs Inductor",

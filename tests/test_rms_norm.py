@@ -2,7 +2,6 @@
 reference; the pattern variants on hand-written modules: op counts before/after, numerics, look-alikes."""
 
 import logging
-import os
 
 import pytest
 import torch
@@ -140,7 +139,7 @@ def test_rounded_forms_opcheck_and_who_takes_them(form):
 
     from ep_fuse.providers.npu.rms_norm import supports as npu_supports
     from ep_fuse.providers.triton.rms_norm import rounded_variant
-    from ep_fuse.providers.triton.unverified import ENV, gpu_unverified
+    from ep_fuse.providers.triton.unverified import gpu_unverified
 
     args = _rounded_args(5, 40, torch.bfloat16, form)
     canon = rms_norm_ops.add_rms_norm if form != "rstd" else rms_norm_ops.rms_norm
@@ -152,8 +151,7 @@ def test_rounded_forms_opcheck_and_who_takes_them(form):
     variant = rounded_variant(args)
     assert variant == {"rstd": "rms_norm:none_rstd_cast", "rstd_add": "add_rms_norm:none_rstd_cast",
                        "norm_dtype": "add_rms_norm:norm_dtype"}[form]
-    if os.environ.get(ENV) != "1":
-        assert "not cleared for GPUs" in gpu_unverified(variant, SimpleNamespace(device=torch.device("cuda")))
+    assert gpu_unverified(variant, SimpleNamespace(device=torch.device("cuda"))) is None  # cleared 2026-12-03
 
 
 @settings(max_examples=25, deadline=None)

@@ -13,10 +13,6 @@ from typing import Any
 from ep_fuse import runtime
 
 UNVERIFIED_ON_GPU: dict[str, str] = {
-    "rms_norm:none_rstd_cast": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU",
-    "add_rms_norm:none_rstd_cast": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU",
-    "add_rms_norm:norm_dtype": "tests/gpu/test_gpu_norm_rope_forms.py has not run on a GPU, and "
-                               "bench/bench_rms_norm.py has not timed its wider residual loads against Inductor",
 }
 """``"<op>:<variant>" -> what it still lacks``. Cleared after their ``tests/gpu/`` checks passed on a GPU
 (``docs/benchmarks.md`` says when and where): the GeGLU epilogues (``grouped_gemm_swiglu`` and
@@ -37,7 +33,10 @@ measured faster than the permute over padding by ``bench/bench_moe_experts.py --
 second round: ``grouped_gemm_swiglu:relu2/swigluoai`` (``tests/gpu/test_gpu_moe_forms.py``), ``moe_gating:nd_logits``
 and ``moe_gating_sink:triton`` (``tests/gpu/test_gpu_moe_gating_forms.py``), and ``varlen_attention:flash``
 (``tests/gpu/test_gpu_varlen_attention.py``, then measured faster than HF's masked SDPA and Inductor's compile of
-the reference by ``bench/bench_varlen_attention.py``). A new variant is added here until its GPU
+the reference by ``bench/bench_varlen_attention.py``), and issue 45's rounded RMSNorm forms:
+``rms_norm:none_rstd_cast``, ``add_rms_norm:none_rstd_cast`` and ``add_rms_norm:norm_dtype``
+(``tests/gpu/test_gpu_norm_rope_forms.py``, 2026-12-03; ``norm_dtype`` then timed by ``bench/bench_rms_norm.py
+--norm-dtype``: 1.01-1.05x Inductor where the add+RMSNorm size rule takes the kernel). A new variant is added here until its GPU
 check has run."""
 
 ENV = "EP_FUSE_UNVERIFIED_KERNELS"

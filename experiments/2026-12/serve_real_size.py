@@ -27,6 +27,10 @@ from ep_fuse import serve
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
+VOCAB = len(SPECIALS) + 95 + 1
+"""The character-level tokenizer's size, also the model's: with Qwen3's 151936 a random model's argmax falls outside
+the tokenizer and every answer decodes to "" (what the first H200 run of this script returned)."""
 PROMPTS = ["hello world", "MoE", "the quick brown fox", "a", "Serve me, please!", "12345 67890", "ok", "zz top"]
 
 
@@ -36,18 +40,17 @@ def config(layers: int, tiny: bool) -> transformers.Qwen3MoeConfig:
         return transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                            num_experts=8, num_experts_per_tok=2, num_attention_heads=4,
                                            num_key_value_heads=2, head_dim=16, num_hidden_layers=layers,
-                                           vocab_size=128, max_position_embeddings=2048)
+                                           vocab_size=VOCAB, max_position_embeddings=2048)
     return transformers.Qwen3MoeConfig(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                                        num_experts=128, num_experts_per_tok=8, num_attention_heads=32,
                                        num_key_value_heads=4, head_dim=128, num_hidden_layers=layers,
-                                       vocab_size=151936, max_position_embeddings=4096, norm_topk_prob=True)
+                                       vocab_size=VOCAB, max_position_embeddings=4096, norm_topk_prob=True)
 
 
 def save(path: str, layers: int, tiny: bool, device: str) -> transformers.PreTrainedModel:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    specials = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
-    vocab = {t: i for i, t in enumerate(specials + list(string.printable[:95]) + ["\n"])}
+    vocab = {t: i for i, t in enumerate(SPECIALS + list(string.printable[:95]) + ["\n"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -98,15 +101,15 @@ def main() -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=600, max_retries=0)
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(args.requests)]
 
-    def chat(p: str) -> tuple[str, float]:
+    def chat(p: str) -> tuple[str, float, int]:
         t = time.time()
         r = client.chat.completions.create(model=path, messages=[{"role": "user", "content": p}],
                                            max_tokens=args.new, temperature=0)
-        return r.choices[0].message.content, time.time() - t
+        return r.choices[0].message.content, time.time() - t, r.usage.completion_tokens if r.usage else 0
 
     try:
         t0 = time.time()
-        first, res["first_request_s"] = chat(prompts[0])
+        first, res["first_request_s"], _ = chat(prompts[0])
         t0 = time.time()
         with ThreadPoolExecutor(args.requests) as pool:
             answers = list(pool.map(chat, prompts))
@@ -119,7 +122,7 @@ def main() -> None:
         serve.stop(srv)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     agree, n_tokens = 0, 0
-    for p, (text, _) in zip(prompts, answers):
+    for p, (text, _, n) in zip(prompts, answers):
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
                                       return_dict=True)["input_ids"]
         with torch.no_grad():
@@ -127,9 +130,9 @@ def main() -> None:
                                  do_sample=False)
         ref = tok.decode(out[0, len(ids):], skip_special_tokens=True)
         agree += ref == text
-        n_tokens += len(tok(text).input_ids)
-    res.update(answered=sum(bool(a) or a == "" for a, _ in answers), agree_with_eager=agree,
-               tokens_per_s=n_tokens / wall, latency_s=[round(t, 3) for _, t in answers], first_answer=first)
+        n_tokens += n
+    res.update(answered=sum(a is not None for a, _, _ in answers), agree_with_eager=agree,
+               tokens_per_s=n_tokens / wall, latency_s=[round(t, 3) for _, t, _ in answers], first_answer=first)
     print(json.dumps(res, indent=1))
     with open(args.json, "w") as f:
         json.dump(res, f, indent=1)

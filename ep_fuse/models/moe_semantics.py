@@ -246,6 +246,8 @@ def candidates(model: nn.Module, skip: set[int]) -> list[tuple[str, nn.Module, S
     for path, module in model.named_modules():
         if id(module) in skip or type(module).__module__.startswith("transformers."):
             continue
+        if type(module).forward is nn.Module.forward:  # a container (ModuleList / ModuleDict): nothing it runs
+            continue
         for storage in _storages(module):
             used = _storage_param_ids(module, storage)
             if _router_weights(module, storage, used):

@@ -230,7 +230,6 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
     from torch._inductor.compile_fx import compile_fx
 
     patches = cudagraphs_off_thread(inductor_patches(config), device)
-    _views_as_reshapes(aten_gm)
     tag = torch.compiler.config.cache_key_tag
     cache_tag = f"{tag}|{ep_fuse_cache_tag(config)}" if tag else ep_fuse_cache_tag(config)
     why = _not_direct(captured, example_inputs)
@@ -255,26 +254,6 @@ def _compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Ep
              report.graph, ", ".join(f"{k} {v:.2f} s" for k, v in report.compile_seconds.items()),
              analyses.computed, analyses.seconds, analyses.served)
     return compiled
-
-
-def _views_as_reshapes(gm: fx.GraphModule) -> int:
-    """Turn the ``view`` of every computed tensor back into a ``reshape`` before Inductor compiles the graph.
-
-    The capture traced ``reshape`` (and ``matmul``'s reshapes) on eager strides, where it became a ``view``.
-    Inductor re-traces the graph with its own decompositions, which may lay a tensor out otherwise (its ``cat``
-    drops an empty operand and clones the other, keeping that operand's strides), and a ``view`` that was valid
-    on eager's strides then fails ("Cannot view a tensor with shape ... and strides ..."), for a graph
-    ``backend="inductor"`` compiles. A ``reshape`` is the same ``view`` where the layout allows it and a copy
-    where it does not. Views of the graph's inputs stay views (their aliasing is part of the graph's contract)."""
-    changed = 0
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
-        base = node.args[0]
-        if isinstance(base, fx.Node) and base.op not in ("placeholder", "get_attr"):
-            node.target = torch.ops.aten.reshape.default
-            changed += 1
-    if changed:
-        gm.recompile()
-    return changed
 
 
 _WARNED: set[str] = set()

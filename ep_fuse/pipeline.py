@@ -1,4 +1,5 @@
-"""The rewrite pipeline on one ATen graph: canonicalize -> lower -> cleanup, with timing, report and dumps."""
+"""The rewrite pipeline on one ATen graph: canonicalize -> lower -> cleanup (-> views_as_reshapes under Inductor),
+with timing, report and dumps."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ep_fuse.passes.lower import Lower
 from ep_fuse.passes.moe_zero_slots import DropZeroWeightSlots
 from ep_fuse.passes.pair import Pair
 from ep_fuse.passes.quant import QuantizeExperts
+from ep_fuse.passes.views_as_reshapes import ViewsAsReshapes
 from ep_fuse.report import GraphReport, PassRecord
 from ep_fuse.shape_guards import ShapeGuardWatch
 
@@ -31,12 +33,14 @@ log = logging.getLogger("ep_fuse")
 progress = logging.getLogger("ep_fuse.progress")
 
 
-def build_passes(config: EpFuseConfig) -> list[GraphPass]:
+def build_passes(config: EpFuseConfig, executor: str) -> list[GraphPass]:
+    """The passes, in order, for ``config`` and the executor that runs the result (``eager`` / ``inductor``)."""
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
     return [Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
             *([QuantizeExperts()] if config.quant else []), *([EpOverlap()] if config.ep_overlap != "none" else []),
-            DropZeroWeightSlots(), Expand(), Lower(), Cleanup()]
+            DropZeroWeightSlots(), Expand(), Lower(), Cleanup(),
+            *([ViewsAsReshapes()] if executor == "inductor" else [])]
 
 
 def run_passes(
@@ -55,7 +59,8 @@ def run_passes(
     dumper.graph("01_aten", gm)
     watch = ShapeGuardWatch(ctx.fake_mode)
     backup = _copy_graph(gm)
-    for i, p in enumerate(build_passes(config), start=2):
+    passes = build_passes(config, report.executor)
+    for i, p in enumerate(passes, start=2):
         t0 = time.perf_counter()
         ctx.current = None
         try:
@@ -64,11 +69,10 @@ def run_passes(
             raise
         except Exception as exc:  # a failing pass must never break the compile: the graph as Dynamo gave it
             _restore(gm, backup, report, _where(p, ctx), exc)
+            for j, q in enumerate((q for q in passes if q.runs_on_restored), start=i + 1):
+                _run_recorded(q, gm, ctx, dumper, j)
             break
-        report.passes.append(PassRecord(p.name, time.perf_counter() - t0, changes, op_histogram(gm.graph)))
-        progress.info("graph %s: %s: %d change(s) in %.2f s", report.graph, p.name, changes,
-                      report.passes[-1].seconds)
-        dumper.graph(f"{i:02d}_{p.name}", gm)
+        _record(p, gm, report, dumper, i, changes, t0)
     report.ops_after = op_histogram(gm.graph)
     report.shape_guards = watch.added()
     if report.shape_guards:
@@ -82,6 +86,19 @@ def run_passes(
                  m.module_path or m.root, m.provider)
     log.info("ep_fuse: %s", report.summary())
     return report
+
+
+def _record(p: GraphPass, gm: fx.GraphModule, report: GraphReport, dumper: Dumper, i: int, changes: int,
+            t0: float) -> None:
+    report.passes.append(PassRecord(p.name, time.perf_counter() - t0, changes, op_histogram(gm.graph)))
+    progress.info("graph %s: %s: %d change(s) in %.2f s", report.graph, p.name, changes, report.passes[-1].seconds)
+    dumper.graph(f"{i:02d}_{p.name}", gm)
+
+
+def _run_recorded(p: GraphPass, gm: fx.GraphModule, ctx: PassContext, dumper: Dumper, i: int) -> None:
+    """Run ``p`` on the graph put back after a failure (``runs_on_restored``); its own failure propagates."""
+    t0 = time.perf_counter()
+    _record(p, gm, ctx.report, dumper, i, p(gm, ctx), t0)
 
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:

@@ -135,3 +135,38 @@ def test_the_stride_contract_holds_on_a_transposed_input(executor):
         ref = model(x)
         out = torch.compile(model, backend="ep_fuse", options={"executor": executor})(x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_views_become_reshapes_as_a_recorded_pass_under_inductor_only(monkeypatch):
+    """``views_as_reshapes`` is the last pass under the Inductor executor (in the report and the dumps), absent under
+    the eager one, and still runs on the graph put back after a failing pass."""
+    from ep_fuse import catalog
+
+    class NormThenView(Norm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x * 2).reshape(3, 8, 8).sum(-1)  # a view of a computed tensor
+
+    model, x = NormThenView().eval(), torch.randn(3, 64)
+
+    def views(rep) -> int:
+        return rep.passes[-1].ops.get("aten.view.default", 0)
+
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(model, backend="ep_fuse", options={"executor": "eager"})(x)
+        eager_rep = ep_fuse.last_report()
+        torch._dynamo.reset()
+        torch.compile(model, backend="ep_fuse", options={"executor": "inductor"})(x)
+        rep = ep_fuse.last_report()
+    assert "views_as_reshapes" not in [p.name for p in eager_rep.passes] and views(eager_rep) >= 1
+    assert [p.name for p in rep.passes][-2:] == ["cleanup", "views_as_reshapes"]
+    assert views(rep) == 0 and rep.passes[-1].changes >= 1 and rep.count("rms_norm") == 1
+    for pattern in catalog.all_patterns():
+        if pattern.name == "rms_norm":
+            monkeypatch.setitem(vars(pattern), "build", lambda m: (_ for _ in ()).throw(RuntimeError("boom")))
+    with torch.no_grad():
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="ep_fuse", options={"executor": "inductor"})(x)
+        torch.testing.assert_close(out, model(x))
+    rep = ep_fuse.last_report()
+    assert rep.skipped and [p.name for p in rep.passes] == ["views_as_reshapes"]

@@ -363,7 +363,7 @@ INDUCTOR_EXECUTOR_CHECKS = ("inkling2_loop",)
 inkling2_loop crashed there: an empty operand of ``torch.cat`` (its message attention at one pre-loop block);
 Inductor's ``cat`` decomposition returns a clone of the other operand with that operand's strides, where ATen gives a
 contiguous result, so an ``aten.view`` recorded in the captured ATen graph became invalid when ``compile_fx``
-re-traced it (fixed: ``backend._views_as_reshapes``)."""
+re-traced it (fixed: the ``views_as_reshapes`` pass)."""
 
 
 def installed_sites(pin: dict, dtype: str) -> dict:

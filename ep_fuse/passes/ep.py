@@ -28,7 +28,7 @@ from torch import fx
 from ep_fuse.ep import groups
 from ep_fuse.ep.groups import EpError
 from ep_fuse.ops.ep import ep_combine, ep_dispatch, ep_engine
-from ep_fuse.fx_utils import module_path, val
+from ep_fuse.fx_utils import module_path, op_args, val
 from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
@@ -169,11 +169,12 @@ def placed_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     for y in gm.graph.nodes:
         if y.op != "call_function" or y.target is not moe_ops.moe_experts.op:
             continue
-        d = dispatch_of(y.args[0])
-        if d is None or d.args[6] != "rank":
+        ya = op_args(y)
+        d = dispatch_of(ya["x"])
+        if d is None or op_args(d)["layout"] != "rank":
             continue
         gets = {u.args[1]: u for u in d.users if u.target is operator.getitem}
-        if not (gets.get(1) is y.args[1] and gets.get(2) is y.args[2] and 3 in gets):
+        if not (gets.get(1) is ya["topk_ids"] and gets.get(2) is ya["topk_weights"] and 3 in gets):
             continue
         combines = [u for u in gets[3].users if u.target is ep_combine.op]
         if len(combines) != 1 or list(y.users) != combines:
@@ -181,8 +182,11 @@ def placed_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
         c = combines[0]
         if any(set(g.users) - {y, c} for g in gets.values()) or len(gets) != len(d.users):
             continue  # the received rows are read elsewhere too: leave the triple as it is
-        same = c.args[0] is y and tuple(c.args[2:10]) == (d.args[1], d.args[2], *d.args[3:9])
-        if same and (len(c.args) < 11 or c.args[10] is None):
+        ca, da = op_args(c), op_args(d)
+        shared = ("num_experts", "group_name", "engine", "layout", "capacity", "timeout_s")
+        same = (ca["y"] is y and ca["topk_ids"] is da["topk_ids"] and ca["topk_weights"] is da["topk_weights"]
+                and all(ca[k] == da[k] for k in shared))
+        if same and ca["out_dtype"] is None:
             out.append((d, y, c))
     return out
 
@@ -236,8 +240,8 @@ class ExpertParallel(GraphPass):
             if world == 1:
                 log.info("ep_fuse: EP requested on a group of one rank: MoE blocks stay local")
         for node in blocks:
-            local = int(val(node.args[3]).shape[0])
-            routed = router_width(node.args[1])
+            local = int(val(op_args(node)["w13"]).shape[0])
+            routed = router_width(op_args(node)["topk_ids"])
             if world == 1:
                 if routed is not None and routed > local:
                     raise EpError(

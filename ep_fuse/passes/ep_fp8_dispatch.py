@@ -13,7 +13,7 @@ import operator
 import torch
 from torch import fx
 
-from ep_fuse.fx_utils import val
+from ep_fuse.fx_utils import op_args, val
 from ep_fuse.ops import fp8 as fp8_ops
 from ep_fuse.ops.ep import ep_engine
 from ep_fuse.ops.fp8 import FP8, cdiv
@@ -43,11 +43,12 @@ def quantize_before_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Nod
     instead of ``2H`` (bf16), and the receiver's rows are the codes and scales the block would have computed
     itself (the quantization is per token, so the result is bit for bit the same). Returns ``(received codes,
     received scales, the tokens' dtype)``, or ``None`` when the dispatch is not one this applies to."""
-    recv = block.args[0]
+    recv = op_args(block)["x"]
     d = dispatch_of(recv)
     if d is None:
         return None
-    x, engine, layout = d.args[0], d.args[5], d.args[6]
+    da = op_args(d)
+    x, engine, layout = da["x"], da["engine"], da["layout"]
     xv = val(x)
     static_width = isinstance(xv, torch.Tensor) and xv.dim() == 2 and isinstance(xv.shape[1], int)
     h = int(xv.shape[1]) if static_width else 0

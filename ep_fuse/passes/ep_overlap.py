@@ -220,7 +220,7 @@ class EpOverlap(GraphPass):
         blocks = find_blocks(gm.graph, list(ctx.report.ep))
         changed = 0
         sync_said: set[str] = set()
-        if mode == "two_batch" and blocks and all(ep_ops.ep_async(b.dispatch.args[5], ctx.device) for b in blocks):
+        if mode == "two_batch" and blocks and all(ep_ops.ep_async(op_args(b.dispatch)["engine"], ctx.device) for b in blocks):
             if self._range(gm, blocks, ctx):
                 gm.graph.lint()
                 return len(blocks)
@@ -244,7 +244,7 @@ class EpOverlap(GraphPass):
 
     def _block(self, gm: fx.GraphModule, block: EpBlock, mode: str, ctx: PassContext, sync_said: set[str]) -> int:
         rec = block.record
-        engine, cap = block.dispatch.args[5], int(block.dispatch.args[7])
+        engine, cap = op_args(block.dispatch)["engine"], int(op_args(block.dispatch)["capacity"])
         chosen, why = self._choose(mode, block, ctx)
         if chosen != "none" and ep_ops.ep_async(engine, ctx.device) is None:
             if engine not in sync_said:
@@ -281,7 +281,7 @@ class EpOverlap(GraphPass):
         try:
             rng = find_range(blocks)
             for k, b in enumerate(rng.blocks):
-                reason = self._two_batch_blocker(b, int(b.dispatch.args[7]))
+                reason = self._two_batch_blocker(b, int(op_args(b.dispatch)["capacity"]))
                 if reason is not None:
                     raise RangeDeclined(f"{rng.labels[k]}: {reason}")
             schedules = self._range_split(gm.graph, rng, ctx, new)
@@ -331,7 +331,7 @@ class EpOverlap(GraphPass):
         lo_order = {n: i for i, n in enumerate(graph.nodes)}
         window = list(graph.nodes)[lo_order[rng.h0] + 1:lo_order[end] + 1]
         for k, blk in enumerate(rng.blocks):
-            cap = int(blk.dispatch.args[7])
+            cap = int(op_args(blk.dispatch)["capacity"])
             if cap and parts[1] * s > math.ceil(cap / 2):
                 raise RangeDeclined(f"{rng.labels[k]}: a micro-batch of {parts[1] * s} tokens exceeds half the "
                                     f"capacity {cap} (each micro-batch gets {math.ceil(cap / 2)}, as per block)")
@@ -382,7 +382,7 @@ class EpOverlap(GraphPass):
             for n in rng.pre[k]:
                 clone(i, n)
             d = rng.blocks[k].dispatch
-            cap = int(d.args[7])
+            cap = int(op_args(d)["capacity"])
             dargs = (*(arg(i, a, d) for a in d.args[:3]), *d.args[3:7], math.ceil(cap / 2) if cap else 0,
                      *d.args[8:])
             st = call(ep_ops.ep_dispatch_start.op, dargs, d)
@@ -476,8 +476,8 @@ class EpOverlap(GraphPass):
     def _choose(mode: str, block: EpBlock, ctx: PassContext) -> tuple[str, str]:
         if mode != "auto":
             return mode, ""
-        engine = block.dispatch.args[5]
-        tokens = int(block.dispatch.args[7]) or _static_rows(block.dispatch.args[1])  # alike on every rank
+        engine = op_args(block.dispatch)["engine"]
+        tokens = int(op_args(block.dispatch)["capacity"]) or _static_rows(op_args(block.dispatch)["topk_ids"])  # alike on every rank
         for rule in (*ctx.config.ep_overlap_rules, *MEASURED_RULES):
             if rule.device == ctx.device and rule.engine == engine and tokens is not None \
                     and tokens >= rule.min_tokens:
@@ -488,10 +488,10 @@ class EpOverlap(GraphPass):
 
     @staticmethod
     def _two_batch_blocker(block: EpBlock, cap: int) -> str | None:
-        engine = block.dispatch.args[5]
+        engine = op_args(block.dispatch)["engine"]
         if engine == "deepep_low_latency":
             return "DeepEP low-latency keeps two receive buffers; interleaving micro-batches on them is not checked"
-        tokens = _static_rows(block.dispatch.args[1])
+        tokens = _static_rows(op_args(block.dispatch)["topk_ids"])
         if not cap and tokens is None:
             return "the token count is symbolic and no ep_capacity is set"
         agreed = cap or tokens

@@ -39,7 +39,7 @@ import logging
 
 from torch import fx
 
-from ep_fuse.fx_utils import tensor_val
+from ep_fuse.fx_utils import op_args, tensor_val
 from ep_fuse.ops import fp8 as fp8_ops
 from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops import w8a8 as w8a8_ops
@@ -65,10 +65,12 @@ class QuantizeExperts(GraphPass):
         for node in list(gm.graph.nodes):
             if node.op != "call_function" or node.target is not block:
                 continue
-            x, ids, w, w13, w2, out_dtype = node.args[:6]
-            if node.args[6:] and node.args[6] != "silu":  # the quantized blocks compute SwiGLU only
+            a = op_args(node)
+            x, ids, w, w13, w2, out_dtype = (a[k] for k in ("x", "topk_ids", "topk_weights", "w13", "w2",
+                                                             "out_dtype"))
+            if a["act"] != "silu" or any(a[k] is not None for k in ("limit", "gate_cap", "up_cap")):
                 log.info("ep_fuse: quant=%s keeps the MoE block at %s unquantized: its activation is %r, the "
-                         "quantized experts compute SwiGLU only", ctx.config.quant, node.name, node.args[6])
+                         "quantized experts compute plain SwiGLU only", ctx.config.quant, node.name, a["act"])
                 continue
             with gm.graph.inserting_before(node):
                 if fp8:
@@ -114,9 +116,10 @@ def fp8_layout(ctx: PassContext, block: fx.Node, w13: fx.Node, w2: fx.Node) -> t
     provider needs to take it (question ``aligned_layout`` of ``moe_experts_fp8``, answered by DeepGEMM on CUDA:
     128 where it takes the block's GEMMs); ``(1, None)`` where no provider asks for one. Behind an EP dispatch the
     block keeps 1."""
-    if ctx.device != "cuda" or dispatch_of(block.args[0]) is not None:
+    args = op_args(block)
+    if ctx.device != "cuda" or dispatch_of(args["x"]) is not None:
         return 1, None
-    x, ids, a13, a2 = (tensor_val(a) for a in (block.args[0], block.args[1], w13, w2))
+    x, ids, a13, a2 = (tensor_val(a) for a in (args["x"], args["topk_ids"], w13, w2))
     if ids is None:
         return 1, None
     answers = ask(fp8_ops.moe_experts_fp8, "aligned_layout", x, int(ids.shape[-1]), a13, a2)

@@ -304,7 +304,7 @@ def test_option_validates():
 
 def test_split_by_cost_puts_about_half_under_the_dispatch():
     """The first GEMM (2/3 of the cost) under the dispatch, the second under the combine."""
-    from ep_fuse.passes import ep_overlap
+    from ep_fuse.passes import ep_blocks
 
     g = torch.fx.Graph()
     x = g.placeholder("x")
@@ -314,9 +314,9 @@ def test_split_by_cost_puts_about_half_under_the_dispatch():
     b = g.call_function(torch.ops.aten.mm.default, (s, w2))
     for n, shape in ((x, (4, 8)), (w1, (8, 16)), (w2, (16, 8)), (a, (4, 16)), (s, (4, 16)), (b, (4, 8))):
         n.meta["val"] = torch.empty(shape, device="meta")
-    first, rest = ep_overlap.split_by_cost([a, s, b])
+    first, rest = ep_blocks.split_by_cost([a, s, b])
     assert first == [a] and rest == [s, b]
-    assert ep_overlap.split_by_cost([s]) == ([s], [])
+    assert ep_blocks.split_by_cost([s]) == ([s], [])
 
 
 def test_no_process_group_no_overlap_nodes():

@@ -174,17 +174,17 @@ def sc_mixed_batch_declines(world):
 
 def sc_failed_analysis_declines(world):
     """An analysis that raises before the rewrite leaves the graph as it was: per-block two_batch, one warning."""
-    from ep_fuse.passes import ep_overlap
+    from ep_fuse.passes import ep_layer_range
 
     def broken(*_args, **_kwargs):
         raise RuntimeError("injected")
 
-    saved = ep_overlap.slice_spec
-    ep_overlap.slice_spec = broken
+    saved = ep_layer_range.slice_spec
+    ep_layer_range.slice_spec = broken  # (a spawned rank: no monkeypatch fixture there)
     try:
         rep, _ = _decoder(world)
     finally:
-        ep_overlap.slice_spec = saved
+        ep_layer_range.slice_spec = saved
     _assert_declined(rep, "analysis failed: RuntimeError: injected")
 
 
@@ -271,13 +271,13 @@ rg4, test_four_ranks = rank_tests("rg4", 4, SCENARIOS_4, slow=True)
 # =========================================================================== single process
 def test_batch_rows_and_batch_dim_use():
     """The batch role of a value, and the steps that work along the batch dim."""
-    from ep_fuse.passes import ep_overlap
+    from ep_fuse.passes import ep_layer_range
 
     t = torch.empty
-    assert ep_overlap.batch_rows(t(4, 6, 32, device="meta"), 4, 6, 2) == 2
-    assert ep_overlap.batch_rows(t(24, 32, device="meta"), 4, 6, 2) == 12
-    assert ep_overlap.batch_rows(t(1, 6, 32, device="meta"), 4, 6, 2) is None
-    assert ep_overlap.batch_rows(t((), device="meta"), 4, 6, 2) is None
+    assert ep_layer_range.batch_rows(t(4, 6, 32, device="meta"), 4, 6, 2) == 2
+    assert ep_layer_range.batch_rows(t(24, 32, device="meta"), 4, 6, 2) == 12
+    assert ep_layer_range.batch_rows(t(1, 6, 32, device="meta"), 4, 6, 2) is None
+    assert ep_layer_range.batch_rows(t((), device="meta"), 4, 6, 2) is None
     g = torch.fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = t(4, 6, 32, device="meta")
@@ -300,6 +300,6 @@ def test_batch_rows_and_batch_dim_use():
         "getitem": g.call_function(operator.getitem, (x, 0)),
         "python": g.call_function(operator.add, (x, x)),
     }
-    declined = {k for k, n in calls.items() if ep_overlap.batch_dim_use(n) is not None}
+    declined = {k for k, n in calls.items() if ep_layer_range.batch_dim_use(n) is not None}
     assert declined == {"mean0", "t01", "perm_move", "index0", "cat0", "roll_flat", "flatten", "strided",
                         "python"}, declined

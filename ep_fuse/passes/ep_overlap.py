@@ -50,9 +50,7 @@ import dataclasses
 import logging
 import math
 import operator
-import re
 import sys
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -62,15 +60,14 @@ from ep_fuse.fx_utils import module_path, op_args, val
 from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.passes import ep_layer_range
 from ep_fuse.passes.base import GraphPass, PassContext
-from ep_fuse.report import EpRecord
+from ep_fuse.passes.ep_blocks import EpBlock, find_blocks, independent_work, node_names, split_by_cost
+from ep_fuse.passes.ep_layer_range import (SIZE_LIST_ARG, LayerRange, RangeDeclined, find_range, range_pure,
+                                           same_value, substituted)
 
 log = logging.getLogger("ep_fuse.passes")
 aten = torch.ops.aten
-
-GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.matmul.default, aten.linear.default,
-         aten._grouped_mm.default}
-
 
 @dataclasses.dataclass(frozen=True)
 class OverlapRule:
@@ -86,127 +83,6 @@ class OverlapRule:
 MEASURED_RULES: tuple[OverlapRule, ...] = ()
 """What ``auto`` follows after the option ``ep_overlap_rules``, first match wins. Empty: ``bench/bench_ep.py --overlap`` has not run on a GPU yet, so
 no mode is known to be faster than ``none`` anywhere and ``auto`` keeps ``none`` (and says so in the record)."""
-
-
-@dataclasses.dataclass
-class EpBlock:
-    """One EP block of the graph: the dispatch, its outputs, the local nodes between, and the combine."""
-
-    dispatch: fx.Node
-    parts: dict[int, fx.Node]
-    local: list[fx.Node]
-    combine: fx.Node
-    record: EpRecord | None
-
-
-def find_blocks(graph: fx.Graph, records: list[EpRecord]) -> list[EpBlock]:
-    """Every ``ep_dispatch`` whose handle feeds one ``ep_combine``, with the nodes between them on the path."""
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    blocks = []
-    unclaimed = list(records)
-    for d in [n for n in graph.nodes if n.target is ep_ops.ep_dispatch.op]:
-        parts = {u.args[1]: u for u in d.users if u.target is operator.getitem}
-        handle = parts.get(3)
-        combines = [u for u in (handle.users if handle is not None else ()) if u.target is ep_ops.ep_combine.op]
-        if len(combines) != 1 or len(parts) != len(d.users):
-            continue
-        c = combines[0]
-        down = _descendants(d, order[c])
-        up = _ancestors(c.args[0], order[d])
-        local = sorted((down & up) - set(parts.values()), key=order.__getitem__)
-        names = {n.name for n in local}
-        rec = next((r for r in unclaimed if r.block in names), unclaimed[0] if unclaimed else None)
-        if rec is not None:
-            unclaimed.remove(rec)
-        blocks.append(EpBlock(d, parts, local, c, rec))
-    return blocks
-
-
-def _descendants(node: fx.Node, limit: int | None = None) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    order = None if limit is None else {n: i for i, n in enumerate(node.graph.nodes)}
-    while stack:
-        for u in stack.pop().users:
-            if u not in seen and (order is None or order[u] < limit):
-                seen.add(u)
-                stack.append(u)
-    return seen
-
-
-def _ancestors(node: Any, stop: int) -> set[fx.Node]:
-    order = {n: i for i, n in enumerate(node.graph.nodes)} if isinstance(node, fx.Node) else {}
-    seen, stack = set(), [node] if isinstance(node, fx.Node) else []
-    while stack:
-        n = stack.pop()
-        if n in seen or order[n] <= stop:
-            continue
-        seen.add(n)
-        stack.extend(a for a in n.all_input_nodes)
-    return seen
-
-
-def _pure(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.is_impure():
-        return False
-    schema = getattr(node.target, "_schema", None)
-    return not (schema is not None and schema.is_mutable)
-
-
-def independent_work(block: EpBlock) -> list[fx.Node]:
-    """The pure nodes after the dispatch, before the next EP dispatch, that depend neither on the block's routed
-    tokens nor on anything after the dispatch but themselves: work that can run while the tokens travel."""
-    graph = block.dispatch.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    start = order[block.dispatch]
-    after_d = _descendants(block.dispatch)
-    picked: list[fx.Node] = []
-    chosen: set[fx.Node] = set()
-    for n in list(graph.nodes)[start + 1:]:
-        if n.target is ep_ops.ep_dispatch.op or n.op == "output":
-            break
-        if n in after_d or not _pure(n):
-            continue
-        if all(order[a] < start or a in chosen for a in n.all_input_nodes):
-            picked.append(n)
-            chosen.add(n)
-    return picked if any(gemm_like(n) for n in picked) else []
-
-
-def gemm_like(node: fx.Node) -> bool:
-    """A GEMM or a fused canonical op (not an EP op): the work worth placing under a transfer."""
-    return node.target in GEMMS or any(node.target is c.op for c in canonical_ops().values() if not c.engine)
-
-
-def cost(node: fx.Node) -> float:
-    """A GEMM-like node's multiply-adds (output elements x the first input's last dim), else 0."""
-    if not gemm_like(node):
-        return 0.0
-    out, first = val(node), val(node.args[0]) if node.args else None
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    if not isinstance(out, torch.Tensor) or not isinstance(first, torch.Tensor) or first.dim() == 0:
-        return 0.0
-    try:
-        return float(out.numel()) * float(first.shape[-1])
-    except Exception:  # symbolic sizes: count it, weight unknown
-        return 1.0
-
-
-def split_by_cost(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
-    """``(under the dispatch, under the combine)``: in graph order, the first part up to about half the GEMM cost
-    (the GEMM that crosses it included), the rest after."""
-    total = sum(cost(n) for n in nodes)
-    acc = 0.0
-    for i, n in enumerate(nodes):
-        acc += cost(n)
-        if total and acc >= total / 2:
-            return nodes[:i + 1], nodes[i + 1:]
-    return nodes, []
-
-
-def _names(nodes: Iterable[fx.Node]) -> str:
-    heavy = [n.name for n in nodes if gemm_like(n)]
-    return ", ".join(heavy) if heavy else "nothing"
 
 
 class EpOverlap(GraphPass):
@@ -350,7 +226,7 @@ class EpOverlap(GraphPass):
                 return envs[i][a]
             if a in derived:
                 raise RangeDeclined(f"{user.name} reads {a.name} before its micro-batch value exists")
-            unit = 1 if a is rng.h0 else slice_spec(a, rng, params)
+            unit = 1 if a is rng.h0 else ep_layer_range.slice_spec(a, rng, params)
             if unit is None:
                 return a
             if a not in cuts[i]:
@@ -429,12 +305,12 @@ class EpOverlap(GraphPass):
                 if n in ep_nodes and n not in {blk.combine for blk in rng.blocks}:
                     continue
                 like, got = val(n), val(envs[i][n])
-                want = _substituted(like, b, s, parts[i])
+                want = substituted(like, b, s, parts[i])
                 if isinstance(like, (tuple, list)):
                     used = {u.args[1] for u in n.users if u.target is operator.getitem}
-                    ok = isinstance(got, (tuple, list)) and all(_same(got[j], want[j], like[j]) for j in used)
+                    ok = isinstance(got, (tuple, list)) and all(same_value(got[j], want[j], like[j]) for j in used)
                 else:
-                    ok = _same(got, want, like)
+                    ok = same_value(got, want, like)
                 if not ok:
                     raise RangeDeclined(f"micro-batch {i}'s {envs[i][n].name} is {_shape(got)}, not {_shape(like)} "
                                         f"with the batch {b} -> {parts[i]}")
@@ -459,13 +335,13 @@ class EpOverlap(GraphPass):
         labels = rng.labels
         for k, blk in enumerate(rng.blocks):
             here = labels[k]
-            front = _names([*rng.pre[k], *rng.mid[k]])
+            front = node_names([*rng.pre[k], *rng.mid[k]])
             steps = [f"{here} d0 under mb1 attention {here} ({front})", f"{here} d1 under mb0 experts {here}",
                      f"{here} c0 under mb1 experts {here}"]
             if k + 1 < len(rng.blocks):
                 nxt = labels[k + 1]
                 steps.append(f"{here} c1 under mb0 attention {nxt} "
-                             f"({_names([*rng.pre[k + 1], *rng.mid[k + 1]])})")
+                             f"({node_names([*rng.pre[k + 1], *rng.mid[k + 1]])})")
             else:
                 steps.append(f"{here} c1 under nothing (the end of the range); cat of {len(rng.outputs)} value(s)")
             out.append(steps)
@@ -537,8 +413,8 @@ class EpOverlap(GraphPass):
         c.replace_all_uses_with(cw)
         graph.erase_node(d)
         graph.erase_node(c)
-        return ["dispatch start", f"under dispatch: {_names(under_d)}", "dispatch wait",
-                f"experts: {_names(block.local)}", "combine start", f"under combine: {_names(under_c)}",
+        return ["dispatch start", f"under dispatch: {node_names(under_d)}", "dispatch wait",
+                f"experts: {node_names(block.local)}", "combine start", f"under combine: {node_names(under_c)}",
                 "combine wait"]
 
     def _two_batch(self, graph: fx.Graph, block: EpBlock, ctx: PassContext, cap: int) -> list[str]:
@@ -598,211 +474,10 @@ class EpOverlap(GraphPass):
         t = _static_rows(ids)
         sizes = f"{min(t, t0)} + {max(t - t0, 0)} tokens" if t is not None else f"split at token {t0}"
         return [f"micro-batches of {sizes}" + (f" (capacity {half_cap} each)" if cap else ""),
-                "dispatch start mb0", "dispatch start mb1", f"under both dispatches: {_names(work)}",
-                "dispatch wait mb0", f"experts mb0 (under dispatch mb1): {_names(block.local)}", "combine start mb0",
+                "dispatch start mb0", "dispatch start mb1", f"under both dispatches: {node_names(work)}",
+                "dispatch wait mb0", f"experts mb0 (under dispatch mb1): {node_names(block.local)}", "combine start mb0",
                 "dispatch wait mb1", "experts mb1 (under combine mb0)", "combine start mb1",
                 "combine wait mb0", "combine wait mb1", "cat"]
-
-
-# ====================================================================== two_batch over a decoder-layer range
-class RangeDeclined(Exception):
-    """The range split is not proven right on this graph (the message says why): per-block two_batch instead."""
-
-
-SIZE_LIST_ARG = {aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
-                 aten.expand.default: 1, aten.new_zeros.default: 1, aten.new_ones.default: 1,
-                 aten.new_empty.default: 1, aten.new_full.default: 1}
-"""Ops whose size list (at this argument) names the batch in its first entry: ``B`` or ``B*S`` there becomes
-the micro-batch's."""
-
-ROW_INDEXING = {aten.index.Tensor, aten._unsafe_index.Tensor, aten.index_put.default}
-"""Ops that index with tensors: a derived node may not index the batch dim with them (indices are batch-wide)."""
-
-DIM_ARGS = ("dim", "dims", "dim0", "dim1", "start_dim")
-"""Schema arguments naming the dims an op works along (dim 0 there: the op mixes or moves the batch)."""
-
-KNOWN_NAMESPACES = ("aten", "prims", "ep_fuse")
-"""Ops of other libraries (a varlen attention with ``cu_seqlens``, ...) may mix rows across sequences."""
-
-
-@dataclasses.dataclass
-class LayerRange:
-    """What the range split found: the layer input, the batch, the derived (batch-carrying) nodes by stage."""
-
-    h0: fx.Node
-    batch: int
-    seq: int
-    blocks: list[EpBlock]
-    derived: list[fx.Node]
-    """Every node of the range that carries the batch, in graph order (EP nodes included)."""
-    pre: list[list[fx.Node]]
-    """Per block: the derived nodes before its dispatch (after the previous combine): attention, norms, router."""
-    mid: list[list[fx.Node]]
-    """Per block: derived nodes between dispatch and combine that are not the local block (not routed work)."""
-    outputs: list[fx.Node]
-    """Derived nodes read after the range (each becomes a ``cat`` of its two micro-batch values)."""
-    labels: list[str]
-
-
-def layer_label(block: EpBlock, index: int) -> str:
-    """``L3`` for a block under ``...layers.3...``, else ``B<index>``."""
-    path = (block.record.module_path if block.record else "") or module_path(block.combine)
-    m = re.search(r"layers?[._](\d+)", path)
-    return f"L{m.group(1)}" if m else f"B{index}"
-
-
-def batch_rows(v: Any, batch: int, seq: int, part: int) -> int | None:
-    """The leading size of ``v`` for a micro-batch of ``part`` sequences: ``part`` where it is ``batch``,
-    ``part * seq`` where it is the flattened token count ``batch * seq``, else ``None`` (no batch role)."""
-    if not isinstance(v, torch.Tensor) or v.dim() == 0 or not isinstance(v.shape[0], int):
-        return None
-    if v.shape[0] == batch:
-        return part
-    if v.shape[0] == batch * seq:
-        return part * seq
-    return None
-
-
-def _substituted(v: Any, batch: int, seq: int, part: int) -> Any:
-    if isinstance(v, torch.Tensor):
-        rows = batch_rows(v, batch, seq, part)
-        return None if rows is None else (rows, *v.shape[1:])
-    if isinstance(v, (tuple, list)):
-        return tuple(_substituted(e, batch, seq, part) for e in v)
-    return v
-
-
-def batch_dim_use(node: fx.Node) -> str | None:
-    """Why ``node`` works along the batch dim (reduces, indexes, moves or concatenates it), else ``None``."""
-    t = node.target
-    first = next((val(a) for a in node.all_input_nodes if isinstance(val(a), torch.Tensor)), None)
-    nd = first.dim() if isinstance(first, torch.Tensor) else 0
-    if t is aten.permute.default:
-        dims = list(node.args[1])
-        return None if dims and nd and dims[0] % nd == 0 else "permutes the batch dim"
-    if t in ROW_INDEXING:
-        idx = node.args[1]
-        return "indexes the batch dim with a tensor" if idx and idx[0] is not None else None
-    if t is operator.getitem:
-        return None
-    if not isinstance(t, torch._ops.OpOverload) or t.namespace not in KNOWN_NAMESPACES:
-        return f"is not an aten or ep_fuse op (its rows may mix sequences: {t})"
-    if t in (aten.take.default, aten.as_strided.default):
-        return "indexes the flattened tensor"
-    if not nd:
-        return None
-    args = op_args(node)
-    if t is aten.roll.default and not args.get("dims"):
-        return "rolls the flattened tensor"
-    for name in DIM_ARGS:
-        d = args.get(name)
-        dims = d if isinstance(d, (list, tuple)) else [d]
-        if any(isinstance(x, int) and not isinstance(x, bool) and x % nd == 0 for x in dims):
-            return f"works along dim 0 ({name}={d})"
-    return None
-
-
-def find_range(blocks: list[EpBlock], batch_hint: Any = None) -> LayerRange:
-    """The layer range from the first EP block's layer input to the last block's combine, or
-    :class:`RangeDeclined` saying why it cannot be split along the batch."""
-    graph = blocks[0].dispatch.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    blocks = sorted(blocks, key=lambda b: order[b.dispatch])
-    first, end = blocks[0].dispatch, blocks[-1].combine
-    x = val(first.args[0])
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not all(isinstance(s, int) for s in x.shape):
-        raise RangeDeclined("the first dispatch's tokens are not a static [T, H] tensor")
-    tokens, hidden = x.shape
-    # the layer input: the earliest [B, S, H] ancestor of the first dispatch's tokens
-    cands = [a for a in _ancestors(first.args[0], -1) | {first.args[0]}
-             if (v := val(a)) is not None and isinstance(v, torch.Tensor) and v.dim() == 3
-             and all(isinstance(s, int) for s in v.shape) and v.shape[2] == hidden
-             and v.shape[0] * v.shape[1] == tokens]
-    if not cands:
-        raise RangeDeclined(f"no [B, S, {hidden}] layer input feeds the first dispatch's {tokens} tokens")
-    h0 = min(cands, key=order.__getitem__)
-    batch, seq = val(h0).shape[:2]
-    if batch < 2:
-        raise RangeDeclined(f"batch {batch} (one sequence, or packed / varlen sequences in one row): nothing to "
-                            "split along the batch dim")
-    ep_nodes: dict[fx.Node, int] = {}
-    for k, b in enumerate(blocks):
-        for n in (b.dispatch, *b.parts.values(), *b.local, b.combine):
-            ep_nodes[n] = k
-    derived: list[fx.Node] = []
-    seen = {h0}
-    lo, hi = order[h0], order[end]
-    for n in list(graph.nodes)[lo + 1:hi + 1]:
-        if any(a in seen for a in n.all_input_nodes):
-            seen.add(n)
-            derived.append(n)
-    missing = [b.dispatch.name for b in blocks if b.dispatch not in seen]
-    if missing:
-        raise RangeDeclined(f"the tokens of {', '.join(missing)} do not come from the layer input {h0.name}")
-    pre: list[list[fx.Node]] = [[] for _ in blocks]
-    mid: list[list[fx.Node]] = [[] for _ in blocks]
-    for n in derived:
-        if n in ep_nodes:
-            continue
-        if n.op != "call_function" or not range_pure(n):
-            raise RangeDeclined(f"{n.name} ({n.target}) is not a pure call (a mutation or a side effect)")
-        why = batch_dim_use(n)
-        if why is not None:
-            raise RangeDeclined(f"{n.name} ({n.target}) {why}")
-        v = val(n)
-        if isinstance(v, (tuple, list)):
-            used = {u.args[1] for u in n.users if u.target is operator.getitem}
-            bad = [i for i in used if batch_rows(v[i], batch, seq, 1) is None]
-        else:
-            bad = [0] if batch_rows(v, batch, seq, 1) is None else []
-        if bad:
-            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            raise RangeDeclined(f"{n.name} ({n.target}, {shape}) has no batch dim (its leading size is neither "
-                                f"B={batch} nor B*S={batch * seq})")
-        k = next((k for k, b in enumerate(blocks) if order[n] < order[b.combine]), None)
-        if k is None:
-            raise RangeDeclined(f"{n.name} lies after the last combine")
-        (pre if order[n] < order[blocks[k].dispatch] else mid)[k].append(n)
-    outputs = []
-    for n in derived:
-        if any(order[u] > hi for u in n.users):
-            v = val(n)
-            if n in ep_nodes and n is not blocks[ep_nodes[n]].combine:
-                raise RangeDeclined(f"{n.name} of an EP block is read after the range")
-            if not isinstance(v, torch.Tensor):
-                raise RangeDeclined(f"{n.name} (not a tensor) is read after the range")
-            outputs.append(n)
-    return LayerRange(h0, batch, seq, blocks, derived, pre, mid, outputs,
-                      [layer_label(b, k) for k, b in enumerate(blocks)])
-
-
-def slice_spec(node: fx.Node, rng: LayerRange, params: set[str]) -> int | None:
-    """The row unit (1 per sequence, ``S`` per flattened token) in which a value from outside the range is cut per
-    micro-batch, or ``None`` where it is shared (weights, tables and masks without the batch dim)."""
-    if node.op == "get_attr" or (node.op == "placeholder" and node.name in params):
-        return None
-    v = val(node)
-    if batch_rows(v, rng.batch, rng.seq, 1) is None:
-        return None
-    return 1 if v.shape[0] == rng.batch else rng.seq
-
-
-def range_pure(node: fx.Node) -> bool:
-    """Pure enough to move and clone: a pure call, or a seeded one that draws nothing (attention, dropout 0)."""
-    if _pure(node):
-        return True
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
-        return False
-    seeded = torch.Tag.nondeterministic_seeded in target.tags
-    return seeded and op_args(node).get("dropout_p", None) in (0, 0.0)
-
-
-def _same(got: Any, want: Any, like: Any) -> bool:
-    """``got`` (a micro-batch's fake value) has the shapes ``want`` and the dtypes of ``like`` (the original)."""
-    if isinstance(like, torch.Tensor):
-        return isinstance(got, torch.Tensor) and tuple(got.shape) == want and got.dtype == like.dtype
-    return True
 
 
 _END = sys.maxsize

@@ -99,6 +99,14 @@ def _innermost_module(node: fx.Node) -> tuple[str, Any] | None:
     return entries[-1]
 
 
+def copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm``'s graph (node names kept; metadata, fake values included, shared with the original): the
+    graph a pass puts back when its rewrite fails."""
+    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return graph
+
+
 def module_path(node: fx.Node) -> str:
     """Dotted module path from ``nn_module_stack`` (``model.layers.0.input_layernorm``), or ``''``."""
     inner = _innermost_module(node)

@@ -12,7 +12,7 @@ import torch.fx as fx
 from ep_fuse.catalog import all_pairs, all_patterns
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.dump import Dumper
-from ep_fuse.fx_utils import fake_mode_of, op_histogram
+from ep_fuse.fx_utils import copy_graph, fake_mode_of, op_histogram
 from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
@@ -58,7 +58,7 @@ def run_passes(
     report.ops_before = op_histogram(gm.graph)
     dumper.graph("01_aten", gm)
     watch = ShapeGuardWatch(ctx.fake_mode)
-    backup = _copy_graph(gm)
+    backup = copy_graph(gm)
     passes = build_passes(config, report.executor)
     for i, p in enumerate(passes, start=2):
         t0 = time.perf_counter()
@@ -99,14 +99,6 @@ def _run_recorded(p: GraphPass, gm: fx.GraphModule, ctx: PassContext, dumper: Du
     """Run ``p`` on the graph put back after a failure (``runs_on_restored``); its own failure propagates."""
     t0 = time.perf_counter()
     _record(p, gm, ctx.report, dumper, i, p(gm, ctx), t0)
-
-
-def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A copy of ``gm``'s graph (node metadata, fake values included, shared with the original)."""
-    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-    out = graph.graph_copy(gm.graph, {})
-    graph.output(out)
-    return graph
 
 
 def _where(p: GraphPass, ctx: PassContext) -> str:

@@ -78,7 +78,6 @@ from ep_fuse.matching.checks import (
 from ep_fuse.matching.matcher import CAST_TARGETS
 from ep_fuse.matching.pattern import equals, is_number
 from ep_fuse.ops import moe_gating as moe_gating_ops
-from ep_fuse.ops.moe_gating import TOPK_FIRST
 
 aten = torch.ops.aten
 log = logging.getLogger("ep_fuse.patterns")
@@ -90,13 +89,19 @@ ARITH = {aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.mul.Scalar, ate
 
 
 # --------------------------------------------------------------------------- value checks
-def _f32_2d(v: Any) -> str | None:
+def _logits_2d(v: Any) -> tuple[torch.Tensor | None, str | None]:
+    """``v``'s value when it is a ``[T, E]`` tensor, else why not."""
     t = tensor_val(v)
     if t is None:
-        return f"expected a tensor, got {v!r}"
+        return None, f"expected a tensor, got {v!r}"
     if t.dim() != 2:
-        return f"router logits must be a [T, E] tensor, got {t.dim()} dims"
-    return _f32_scores(t)
+        return None, f"router logits must be a [T, E] tensor, got {t.dim()} dims"
+    return t, None
+
+
+def _f32_2d(v: Any) -> str | None:
+    t, why = _logits_2d(v)
+    return why or _f32_scores(t)
 
 
 def _f32_scores(t: torch.Tensor) -> str | None:
@@ -109,11 +114,9 @@ def _f32_scores(t: torch.Tensor) -> str | None:
 
 def _scores_2d(v: Any) -> str | None:
     """[T, E] logits of a dense score: fp32, or bf16/fp16 scored in their own dtype (canonical ``score_dtype``)."""
-    t = tensor_val(v)
-    if t is None:
-        return f"expected a tensor, got {v!r}"
-    if t.dim() != 2:
-        return f"router logits must be a [T, E] tensor, got {t.dim()} dims"
+    t, why = _logits_2d(v)
+    if why:
+        return why
     if t.dtype not in MODEL_FLOATS:
         return f"router logits in {t.dtype}"
     return None

@@ -240,8 +240,8 @@ class ExpertParallel(GraphPass):
             if world == 1:
                 log.info("ep_fuse: EP requested on a group of one rank: MoE blocks stay local")
         for node in blocks:
-            local = int(val(op_args(node)["w13"]).shape[0])
-            routed = router_width(op_args(node)["topk_ids"])
+            args = op_args(node)
+            local, routed = int(val(args["w13"]).shape[0]), router_width(args["topk_ids"])
             if world == 1:
                 if routed is not None and routed > local:
                     raise EpError(

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from ep_fuse.fx_utils import module_path, op_args, val
+from ep_fuse.fx_utils import copy_graph, module_path, op_args, val
 from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
@@ -490,13 +490,6 @@ def _static_rows(node: Any) -> int | None:
         return None
     size = v.shape[0]
     return int(size) if isinstance(size, int) else None
-
-
-def copy_graph(gm: fx.GraphModule) -> fx.Graph:
-    """A copy of ``gm``'s graph (node names kept; metadata shared with the original)."""
-    graph = fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return graph
 
 
 def _shape(v: Any) -> str:

@@ -104,6 +104,14 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+def dense_gemm_tflops(n: int = 8192) -> float:
+    """Dense bf16 GEMM throughput (``n x n @ n x n``, cuBLAS) in TF/s: the compute ceiling of a run."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    us = bench_us(lambda: a @ b)
+    return 2 * n**3 / (us * 1e-6) / 1e12
+
+
 NO_CUDA_EXIT = 77
 """Exit status of a bench that needs CUDA on a machine without it (``bench/run.py`` reports it as skipped)."""
 

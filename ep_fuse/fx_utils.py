@@ -99,6 +99,15 @@ def _innermost_module(node: fx.Node) -> tuple[str, Any] | None:
     return entries[-1]
 
 
+SOURCE_META = ("nn_module_stack", "stack_trace")
+"""The node metadata that says where in the model's source a node comes from (what the report and dumps name)."""
+
+
+def source_meta(node: fx.Node, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``node``'s source metadata (:data:`SOURCE_META` and ``extra`` keys), for the nodes that replace it."""
+    return {k: node.meta[k] for k in (*SOURCE_META, *extra) if k in node.meta}
+
+
 def copy_graph(gm: fx.GraphModule) -> fx.Graph:
     """A copy of ``gm``'s graph (node names kept; metadata, fake values included, shared with the original): the
     graph a pass puts back when its rewrite fails."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ep_fuse.fx_utils import module_class, module_path, val
+from ep_fuse.fx_utils import module_class, module_path, source_meta, val
 from ep_fuse.matching.matcher import CAST_TARGETS, Mismatch, State, external_users, match_tree
 from ep_fuse.matching.pattern import Alt, Cast, Item, Op, Opt, Pat
 
@@ -194,7 +194,7 @@ def apply_replacement(gm: fx.GraphModule, m: Match, rep: Replacement, fake_mode:
     Returns the new nodes (the op call and its ``getitem`` projections).
     """
     graph = gm.graph
-    meta = {k: m.root.meta[k] for k in ("nn_module_stack", "stack_trace", "source_fn_stack") if k in m.root.meta}
+    meta = source_meta(m.root, extra=("source_fn_stack",))
     with graph.inserting_before(m.root):
         args = tuple(_materialize(graph, a, fake_mode, meta) for a in rep.args)
         call = _add_call(graph, rep.op, args, meta, fake_mode, value)

@@ -28,11 +28,12 @@ from torch import fx
 from ep_fuse.ep import groups
 from ep_fuse.ep.groups import EpError
 from ep_fuse.ops.ep import ep_combine, ep_dispatch, ep_engine
-from ep_fuse.fx_utils import module_path, op_args, val
+from ep_fuse.fx_utils import module_path, op_args, source_meta, val
 from ep_fuse.ops import moe as moe_ops
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.ep_masked import masked_decline, masked_experts
+from ep_fuse.passes.graph_edit import copy_source_meta, mark_ep_block, set_fake_vals
 from ep_fuse.report import EpRecord
 
 log = logging.getLogger("ep_fuse.passes")
@@ -200,7 +201,7 @@ def adopt_placed(gm: fx.GraphModule, ctx: PassContext) -> list[tuple[fx.Node, An
         x, ids, w, _e, group_name, _backend, _layout, cap, timeout = d.args
         with gm.graph.inserting_before(c):
             g = gm.graph.call_function(moe_ops.moe_experts.op, (x, ids, w, *y.args[3:]))
-        g.meta.update({k: v for k, v in y.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        g.meta.update(source_meta(y))
         g.meta["val"] = c.meta.get("val")
         c.replace_all_uses_with(g)
         for n in (c, y, *[u for u in d.users], d):
@@ -275,7 +276,6 @@ class ExpertParallel(GraphPass):
                                                    num_experts, cap)
         common = (num_experts, group.group_name, engine, layout, cap,
                   float(cfg.ep_timeout_s if timeout_s is None else timeout_s))
-        keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
         w13v, w2v = val(w13), val(w2)
         why_not_masked = masked_decline(engine, layout, xv, idv, w13v, w2v, world, cap, activation, ctx)
         with graph.inserting_before(node):
@@ -291,9 +291,8 @@ class ExpertParallel(GraphPass):
                 local_nodes = [y]
             out = graph.call_function(ep_combine.op, (local_nodes[-1], parts[3], ids, w, *common,
                                                       None if layout == "rank" else out_dtype))
-        for n in (d, *parts, *local_nodes, out):
-            n.meta.update(keep)
-        self._set_vals(d, parts, local_nodes, out, ctx)
+        copy_source_meta(node, d, *parts, *local_nodes, out)
+        set_fake_vals(ctx, d, *parts, *local_nodes, out)
         node.replace_all_uses_with(out)
         graph.erase_node(node)
         records = ctx.match_by_node.pop(node.name, [])
@@ -305,27 +304,9 @@ class ExpertParallel(GraphPass):
                        requested=cfg.ep_engine, num_experts=num_experts, local_experts=local, world=world,
                        capacity=cap, declined=declined,
                        local_block="moe_experts" if why_not_masked else "moe_experts_masked")
+        mark_ep_block(rec, d, y)
         ctx.report.ep.append(rec)
         ctx.report.contracts.update(ep_engine(engine).contracts)
         log.info("ep_fuse: EP at %s: %s (%s layout), %d of %d experts per rank x %d ranks, capacity %s, local %s%s",
                  rec.module_path or rec.block, engine, layout, local, num_experts, world, cap or "data-dependent",
                  rec.local_block, f" (not masked: {why_not_masked})" if why_not_masked and layout == "expert" else "")
-
-    @staticmethod
-    def _set_vals(d: fx.Node, parts: list[fx.Node], local_nodes: list[fx.Node], out: fx.Node,
-                  ctx: PassContext) -> None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
-
-        def fake(a: Any) -> Any:
-            return val(a) if isinstance(a, fx.Node) else a
-
-        with mode:
-            dv = d.target(*[fake(a) for a in d.args])
-            d.meta["val"] = dv
-            for i, p in enumerate(parts):
-                p.meta["val"] = dv[i]
-            for n in local_nodes:  # the local experts, in graph order
-                n.meta["val"] = n.target(*[fake(a) for a in n.args], **{k: fake(v) for k, v in n.kwargs.items()})
-            out.meta["val"] = out.target(*[fake(a) for a in out.args])

@@ -14,6 +14,7 @@ from torch import fx
 from ep_fuse.fx_utils import val
 from ep_fuse.ops import ep as ep_ops
 from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.passes.graph_edit import ep_record
 from ep_fuse.report import EpRecord
 
 aten = torch.ops.aten
@@ -33,11 +34,11 @@ class EpBlock:
     record: EpRecord | None
 
 
-def find_blocks(graph: fx.Graph, records: list[EpRecord]) -> list[EpBlock]:
-    """Every ``ep_dispatch`` whose handle feeds one ``ep_combine``, with the nodes between them on the path."""
+def find_blocks(graph: fx.Graph) -> list[EpBlock]:
+    """Every ``ep_dispatch`` whose handle feeds one ``ep_combine``, with the nodes between them on the path and
+    the record the EP pass left on the dispatch."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     blocks = []
-    unclaimed = list(records)
     for d in [n for n in graph.nodes if n.target is ep_ops.ep_dispatch.op]:
         parts = {u.args[1]: u for u in d.users if u.target is operator.getitem}
         handle = parts.get(3)
@@ -48,11 +49,7 @@ def find_blocks(graph: fx.Graph, records: list[EpRecord]) -> list[EpBlock]:
         down = descendants(d, order[c])
         up = ancestors(c.args[0], order[d])
         local = sorted((down & up) - set(parts.values()), key=order.__getitem__)
-        names = {n.name for n in local}
-        rec = next((r for r in unclaimed if r.block in names), unclaimed[0] if unclaimed else None)
-        if rec is not None:
-            unclaimed.remove(rec)
-        blocks.append(EpBlock(d, parts, local, c, rec))
+        blocks.append(EpBlock(d, parts, local, c, ep_record(d)))
     return blocks
 
 

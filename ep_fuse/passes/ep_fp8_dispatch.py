@@ -20,7 +20,7 @@ from ep_fuse.ops.fp8 import FP8, cdiv
 from ep_fuse.ops.registry import ask
 from ep_fuse.passes.base import PassContext
 from ep_fuse.passes.ep import dispatch_of
-from ep_fuse.passes.graph_edit import call, fake_mode
+from ep_fuse.passes.graph_edit import call, ep_record, fake_mode
 
 log = logging.getLogger("ep_fuse.passes.quant")
 aten = torch.ops.aten
@@ -86,9 +86,9 @@ def quantize_before_dispatch(gm: fx.GraphModule, ctx: PassContext, block: fx.Nod
     with graph.inserting_before(block):
         rcodes, rscales = (call(ctx, gm, aten.view.dtype, (call(ctx, gm, aten.slice.Tensor, (recv, 1, lo, hi)), dt))
                            for lo, hi, dt in ((0, h, FP8), (h, row_bytes, torch.float32)))
-    for rec in ctx.report.ep:
-        if rec.block == block.name:
-            rec.payload = f"fp8 e4m3 + 1x{bk} fp32 scales"
+    rec = ep_record(block)
+    if rec is not None:
+        rec.payload = f"fp8 e4m3 + 1x{bk} fp32 scales"
     log.info("ep_fuse: quant: %s: the %s dispatch sends fp8 codes + 1x%d scales (%d + %d bytes per token, "
              "bf16 would be %d)", block.name, engine, bk, h, 4 * ng, 2 * h)
     return rcodes, rscales, xv.dtype

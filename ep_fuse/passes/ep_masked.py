@@ -27,6 +27,7 @@ from ep_fuse.ops.ep_layout import capacity_rows
 from ep_fuse.ops.moe_masked import moe_experts_masked
 from ep_fuse.ops.registry import REFERENCE, choose
 from ep_fuse.passes.base import PassContext
+from ep_fuse.passes.graph_edit import fake_mode
 
 log = logging.getLogger("ep_fuse.passes")
 aten = torch.ops.aten
@@ -43,9 +44,7 @@ def masked_decline(engine: str, layout: str, xv: Any, idv: Any, w13v: Any, w2v: 
     if not all(isinstance(s, int) for s in sizes):
         return "symbolic sizes"
     local, m, h = w13v.shape[0], world * capacity_rows("expert", xv.shape[0], capacity), xv.shape[1]
-    from torch._subclasses.fake_tensor import FakeTensorMode  # private torch module: asked at use
-
-    with ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_mode(ctx):
         x = torch.empty((local, m, h), dtype=xv.dtype, device=xv.device)
         counts = torch.empty((local,), dtype=torch.int32, device=xv.device)
     args = (x, counts, w13v, w2v, max_rows(world, capacity_rows("expert", xv.shape[0], capacity), idv, local),

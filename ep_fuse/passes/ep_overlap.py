@@ -62,6 +62,7 @@ from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
 from ep_fuse.passes import ep_layer_range
 from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.passes.graph_edit import copy_source_meta, set_fake_vals
 from ep_fuse.passes.ep_blocks import EpBlock, find_blocks, independent_work, node_names, split_by_cost
 from ep_fuse.passes.ep_layer_range import (SIZE_LIST_ARG, LayerRange, RangeDeclined, find_range, range_pure,
                                            same_value, substituted)
@@ -93,14 +94,14 @@ class EpOverlap(GraphPass):
         mode = ctx.config.ep_overlap
         if mode == "none":
             return 0
-        blocks = find_blocks(gm.graph, list(ctx.report.ep))
+        blocks = find_blocks(gm.graph)
         changed = 0
         sync_said: set[str] = set()
         if mode == "two_batch" and blocks and all(ep_ops.ep_async(op_args(b.dispatch)["engine"], ctx.device) for b in blocks):
             if self._range(gm, blocks, ctx):
                 gm.graph.lint()
                 return len(blocks)
-            blocks = find_blocks(gm.graph, list(ctx.report.ep))  # the graph may be the copy put back
+            blocks = find_blocks(gm.graph)  # the graph may be the copy put back
         for block in blocks:
             self._mutating = False
             try:
@@ -217,7 +218,7 @@ class EpOverlap(GraphPass):
 
         def call(target: Any, args: tuple, like: fx.Node) -> fx.Node:
             n = graph.call_function(target, args)
-            _meta_from(like, n)
+            copy_source_meta(like, n)
             new.append(n)
             return n
 
@@ -299,7 +300,7 @@ class EpOverlap(GraphPass):
                     for i in (0, 1):
                         combine_wait(k, i, combines[i])
             cats = {n: call(aten.cat.default, ([envs[0][n], envs[1][n]], 0), n) for n in rng.outputs}
-        _fake(ctx, *new)
+        set_fake_vals(ctx, *new)
         for i in (0, 1):
             for n in rng.derived:
                 if n in ep_nodes and n not in {blk.combine for blk in rng.blocks}:
@@ -406,9 +407,9 @@ class EpOverlap(GraphPass):
             c.prepend(n)
         with graph.inserting_before(c):
             cw = graph.call_function(ep_ops.ep_combine_wait.op, (cs, *c.args))
-        _meta_from(d, ds, dw)
-        _meta_from(c, cs, cw)
-        _fake(ctx, ds, dw, cs, cw)
+        copy_source_meta(d, ds, dw)
+        copy_source_meta(c, cs, cw)
+        set_fake_vals(ctx, ds, dw, cs, cw)
         d.replace_all_uses_with(dw)
         c.replace_all_uses_with(cw)
         graph.erase_node(d)
@@ -435,7 +436,7 @@ class EpOverlap(GraphPass):
 
         def call(target: Any, args: tuple, like: fx.Node) -> fx.Node:
             n = graph.call_function(target, args)
-            _meta_from(like, n)
+            copy_source_meta(like, n)
             new.append(n)
             return n
 
@@ -467,7 +468,7 @@ class EpOverlap(GraphPass):
                 outs_started.append((cs, (y, env[block.parts[3]], hcids, hcw, *c_common)))
             outs = [call(ep_ops.ep_combine_wait.op, (cs, *args), c) for cs, args in outs_started]
             out = call(aten.cat.default, (outs, 0), c)
-        _fake(ctx, *new)
+        set_fake_vals(ctx, *new)
         c.replace_all_uses_with(out)
         for n in [c, *reversed(block.local), *block.parts.values(), d]:
             graph.erase_node(n)
@@ -498,27 +499,3 @@ def _shape(v: Any) -> str:
     if isinstance(v, (tuple, list)):
         return "(" + ", ".join(_shape(e) for e in v) + ")"
     return type(v).__name__
-
-
-def _meta_from(like: fx.Node, *nodes: fx.Node) -> None:
-    keep = {k: like.meta[k] for k in ("nn_module_stack", "stack_trace") if k in like.meta}
-    for n in nodes:
-        n.meta.update(keep)
-
-
-def _fake(ctx: PassContext, *nodes: fx.Node) -> None:
-    """Fill ``meta["val"]`` of new nodes, in order, from their targets on fake inputs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = ctx.fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
-
-    def fake(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return val(a)
-        if isinstance(a, (list, tuple)):
-            return type(a)(fake(b) for b in a)
-        return a
-
-    with mode:
-        for n in nodes:
-            n.meta["val"] = n.target(*fake(n.args), **{k: fake(v) for k, v in n.kwargs.items()})

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from ep_fuse.ops.registry import canonical_for
 from ep_fuse.passes.base import GraphPass, PassContext
-from ep_fuse.passes.lower import inline_reference
+from ep_fuse.passes.graph_edit import inline_reference
 
 
 class Expand(GraphPass):

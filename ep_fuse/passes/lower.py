@@ -13,16 +13,13 @@
 from __future__ import annotations
 
 import logging
-import operator
-from typing import Any
 
-import torch
 import torch.fx as fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from ep_fuse.fx_utils import val
 from ep_fuse.ops.registry import REFERENCE, canonical_for, choose, inlinable
 from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.passes.graph_edit import inline_reference
 
 log = logging.getLogger("ep_fuse.passes")
 
@@ -57,46 +54,3 @@ class Lower(GraphPass):
                 inline_reference(gm, node, canon.reference, ctx.fake_mode)
                 changes += 1
         return changes
-
-
-def inline_reference(gm: fx.GraphModule, node: fx.Node, fn: Any, fake_mode: Any) -> None:
-    """Replace ``node`` by the ATen ops of ``fn`` traced on the node's fake arguments."""
-    graph = gm.graph
-    tensor_pos = [i for i, a in enumerate(node.args) if isinstance(a, fx.Node)]
-    consts = list(node.args)
-
-    def body(*tensors: torch.Tensor) -> Any:
-        args = list(consts)
-        for i, t in zip(tensor_pos, tensors):
-            args[i] = t
-        return fn(*args)
-
-    fakes = [val(node.args[i]) for i in tensor_pos]
-    with fake_mode:
-        traced = make_fx(body, tracing_mode="real", record_module_stack=False)(*fakes)
-    env: dict[fx.Node, Any] = {}
-    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"]
-    for ph, i in zip(placeholders, tensor_pos):
-        env[ph] = node.args[i]
-    result: Any = None
-    keep = {k: node.meta[k] for k in ("nn_module_stack", "stack_trace") if k in node.meta}
-    with graph.inserting_before(node):
-        for n in traced.graph.nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "output":
-                result = torch.fx.map_arg(n.args[0], lambda a: env[a])
-                continue
-            if n.op == "get_attr":  # constants created by the reference (none today)
-                raise RuntimeError(f"ep_fuse: reference of {node.target} created a constant; cannot inline")
-            new = graph.node_copy(n, lambda a: env[a])
-            new.meta.update(keep)
-            env[n] = new
-    if isinstance(result, (tuple, list)):
-        for user in list(node.users):
-            if user.op == "call_function" and user.target is operator.getitem:
-                user.replace_all_uses_with(result[user.args[1]])
-                graph.erase_node(user)
-    else:
-        node.replace_all_uses_with(result)
-    graph.erase_node(node)

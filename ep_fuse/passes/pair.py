@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ep_fuse.fx_utils import literal_value, val
+from ep_fuse.fx_utils import literal_value, source_meta, val
 from ep_fuse.matching import PairRule
 from ep_fuse.passes.base import GraphPass, PassContext
 
@@ -45,9 +45,7 @@ class Pair(GraphPass):
         with graph.inserting_before(b):
             call = graph.call_function(rule.paired, (a.args[0], b.args[0], *a.args[1:]))
             outs = [graph.call_function(operator.getitem, (call, i)) for i in (0, 1)]
-        for k in ("nn_module_stack", "stack_trace"):
-            if k in a.meta:
-                call.meta[k] = a.meta[k]
+        call.meta.update(source_meta(a))
         if "val" in a.meta and "val" in b.meta:
             call.meta["val"] = (a.meta["val"], b.meta["val"])
             for out, old in zip(outs, (a, b)):

@@ -47,6 +47,7 @@ from ep_fuse.ops.registry import ask
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.ep import dispatch_of
 from ep_fuse.passes.ep_fp8_dispatch import quantize_before_dispatch
+from ep_fuse.passes.graph_edit import replace_node
 from ep_fuse.passes.quant_weights import fp8_weights, int8_weight
 
 log = logging.getLogger("ep_fuse.passes.quant")
@@ -94,14 +95,7 @@ class QuantizeExperts(GraphPass):
                     if q13 is None or q2 is None:
                         continue
                     new = gm.graph.call_function(target, (x, ids, w, q13[0], q13[1], q2[0], q2[1], out_dtype))
-            new.meta.update(node.meta)
-            for rec in ctx.report.ep:
-                if rec.block == node.name:
-                    rec.block = new.name
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            if node.name in ctx.match_by_node:
-                ctx.match_by_node[new.name] = ctx.match_by_node.pop(node.name)
+            replace_node(ctx, gm, node, new)
             changes += 1
         if changes:
             gm.graph.eliminate_dead_code()

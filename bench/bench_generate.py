@@ -241,7 +241,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         if args.tiny:
-            from ep_fuse.models import tiny as tiny_models
+            from ep_fuse.testing import tiny as tiny_models
 
             model = ep_fuse.prepare(tiny_models.build(name, dtype=torch.float32, device=device))
             model.generation_config.pad_token_id = 0

@@ -132,7 +132,7 @@ def flops(t: int, h: int, i: int, k: int) -> float:
 
 def check_tiny_models() -> list[str]:
     """Tiny HF MoE models on CUDA through ``backend="ep_fuse"``: one block per MoE layer, logits vs eager."""
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     lines = []
     for name in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"):
@@ -167,7 +167,7 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
     if checks:
         tiny = check_tiny_models()
         try:  # every tiny model: exact site counts of all families on CUDA, logits vs eager
-            from ep_fuse.models.tiny import TINY_MODELS
+            from ep_fuse.testing.tiny import TINY_MODELS
 
             tiny += check_hf_models([(name, False) for name in TINY_MODELS])
         except AssertionError as exc:

@@ -331,7 +331,7 @@ def main() -> None:
     try:
         if args.quick:
             raise RuntimeError("skipped (--quick)")
-        from ep_fuse.models import tiny as tiny_models
+        from ep_fuse.testing import tiny as tiny_models
 
         res["checks"]["hf"] = check_hf_models([(m, False) for m in tiny_models.TINY_MODELS], {})
         log("hf checks ok:", *res["checks"]["hf"], sep="\n  ")

@@ -215,7 +215,9 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
              counts: list[int] | None = None, profile: bool = False) -> list[dict[str, Any]]:
     import transformers as tf
 
-    from ep_fuse.models import paged_attention, varlen_attention
+    from ep_fuse.hf import paged_attention
+
+    from ep_fuse.hf import varlen_attention
     from ep_fuse.report import compile_totals
 
     if mode.partition("+")[0] == "hf":
@@ -349,7 +351,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for name in args.models.split(","):
         if args.tiny:
-            from ep_fuse.models import tiny as tiny_models
+            from ep_fuse.testing import tiny as tiny_models
 
             model = tiny_models.build(name, dtype=torch.float32, device=device, num_hidden_layers=1)
         else:

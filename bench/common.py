@@ -207,7 +207,7 @@ def check_hf_models(runs: list[tuple[str, bool]], options: dict[str, Any] | None
     ``runs`` lists ``(model name, dynamic)``. Returns one line per run, with any provider declines.
     """
     import ep_fuse
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     done = []
     for name, dynamic in runs:

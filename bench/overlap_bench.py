@@ -192,7 +192,7 @@ def run_e2e(tiny: bool, iters: int, device: torch.device, executor: str, layer_r
 
 def _e2e_model(tiny: bool, device: torch.device) -> Any:
     if tiny:
-        from ep_fuse.models import tiny as tiny_models
+        from ep_fuse.testing import tiny as tiny_models
 
         return tiny_models.build("qwen2_moe", dtype=torch.float32).to(device)
     import hf_models

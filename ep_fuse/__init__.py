@@ -21,8 +21,8 @@ _PUBLIC = {
     "ep_options": "ep_fuse.ep.shard",
     "shard_experts": "ep_fuse.ep.shard",
     "release_buffers": "ep_fuse.ep",
-    "dynamic_batch": "ep_fuse.models.prepare",
-    "prepare": "ep_fuse.models.prepare",
+    "dynamic_batch": "ep_fuse.surgery.prepare",
+    "prepare": "ep_fuse.surgery.prepare",
     "GraphReport": "ep_fuse.report",
     "MatchRecord": "ep_fuse.report",
     "last_report": "ep_fuse.report",
@@ -47,7 +47,7 @@ def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC})
 
 
-INTEGRATIONS = {"transformers.distributed.expert_parallel": "ep_fuse.models.hf_expert_parallel"}
+INTEGRATIONS = {"transformers.distributed.expert_parallel": "ep_fuse.hf.expert_parallel"}
 """Optional integrations, the one place the package loads them: third-party module -> the ep_fuse module whose
 ``register()`` runs once that module is imported (at once if it already is). Nothing is imported for a
 third-party module that is never imported."""

@@ -10,7 +10,7 @@
 declined with the part that failed: router / experts / combine).
 
 TARGET is ``path/to/file.py:factory``, ``package.module:factory`` (a callable returning
-``(model, inputs)``) or a built-in tiny HF model ``hf:<name>`` (``ep_fuse.models.tiny.TINY_MODELS``).
+``(model, inputs)``) or a built-in tiny HF model ``hf:<name>`` (``ep_fuse.testing.tiny.TINY_MODELS``).
 
 Exit codes: 0 done; 2 bad arguments or TARGET, unknown pattern; 3 the factory raised;
 4 compiling or running the model failed.

@@ -39,7 +39,7 @@ from typing import Any
 
 import ep_fuse
 from ep_fuse.config import ConfigError, EpFuseConfig, parse_key_values
-from ep_fuse.models import paged_attention
+from ep_fuse.hf import paged_attention
 
 log = logging.getLogger("ep_fuse")
 
@@ -63,7 +63,7 @@ class ServeError(Exception):
 # --------------------------------------------------------------------------- compile configs
 def cb_compile_configs(options: dict[str, Any] | None = None) -> tuple[Any, Any]:
     """The ``CompileConfig`` of the varlen and of the decode path (the one place the server decides them):
-    :func:`ep_fuse.models.paged_attention.cb_compile_configs` -- ``backend="ep_fuse"``, ``fullgraph=False``,
+    :func:`ep_fuse.hf.paged_attention.cb_compile_configs` -- ``backend="ep_fuse"``, ``fullgraph=False``,
     no CUDA-graph mode (CUDA graphs are HF's own capture, ``use_cuda_graph``), ``options`` as ep_fuse's options."""
     return paged_attention.cb_compile_configs(options)
 

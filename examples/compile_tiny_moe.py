@@ -3,7 +3,7 @@
     python examples/compile_tiny_moe.py [--model NAME] [--device cpu|cuda] [--executor auto|inductor|eager]
                                         [--dynamic]
 
-NAME is one of ``ep_fuse.models.tiny.TINY_MODELS`` (default mixtral). The model is built from a config
+NAME is one of ``ep_fuse.testing.tiny.TINY_MODELS`` (default mixtral). The model is built from a config
 with random weights (nothing is downloaded). On a CPU without ``TRITON_INTERPRET=1`` the sites are
 matched and lowered to the reference provider; on CUDA the Triton kernels run where they measured
 faster than Inductor (``docs/benchmarks.md``).
@@ -18,7 +18,7 @@ import warnings
 import torch
 
 import ep_fuse
-from ep_fuse.models import tiny as tiny_models
+from ep_fuse.testing import tiny as tiny_models
 from ep_fuse.report import compile_totals
 
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*")

@@ -10,7 +10,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 import ep_fuse
-from ep_fuse.models import tiny as tiny_models
+from ep_fuse.testing import tiny as tiny_models
 from ep_fuse.matching import Lit, Mismatch, op
 from ep_fuse.matching.checks import is_int, is_size
 from ep_fuse.matching.matcher import State, match_tree
@@ -385,7 +385,7 @@ def test_canonical_block_keeps_symbolic_rows():
 def test_dynamic_batch_marks_cuda_inputs_only_with_cudnn_sdpa_off(monkeypatch):
     """On CUDA the batch is marked while cuDNN's SDPA is off (it guards ``Eq(u0, 1)`` on an unbacked batch,
     torch 2.11) or with ``force=True``; elsewhere always."""
-    from ep_fuse.models.prepare import batch_can_be_unbacked
+    from ep_fuse.surgery.prepare import batch_can_be_unbacked
 
     for enabled, want in ((True, False), (False, True)):
         monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda enabled=enabled: enabled)

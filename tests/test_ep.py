@@ -91,7 +91,7 @@ def _block_case(world, *, backend="all_to_all", capacity=None, invalid=0.0, e_pe
 
 
 def _hf_case(name, dtype, impl="grouped_mm", backend="all_to_all", capacity=None, tol=None):
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model = tiny_models.build(name, dtype=dtype, experts_implementation=impl)
     inputs = tiny_models.example_inputs(batch=2, seq=8, seed=dist.get_rank())  # different tokens per rank
@@ -414,7 +414,7 @@ def sc_npu_double(world):
 
 
 def sc_errors(world):
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
     from ep_fuse.ep import EpError, deepep
 
     # experts not divisible by ranks

@@ -231,7 +231,7 @@ def sc_no_independent_work(world):
 
 def sc_hf_qwen2_moe(world):
     """A tiny HF Qwen2-MoE (shared experts, two MoE layers): logits equal to the unsharded model per mode."""
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model = tiny_models.build("qwen2_moe", dtype=F32)
     inputs = tiny_models.example_inputs(batch=2, seq=8, seed=dist.get_rank())

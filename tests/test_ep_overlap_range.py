@@ -212,7 +212,7 @@ def sc_inductor(world):
 
 
 def _hf(world, name, batch, seq=8, executor="eager", packed=False):
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model = tiny_models.build(name, dtype=F32)
     inputs = tiny_models.example_inputs(batch=batch, seq=seq, seed=dist.get_rank())

@@ -440,7 +440,7 @@ def _fp8_deepseek(block=(16, 32)):
     )
     from transformers.integrations.moe import use_experts_implementation
 
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model, dequantized = tiny_models.build("deepseek_v3"), tiny_models.build("deepseek_v3")
     cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
@@ -460,7 +460,7 @@ def _fp8_deepseek(block=(16, 32)):
 
 @pytest.mark.hf
 def test_fp8_experts_need_the_hub_kernel_until_prepared(caplog):
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model, dequantized = _fp8_deepseek()
     inputs = tiny_models.example_inputs(batch=1, seq=8)
@@ -480,7 +480,7 @@ def test_fp8_experts_need_the_hub_kernel_until_prepared(caplog):
 @pytest.mark.hf
 @pytest.mark.parametrize("executor", ["eager", "inductor"])
 def test_fp8_experts_compile_to_the_fp8_block(executor):
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model, dequantized = _fp8_deepseek()
     ep_fuse.prepare(model)
@@ -502,7 +502,7 @@ def test_fp8_experts_compile_to_the_fp8_block(executor):
 
 @pytest.mark.hf
 def test_unsupported_fp8_experts_are_refused(caplog):
-    from ep_fuse.models.fp8_experts import convert_fp8_experts
+    from ep_fuse.surgery.fp8_experts import convert_fp8_experts
 
     model, _ = _fp8_deepseek()
     experts = model.get_submodule("model.layers.1.mlp.experts")
@@ -519,8 +519,8 @@ def test_unsupported_fp8_experts_are_refused(caplog):
 def test_fp8_experts_limit_after_act_dequantize_and_fuse_as_silu_clamp_post():
     """transformers 5.25's ``limit_after_act`` (Step-3.7): ``silu(g).clamp(max=L) * u.clamp(-L, L)``; the prepared
     forward computes it as FP8Experts does, and the block fuses with the ``silu_clamp_post`` epilogue."""
-    from ep_fuse.models import tiny as tiny_models
-    from ep_fuse.models.fp8_experts import convert_fp8_experts
+    from ep_fuse.testing import tiny as tiny_models
+    from ep_fuse.surgery.fp8_experts import convert_fp8_experts
 
     model, dequantized = _fp8_deepseek()
     path = "model.layers.1.mlp.experts"
@@ -553,8 +553,8 @@ def test_fp8_experts_limit_after_act_on_a_layer_without_a_limit(limit):
     """Step-3.7 (transformers 5.25) clamps only some layers: a per-layer limit of 0 means no clamp and reaches
     ``FP8Experts`` as ``limit=None`` with ``limit_after_act`` set -- plain SwiGLU (this raised a TypeError before);
     a limit of 0 itself is what FP8Experts' own forward clamps to: refused, never run as 'no clamp'."""
-    from ep_fuse.models import tiny as tiny_models
-    from ep_fuse.models.fp8_experts import convert_fp8_experts
+    from ep_fuse.testing import tiny as tiny_models
+    from ep_fuse.surgery.fp8_experts import convert_fp8_experts
 
     model, dequantized = _fp8_deepseek()
     path = "model.layers.1.mlp.experts"

@@ -132,7 +132,7 @@ def test_output_aliasing_an_input_stays_behind_the_aot_wrapper():
 @pytest.mark.slow
 def test_generate_static_cache_through_ep_fuse_equals_eager():
     transformers = pytest.importorskip("transformers")
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     torch.manual_seed(0)
     model = ep_fuse.prepare(tiny_models.build("qwen3_moe", dtype=torch.float32))

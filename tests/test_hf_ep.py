@@ -34,7 +34,7 @@ def _checkpoint() -> str:
     if not _PATH:
         path = [None]
         if dist.get_rank() == 0:
-            from ep_fuse.models import tiny
+            from ep_fuse.testing import tiny
 
             d = tempfile.mkdtemp(prefix="ep_fuse_hf_ep_")
             tiny.build("qwen3_moe", dtype=F32).save_pretrained(d, max_shard_size="100KB")
@@ -87,7 +87,7 @@ def sc_registered(world):
 
 def sc_load_eager_compiled(world):
     """HF's EP loading with the ep_fuse implementation: only this rank's experts, outputs equal, one graph."""
-    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.hf import expert_parallel as hf_ep
     from ep_fuse.passes.ep import ep_sites
 
     rank = dist.get_rank()
@@ -112,7 +112,7 @@ def sc_load_eager_compiled(world):
           f"(experts {full_experts}); after for_inference {local_total}", file=sys.stderr)
 
     # compiled: as many graphs and fused sites as the whole model, ep_fuse's dispatch/combine per MoE layer
-    from ep_fuse.models import tiny
+    from ep_fuse.testing import tiny
 
     full_counts = tiny.EXPECTED_SITES["qwen3_moe"][0]  # the whole model's one graph (tests/test_hf_models.py)
     torch._dynamo.reset()
@@ -148,7 +148,7 @@ def sc_load_eager_compiled(world):
 def sc_unfused_experts_not_nested(world):
     """Experts the implementation does not place as ``moe_experts`` (their own forward on the received rows, here
     forced): the pattern still fuses them, the EP pass leaves them local (one dispatch per layer, not two)."""
-    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.hf import expert_parallel as hf_ep
     from ep_fuse.passes.ep import ep_sites
 
     rank = dist.get_rank()
@@ -217,7 +217,7 @@ def _eos_for(full, ids, mask, new) -> int:
 def sc_generate_lockstep(world):
     """Every rank generates its own prompts (uneven batches, lengths, EOS steps, new-token counts); the ranks step
     together (``synced_gpus=True``): a rank whose sequences ended keeps running its batch through the MoE layers."""
-    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.hf import expert_parallel as hf_ep
 
     rank = dist.get_rank()
     full = _load(ep=False)
@@ -247,7 +247,7 @@ def sc_generate_lockstep(world):
 
 def sc_generate_compiled(world):
     """The same lock-step generate with the forward compiled by ``backend="ep_fuse"`` (Inductor off)."""
-    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.hf import expert_parallel as hf_ep
 
     rank = dist.get_rank()
     full = _load(ep=False)
@@ -265,8 +265,8 @@ def sc_generate_compiled(world):
 def sc_other_models(world):
     """Mixtral (bf16) and DeepSeek-V3 (a dense layer, a MoE layer with a shared expert; fp32) loaded with HF's EP:
     one graph with the whole model's fused sites (its routed blocks as EP sites), equal outputs."""
-    from ep_fuse.models import hf_expert_parallel as hf_ep
-    from ep_fuse.models import tiny
+    from ep_fuse.hf import expert_parallel as hf_ep
+    from ep_fuse.testing import tiny
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -294,7 +294,7 @@ def sc_other_models(world):
 
 def sc_killed_rank(world):
     """Rank 1 dies inside its third MoE layer call: rank 0 gets an EpError within ep_timeout_s (no hang)."""
-    from ep_fuse.models import hf_expert_parallel as hf_ep
+    from ep_fuse.hf import expert_parallel as hf_ep
 
     rank = dist.get_rank()
     model = hf_ep.for_inference(_load(ep=True))
@@ -377,14 +377,14 @@ def test_registration_is_lazy():
     import subprocess
 
     code = ("import sys, ep_fuse\n"
-            "assert 'transformers' not in sys.modules and 'ep_fuse.models.hf_expert_parallel' not in sys.modules\n"
+            "assert 'transformers' not in sys.modules and 'ep_fuse.hf.expert_parallel' not in sys.modules\n"
             "from transformers.distributed.expert_parallel import EPImplementationInterface as I\n"
             "assert 'ep_fuse' in I(), list(I())\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
 
 
 def test_plain_swiglu_look_alikes():
-    from ep_fuse.models.hf_expert_parallel import plain_swiglu
+    from ep_fuse.hf.expert_parallel import plain_swiglu
 
     class Experts(torch.nn.Module):
         def __init__(self, e=4, h=8, i=6, up=None):
@@ -408,6 +408,6 @@ def test_plain_swiglu_look_alikes():
 
 def test_for_inference_needs_the_implementation():
     with pytest.raises(ep_fuse.EpError, match="ep_implementation"):
-        from ep_fuse.models.hf_expert_parallel import for_inference
+        from ep_fuse.hf.expert_parallel import for_inference
 
         for_inference(torch.nn.Linear(2, 2))

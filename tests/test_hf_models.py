@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import ep_fuse
-from ep_fuse.models import tiny as tiny_models
+from ep_fuse.testing import tiny as tiny_models
 
 pytestmark = pytest.mark.hf
 

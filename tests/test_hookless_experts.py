@@ -1,4 +1,4 @@
-"""3-D experts without transformers' experts-implementation switch (``ep_fuse.models.hookless_experts``): the converted
+"""3-D experts without transformers' experts-implementation switch (``ep_fuse.surgery.hookless_experts``): the converted
 forward reproduces the module's own loop, look-alikes are refused with the reason, hooked and other modules are left
 alone, and a tiny Gemma-4 whose experts loop (its GeGLU experts as transformers writes them without the hook) goes from
 a graph per expert and no ``moe_experts`` to one graph with a ``moe_experts`` site per MoE layer after ``prepare``
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ep_fuse
-from ep_fuse.models.hookless_experts import convert_hookless_experts, has_experts_hook, is_candidate
+from ep_fuse.surgery.hookless_experts import convert_hookless_experts, has_experts_hook, is_candidate
 from support.compiling import compile_and_run
 from support.geglu_moe_modules import HooklessGeGLUExperts, UpHalfHookless
 

@@ -333,7 +333,7 @@ TEST_SEAMS = {
     "ep_fuse.passes.canonicalize._same_strides", "ep_fuse.backend._WARNED", "ep_fuse.providers.triton.moe._tma_takes",
     "ep_fuse.providers.triton.moe._grouped_prefers", "ep_fuse.providers.npu.rms_norm._ones",
     "ep_fuse.providers.triton.provider._unbacked", "ep_fuse.providers.triton.provider._inline_rule",
-    "ep_fuse.serve._assembly", "ep_fuse.models.sweep._keep_layers", "ep_fuse.models.sweep._tiny_layer_value",
+    "ep_fuse.serve._assembly", "ep_fuse.testing.sweep._keep_layers", "ep_fuse.testing.sweep._tiny_layer_value",
 }
 """Private names tests still read (caches they clear, helpers they call). The list only shrinks: give the name a
 public function (or make it public) and drop it here; a new private read fails."""
@@ -369,8 +369,8 @@ STATE = {
     "ep_fuse.report": {"_reports"},
     "ep_fuse.backend": {"_WARNED"},
     "ep_fuse.log": {"_configured"},
-    "ep_fuse.models.paged_attention": {"_ORIGINALS"},
-    "ep_fuse.models.varlen_attention": {"_ENABLED", "_FORCED", "_ORIGINALS"},
+    "ep_fuse.hf.paged_attention": {"_ORIGINALS"},
+    "ep_fuse.hf.varlen_attention": {"_ENABLED", "_FORCED", "_ORIGINALS"},
 }
 """The module-level state the package keeps, and why (``docs/architecture.md``, "What is declared where"). Behaviour
 switches are never module state: they are config fields or arguments."""

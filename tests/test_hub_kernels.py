@@ -14,8 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import ep_fuse  # noqa: E402
-from ep_fuse.models import hub_kernels  # noqa: E402
-from ep_fuse.models import tiny  # noqa: E402
+from ep_fuse.hf import hub_kernels  # noqa: E402
+from ep_fuse.testing import tiny  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

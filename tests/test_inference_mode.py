@@ -1,4 +1,4 @@
-"""``@torch.inference_mode()`` forwards (``ep_fuse/models/inference_mode.py``): torch 2.13 cannot compile them when an
+"""``@torch.inference_mode()`` forwards (``ep_fuse/surgery/inference_mode.py``): torch 2.13 cannot compile them when an
 output views an input; ``ep_fuse.prepare`` rebinds them to the undecorated forward under ``torch.no_grad()``, and the
 backend fuses a graph whose whole body runs with grad off although it was entered with grad mode on."""
 
@@ -16,7 +16,7 @@ from torch import nn
 
 import ep_fuse
 from ep_fuse.backend import drop_grad_off_frame
-from ep_fuse.models.inference_mode import inference_mode_inner, unwrap_inference_mode
+from ep_fuse.surgery.inference_mode import inference_mode_inner, unwrap_inference_mode
 
 EAGER = {"executor": "eager"}
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from support.moe_modules import MODULES, ArgsortIndexAdd
 
 import ep_fuse
-from ep_fuse.models import tiny as tiny_models
+from ep_fuse.testing import tiny as tiny_models
 pass
 from ep_fuse.ops.moe import moe_experts_ref, moe_permute_ref, moe_unpermute_ref
 from support.compiling import compile_and_run

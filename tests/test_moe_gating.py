@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ep_fuse
-from ep_fuse.models import tiny as tiny_models
+from ep_fuse.testing import tiny as tiny_models
 from ep_fuse.ops import choose
 from ep_fuse.ops import moe_gating as moe_gating_ops
 from ep_fuse.ops.moe_gating import moe_gating_ref, moe_gating_stable_ref

@@ -367,7 +367,7 @@ def test_declined_forms_say_why(name, make, inputs, reason):
 def test_tiny_models_exact_router_sites(family, sites, declined):
     """The sweep's tiny model of each family, fp32: exactly these ``moe_gating`` sites (by variant), and for the
     routers left unfused every near miss names why (the declined form, or DBRX's p-norm renormalisation)."""
-    from ep_fuse.models import sweep
+    from ep_fuse.testing import sweep
 
     model, _ = sweep.build_tiny(family, F32)
     torch._dynamo.reset()
@@ -395,7 +395,7 @@ def test_jetmoe_one_router_graph_runs_for_every_router():
     """JetMoE's per-expert loop breaks the graph after its router (``expert_size.tolist()``); Dynamo compiles that
     router frame once (one ``topk_softmax`` site) and reuses it: every router of the model runs ``ep_fuse::moe_gating``
     (2 layers x (attention experts + MLP experts) = 4 calls per forward)."""
-    from ep_fuse.models import sweep
+    from ep_fuse.testing import sweep
 
     model, _ = sweep.build_tiny("jetmoe", F32)
     torch._dynamo.reset()

@@ -1,4 +1,4 @@
-"""MoE blocks recognised by what they compute (``ep_fuse.models.moe_semantics``), on blocks generated from a
+"""MoE blocks recognised by what they compute (``ep_fuse.surgery.moe_semantics``), on blocks generated from a
 description (``tests/support/semantic_moe_blocks.py``): the binding found reproduces the block in fp32 and bf16 on
 fresh tokens, the rebuilt block compiles to one graph with ``moe_experts`` and ``moe_gating``, the state dict keeps its
 keys, and look-alikes that are not a routing-weighted combine of expert MLPs are declined by the part that fails."""
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ep_fuse
-from ep_fuse.models.moe_semantics import EXPERTS_ATTR, convert_semantic_blocks
+from ep_fuse.surgery.moe_semantics import EXPERTS_ATTR, convert_semantic_blocks
 from support.semantic_moe_blocks import AuxLossMoE, GeneratedMoE, InputScaledMoE, Spec, SquaredWeightsMoE, \
     UnweightedMoE
 

@@ -9,8 +9,8 @@ import transformers
 from packaging.version import Version
 from support.sweep_expected import EXPECTED, installed_sites
 
-from ep_fuse.models import sweep
-from ep_fuse.models.expert_loops import UNFUSED_EXPERTS, unfused_experts
+from ep_fuse.testing import sweep
+from ep_fuse.surgery.expert_loops import UNFUSED_EXPERTS, unfused_experts
 
 pytestmark = pytest.mark.hf
 

@@ -13,7 +13,7 @@ from support.norm_cases import ulp_close
 
 import ep_fuse
 import ep_fuse.providers  # noqa: F401  (registers torch.ops.ep_fuse_triton.*)
-from ep_fuse.models.expert_loops import StackedExperts
+from ep_fuse.surgery.expert_loops import StackedExperts
 from ep_fuse.ops.moe import act_problem, grouped_gemm_swiglu_ref, moe_experts_ref
 from ep_fuse.providers.npu.moe import gemm_swiglu_supports
 from ep_fuse.providers.triton import unverified
@@ -172,7 +172,7 @@ def test_item_loop_breaks_the_graph_and_gets_no_block():
 @pytest.mark.hf
 @pytest.mark.slow
 def test_tiny_nemotron_h_eager_loop_is_switched_by_prepare():
-    from ep_fuse.models import tiny
+    from ep_fuse.testing import tiny
 
     model = tiny.build("nemotron_h")
     inputs = tiny.example_inputs()

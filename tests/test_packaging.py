@@ -54,3 +54,17 @@ def test_a_script_at_the_checkout_root_imports_it_over_a_non_editable_install(tm
     run = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "'rms_norm': 1" in run.stdout, run.stdout
+
+
+def test_the_old_module_names_give_the_moved_modules():
+    """``ep_fuse.models.<name>`` (the names the docs gave before model surgery, the HF integrations and the tiny
+    models moved to ``surgery`` / ``hf`` / ``testing``) is the moved module itself: one set of globals."""
+    import importlib
+
+    moved = {"tiny": "ep_fuse.testing.tiny", "paged_attention": "ep_fuse.hf.paged_attention",
+             "varlen_attention": "ep_fuse.hf.varlen_attention", "hf_expert_parallel": "ep_fuse.hf.expert_parallel"}
+    for old, new in moved.items():
+        assert importlib.import_module(f"ep_fuse.models.{old}") is importlib.import_module(new)
+    from ep_fuse.models import tiny
+
+    assert tiny.build is importlib.import_module("ep_fuse.testing.tiny").build

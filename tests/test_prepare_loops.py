@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import ep_fuse
-from ep_fuse.models.expert_loops import StackedExperts
-from ep_fuse.models.loop_dataflow import LoopPlan, recognise_loop
+from ep_fuse.surgery.expert_loops import StackedExperts
+from ep_fuse.surgery.loop_dataflow import LoopPlan, recognise_loop
 
 pytestmark = pytest.mark.hf  # the stacked experts run transformers' grouped_mm function
 
@@ -282,7 +282,7 @@ def test_mlp_lists_that_are_not_routed_are_left_quietly(caplog):
 
 
 # --------------------------------------------------------------------------- rebuilt by what they compute
-SEMANTIC = {  # loop blocks the forms above refuse, recognised by ep_fuse.models.moe_semantics
+SEMANTIC = {  # loop blocks the forms above refuse, recognised by ep_fuse.surgery.moe_semantics
     "unnormalised": (L.UnnormalisedMixtral, {}, "router: linear(rows, gate.weight), softmax top-2, ",
                      "experts: experts (8 x MixtralBlockSparseTop2MLP, w1/w3/w2, silu)"),
     "inline_router": (L.InlineRouterMoE, {}, "router: linear(rows, weight), softmax top-2, ",

@@ -563,7 +563,7 @@ def test_dynamic_shapes_eps_as_tensor_input():
 def test_eps_attribute_becomes_tensor_input_under_dynamic():
     """HF stores eps as a float attribute; dynamic=True turns it into an f64[] graph input. (Every site on its
     reference: the matching is the subject; the kernels' symbolic launches are ``tests/test_symbolic_launch.py``'s.)"""
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model = tiny_models.build("mixtral")
     inp = tiny_models.example_inputs()

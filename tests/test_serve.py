@@ -30,7 +30,7 @@ pytest.importorskip("uvicorn")
 
 import ep_fuse  # noqa: E402
 from ep_fuse import serve  # noqa: E402
-from ep_fuse.models import tiny as tiny_models  # noqa: E402
+from ep_fuse.testing import tiny as tiny_models  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

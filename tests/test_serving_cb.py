@@ -9,7 +9,8 @@ import torch
 
 import ep_fuse
 from ep_fuse.backend import cudagraphs_off_thread
-from ep_fuse.models import paged_attention, tiny
+from ep_fuse.hf import paged_attention
+from ep_fuse.testing import tiny
 
 pytest.importorskip("transformers.generation.continuous_batching")
 from transformers.generation.configuration_utils import ContinuousBatchingConfig  # noqa: E402
@@ -259,7 +260,7 @@ def varlen_model():
     """The path CB takes on CUDA in bf16: ``ep_fuse::varlen_attention``, no mask (forced here on CPU). With HF's mask
     (CPU, fp32) a stream can compile a second graph on a contiguity guard of HF's mask slice
     (``attention_mask.stride()[2] != attention_mask.size()[3]``), not addressed."""
-    from ep_fuse.models import varlen_attention
+    from ep_fuse.hf import varlen_attention
 
     m = tiny.build("qwen3_moe", dtype=torch.float32)
     assert varlen_attention.enable(m, force=True)

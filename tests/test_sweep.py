@@ -1,4 +1,4 @@
-"""The generality sweep (``ep_fuse.models.sweep``, ``tools/sweep_models.py``) as a CI check: every MoE causal-LM
+"""The generality sweep (``ep_fuse.testing.sweep``, ``tools/sweep_models.py``) as a CI check: every MoE causal-LM
 family of the installed transformers, built tiny, compiled with ``backend="ep_fuse"`` (eager executor) in fp32, bf16
 and fp16.
 
@@ -16,7 +16,7 @@ import pytest
 import transformers
 from packaging.version import Version
 
-from ep_fuse.models import sweep
+from ep_fuse.testing import sweep
 from support.sweep_expected import EXPECTED, FAST, FAST_LOW_PRECISION, INDUCTOR_EXECUTOR_CHECKS, installed_sites
 
 pytestmark = pytest.mark.hf

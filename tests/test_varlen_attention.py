@@ -10,7 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ep_fuse
-from ep_fuse.models import paged_attention, tiny, varlen_attention
+from ep_fuse.hf import paged_attention
+from ep_fuse.testing import tiny
+from ep_fuse.hf import varlen_attention
 from ep_fuse.ops.registry import choose
 from ep_fuse.ops.varlen_attention import VARLEN_ATTENTION, varlen_attention_ref
 from ep_fuse.providers.flash import varlen_attention as flash

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from support.moe_modules import routed_case
 
 import ep_fuse
-from ep_fuse.models import tiny as tiny_models
+from ep_fuse.testing import tiny as tiny_models
 from ep_fuse.config import ConfigError, EpFuseConfig
 from ep_fuse.ops import w8a8 as R
 from ep_fuse.ops.moe import moe_permute_ref

@@ -8,7 +8,7 @@ class with random weights, compiled with ``backend="ep_fuse"`` (and ``backend="i
 
 One row per family: routed MoE blocks in the model, ``moe_experts`` / ``moe_gating`` sites fused (all graphs of
 the forward), other sites, graph count, max |Δ| of the logits vs eager per backend and dtype, errors. The logic
-is :mod:`ep_fuse.models.sweep`; ``tests/test_sweep.py`` pins the counts (``pytest -m "not slow" tests/test_sweep.py``: the FAST families only).
+is :mod:`ep_fuse.testing.sweep`; ``tests/test_sweep.py`` pins the counts (``pytest -m "not slow" tests/test_sweep.py``: the FAST families only).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
 import ep_fuse.catalog  # noqa: E402,F401
-from ep_fuse.models import sweep  # noqa: E402
+from ep_fuse.testing import sweep  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

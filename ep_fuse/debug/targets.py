@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ep_fuse.models import tiny
+from ep_fuse.testing import tiny
 
 
 class TargetError(Exception):

@@ -8,7 +8,7 @@ queries: query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
 
 This is the attention of HF continuous batching, where a batch is every scheduled request's new tokens packed
 into one row and HF's SDPA path builds a dense ``[tokens, keys read]`` mask for it
-(:mod:`ep_fuse.models.varlen_attention` calls this op instead). The reference is that masked SDPA, in fp32. Where no
+(:mod:`ep_fuse.hf.varlen_attention` calls this op instead). The reference is that masked SDPA, in fp32. Where no
 provider takes a call it stays the opaque op (its kernel the reference) instead of being inlined: traced on fake
 CUDA tensors at symbolic sizes, SDPA's mask padding for its memory-efficient kernel does not trace.
 """

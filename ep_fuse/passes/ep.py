@@ -165,7 +165,7 @@ def behind_dispatch(block: fx.Node, depth: int = 8) -> bool:
 
 def placed_sites(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     """``(dispatch, local block, combine)`` triples already in the graph in the ``rank`` layout (placed by model
-    code: transformers' native EP with ``ep_implementation="ep_fuse"``, ``ep_fuse/models/hf_expert_parallel.py``)."""
+    code: transformers' native EP with ``ep_implementation="ep_fuse"``, ``ep_fuse/hf/expert_parallel.py``)."""
     out = []
     for y in gm.graph.nodes:
         if y.op != "call_function" or y.target is not moe_ops.moe_experts.op:

@@ -68,7 +68,7 @@ def layer_errors(t: int, h: int, i: int, e: int, k: int, kind: str, device: str)
 
 
 def tiny_model_errors(device: str) -> dict[str, float]:
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model = tiny_models.build("mixtral", device=device)
     inputs = tiny_models.example_inputs(device=device)

@@ -34,7 +34,7 @@ import torch
 from common import bench_us, env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
-from ep_fuse.models import tiny as tiny_models  # noqa: E402
+from ep_fuse.testing import tiny as tiny_models  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DYNAMIC = {"true": True, "auto": None}

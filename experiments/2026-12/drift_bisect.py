@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import ep_fuse.catalog as catalog  # noqa: E402
-from ep_fuse.models import sweep  # noqa: E402
+from ep_fuse.testing import sweep  # noqa: E402
 
 
 def _dist(model: torch.nn.Module, inputs: list[dict], refs: list[torch.Tensor], backend: str,

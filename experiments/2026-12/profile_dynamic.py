@@ -28,7 +28,7 @@ import torch
 from common import env_info, markdown_table, out_dir, write_json  # noqa: E402
 
 import ep_fuse  # noqa: E402
-from ep_fuse.models import tiny as tiny_models  # noqa: E402
+from ep_fuse.testing import tiny as tiny_models  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -45,7 +45,7 @@ def _hf(name, backend, capacity=None, mode=None, batch=2, seq=8, **overrides):
     import torch.distributed as dist
 
     import ep_fuse
-    from ep_fuse.models import tiny as tiny_models
+    from ep_fuse.testing import tiny as tiny_models
 
     model = tiny_models.build(name, device="cuda", **overrides)
     inp = tiny_models.example_inputs(batch=batch, seq=seq, device="cuda", seed=dist.get_rank())

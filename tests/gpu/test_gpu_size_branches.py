@@ -46,7 +46,7 @@ def test_dynamic_compile_takes_every_branch_in_one_graph(monkeypatch) -> None:
     from torch._inductor.utils import run_and_get_code
 
     import ep_fuse
-    from ep_fuse.models.tiny import qwen2_moe_sized
+    from ep_fuse.testing.tiny import qwen2_moe_sized
 
     # 8 experts, top-2: rows = 2 * tokens; decode tiles up to 128 rows, 64-row tiles up to 512, the TMA kernel
     # from 1024 (256 and 128 columns fill its tiles)
@@ -84,7 +84,7 @@ def test_dynamic_compile_with_a_shared_length(batch: str) -> None:
     ``ep_fuse.dynamic_batch`` (which marks it on CUDA because cuDNN's SDPA is off), 2 graphs (decode, prefill)
     over batch 1 and 3; the TMA kernels inlined at the unbacked size get it as an int64 argument."""
     import ep_fuse
-    from ep_fuse.models.tiny import qwen2_moe_sized
+    from ep_fuse.testing.tiny import qwen2_moe_sized
 
     torch._dynamo.reset()
     ep_fuse.reset_reports()

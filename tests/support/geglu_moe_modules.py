@@ -6,7 +6,7 @@
   formulas round differently from ``F.gelu`` (``gelu_new``, ``gelu_fast``: build :class:`GeGLUExperts` with them);
 * :class:`HooklessGeGLUExperts`: Gemma-4's experts as transformers writes them without the experts-implementation
   hook (a Python loop over the hit experts, ``one_hot`` / ``where`` / ``index_add_``), for
-  ``ep_fuse.models.hookless_experts``.
+  ``ep_fuse.surgery.hookless_experts``.
 """
 
 from __future__ import annotations

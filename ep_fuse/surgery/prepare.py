@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from ep_fuse.models.expert_loops import convert_expert_loops, report_refusal
-from ep_fuse.models.moe_semantics import convert_semantic_blocks
-from ep_fuse.models.fp8_experts import convert_fp8_experts
-from ep_fuse.models.hf_expert_parallel import prepare_loaded as prepare_hf_expert_parallel
-from ep_fuse.models.hookless_experts import convert_hookless_experts
-from ep_fuse.models.hub_kernels import restore_plain_forwards
-from ep_fuse.models.inference_mode import unwrap_inference_mode
-from ep_fuse.models.paged_attention import install as install_paged_cache_update
-from ep_fuse.models.varlen_attention import enable as enable_varlen_attention
+from ep_fuse.surgery.expert_loops import convert_expert_loops, report_refusal
+from ep_fuse.surgery.moe_semantics import convert_semantic_blocks
+from ep_fuse.surgery.fp8_experts import convert_fp8_experts
+from ep_fuse.hf.expert_parallel import prepare_loaded as prepare_hf_expert_parallel
+from ep_fuse.surgery.hookless_experts import convert_hookless_experts
+from ep_fuse.hf.hub_kernels import restore_plain_forwards
+from ep_fuse.surgery.inference_mode import unwrap_inference_mode
+from ep_fuse.hf.paged_attention import install as install_paged_cache_update
+from ep_fuse.hf.varlen_attention import enable as enable_varlen_attention
 
 log = logging.getLogger("ep_fuse")
 
@@ -34,27 +34,27 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
     * MoE blocks that hold their experts as an ``nn.ModuleList`` of SwiGLU MLPs and loop over them in
       Python (remote code such as DeepSeek-V3's ``modeling_deepseek.py``, Mixtral / Qwen2-MoE of
       transformers 4.x): the experts are stacked once into 3-D weights run by the same
-      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.models.expert_loops`); the state
+      ``experts_implementation`` and the loop is replaced (:mod:`ep_fuse.surgery.expert_loops`); the state
       dict keeps its per-expert keys. Blocks of other layouts (routing in a method of the block or in a
       gate module of any kind, the list under another name) are recognised by tracing what they compute
-      (:mod:`ep_fuse.models.loop_dataflow`); their router code is kept. Each conversion is logged at INFO; a block that cannot be
+      (:mod:`ep_fuse.surgery.loop_dataflow`); their router code is kept. Each conversion is logged at INFO; a block that cannot be
       converted is left as it is with a WARNING giving the reason, or, with ``strict=True``, raises
       ``ValueError``.
     * transformers' ``FP8Experts`` (FP8 checkpoints such as DeepSeek-V3): their forward needs the
       ``kernels-community/finegrained-fp8`` hub kernel; they get a forward that dequantizes the
       block-scaled weights (``ep_fuse::fp8_block_dequant``) and runs the same ``experts_implementation``
-      (:mod:`ep_fuse.models.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
+      (:mod:`ep_fuse.surgery.fp8_experts`). Compile with ``quant="fp8_block"`` to run them in FP8.
     * 3-D experts without transformers' experts-implementation switch (an eager loop over the hit experts: Step-3.7,
       Gemma-4 where its version lacks the hook): they run the same ``experts_implementation`` once it reproduced
-      their own forward (:mod:`ep_fuse.models.hookless_experts`).
+      their own forward (:mod:`ep_fuse.surgery.hookless_experts`).
     * continuous batching (``generate_batch``, ``transformers serve``): HF's paged KV-cache update, a graph
       break per layer, becomes one opaque op so each forward is one graph
-      (:mod:`ep_fuse.models.paged_attention`; process-wide, idempotent), and where every layer can take it and
+      (:mod:`ep_fuse.hf.paged_attention`; process-wide, idempotent), and where every layer can take it and
       a fused provider runs it (CUDA, fp16/bf16), its SDPA over a dense host-built ``[tokens, keys read]`` mask
       becomes ``ep_fuse::varlen_attention`` over each request's own keys, no mask built
-      (:mod:`ep_fuse.models.varlen_attention`).
+      (:mod:`ep_fuse.hf.varlen_attention`).
     * ``@torch.inference_mode()`` forwards (torch 2.13 cannot compile them when an output views an input) run
-      the undecorated forward under ``torch.no_grad()`` (:mod:`ep_fuse.models.inference_mode`).
+      the undecorated forward under ``torch.no_grad()`` (:mod:`ep_fuse.surgery.inference_mode`).
 
     Models without experts are returned unchanged.
     """
@@ -85,7 +85,7 @@ def prepare(model: Any, experts_implementation: str = "grouped_mm", strict: bool
 
 
 def _convert_semantic(model: Any, implementation: str, loops: list[Any], strict: bool) -> list[Any]:
-    """MoE blocks of any spelling recognised by what they compute (:mod:`ep_fuse.models.moe_semantics`), after the
+    """MoE blocks of any spelling recognised by what they compute (:mod:`ep_fuse.surgery.moe_semantics`), after the
     known loop forms; a loop block refused by both is reported once, with both reasons."""
     if not isinstance(model, torch.nn.Module):
         return []

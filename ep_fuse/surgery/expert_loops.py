@@ -17,7 +17,7 @@ swaps the loop for a call of it:
   ``norm_topk_prob``, optional ``shared_expert`` with a sigmoid ``shared_expert_gate``): ``forward``
   is replaced by one computing the same routing in the same order;
 * any other layout (routing in a method of the block or a gate module of any kind, the list under
-  another name): recognised by a trace of what it computes (:mod:`ep_fuse.models.loop_dataflow`);
+  another name): recognised by a trace of what it computes (:mod:`ep_fuse.surgery.loop_dataflow`);
   ``forward`` becomes the block's own router, the stacked experts and the shared experts added.
 
 Every conversion is checked before it is kept: expert 0 must compute ``down(silu(gate(x)) * up(x))``
@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ep_fuse.models.moe_expert_storage import ACTIVATIONS, experts_function
-from ep_fuse.models.loop_dataflow import (LoopNotRecognised, dataflow_forward, infer_layout, recognise_loop,
+from ep_fuse.surgery.moe_expert_storage import ACTIVATIONS, experts_function
+from ep_fuse.surgery.loop_dataflow import (LoopNotRecognised, dataflow_forward, infer_layout, recognise_loop,
                                          routed_expert_lists)
 
 log = logging.getLogger("ep_fuse")
@@ -543,7 +543,7 @@ def convert_expert_loops(model: nn.Module, implementation: str = "grouped_mm", s
     Logs each converted block at INFO and each refused one at WARNING with the reason; with
     ``strict=True`` a refusal raises ``ValueError`` instead (blocks already converted stay converted:
     each passed its check). ``report_refusals=False`` only returns the refusals (the caller tries the block
-    another way, :mod:`ep_fuse.models.moe_semantics`, and reports once)."""
+    another way, :mod:`ep_fuse.surgery.moe_semantics`, and reports once)."""
     results = []
     for path, cls, reason in unfused_experts(model):
         log.info("ep_fuse.prepare: %s (%s) gets no moe_experts block: %s", path, cls, reason)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ep_fuse.models.moe_expert_storage import experts_function
+from ep_fuse.surgery.moe_expert_storage import experts_function
 
 log = logging.getLogger("ep_fuse")
 
@@ -106,7 +106,7 @@ def is_candidate(module: nn.Module) -> bool:
     if not (isinstance(first, torch.Tensor) and isinstance(down, torch.Tensor) and first.dim() == down.dim() == 3):
         return False
     if not (first.dtype.is_floating_point and first.element_size() >= 2) or not callable(getattr(module, "act_fn", None)):
-        return False  # (FP8 experts: ep_fuse.models.fp8_experts)
+        return False  # (FP8 experts: ep_fuse.surgery.fp8_experts)
     if type(module).__module__.startswith("ep_fuse.") or has_experts_hook(module):
         return False
     try:
@@ -207,7 +207,7 @@ def convert_hookless_experts(model: nn.Module, implementation: str = "grouped_mm
                              strict: bool = False) -> list[HooklessConversion]:
     """Convert every hookless 3-D experts module of ``model`` in place (module docstring); logs each conversion at
     INFO and each refusal at WARNING (``strict=True``: raises ``ValueError``)."""
-    from ep_fuse.models.expert_loops import UNFUSED_EXPERTS  # its reasons are logged by convert_expert_loops
+    from ep_fuse.surgery.expert_loops import UNFUSED_EXPERTS  # its reasons are logged by convert_expert_loops
 
     done: list[HooklessConversion] = []
     for path, module in model.named_modules():

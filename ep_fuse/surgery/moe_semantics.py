@@ -8,13 +8,13 @@ that in many ways -- per-token weight gathers and ``einsum``, loops over an ``nn
 every expert with the unselected scores at 0, 2-D or 3-D logits, packed ``[T, H]`` or batched ``[B, S, H]`` tokens.
 This module does not read the spelling. For a candidate block it
 
-1. **finds the parts by their tensors**: the experts' storage (:mod:`ep_fuse.models.moe_expert_storage`: a list of
+1. **finds the parts by their tensors**: the experts' storage (:mod:`ep_fuse.surgery.moe_expert_storage`: a list of
    MLP modules, or 2-3 stacked 3-D parameters with a leading expert dim E), and a router weight (a 2-D parameter
    ``[E, H]`` or ``[H, E]`` outside it) -- the smallest module holding both is the candidate;
 2. **runs it once on random tokens under a recorder** that follows which parameters each tensor derives from: the
    top-k over E whose input derives from the router weight gives K and the ids; the 1-D ``[E]`` tensors feeding it are
    selection biases; matrix products on expert weights give the dtype the experts compute in;
-3. **binds** the router to the canonical ``moe_gating`` arguments (:mod:`ep_fuse.models.moe_routers`: score, bias,
+3. **binds** the router to the canonical ``moe_gating`` arguments (:mod:`ep_fuse.surgery.moe_routers`: score, bias,
    groups, renormalisation, scale, weights' dtype) that reproduce the recorded ids, and the experts to the canonical
    stacked layout and activation, and the shared experts to the remaining children, choosing the binding whose
    weighted combine reproduces the block's output;
@@ -44,11 +44,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ep_fuse.models.expert_loops import stack_experts
-from ep_fuse.models.loop_dataflow import tensors_in
-from ep_fuse.models.moe_expert_storage import (BoundExperts, StackedBinding, experts_function, is_expert_list,
+from ep_fuse.surgery.expert_loops import stack_experts
+from ep_fuse.surgery.loop_dataflow import tensors_in
+from ep_fuse.surgery.moe_expert_storage import (BoundExperts, StackedBinding, experts_function, is_expert_list,
                                                keep_original_keys, linear_weight, list_layout, stacked_bindings)
-from ep_fuse.models.moe_routers import (RouterParts, RouterSpec, group_scores, logits_of, resolve, route,
+from ep_fuse.surgery.moe_routers import (RouterParts, RouterSpec, group_scores, logits_of, resolve, route,
                                         selection_hypotheses, selection_scores, weight_variants)
 
 log = logging.getLogger("ep_fuse")

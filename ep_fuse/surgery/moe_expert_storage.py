@@ -1,12 +1,12 @@
 """Where a MoE block keeps its experts, and how they bind to the canonical stacked layout
-(used by :mod:`ep_fuse.models.moe_semantics`).
+(used by :mod:`ep_fuse.surgery.moe_semantics`).
 
 Two storages are recognised, whatever their names:
 
 * **a list**: an ``nn.ModuleList`` of E MLP modules with 2-3 linear children each (``nn.Linear`` or any module whose
   only parameter is a 2-D ``weight`` and whose output is ``F.linear(x, weight)``, e.g. a code base's own ``Linear``
   subclass for quantized checkpoints). The roles (gate / up / down, or fused gate|up) and the activation are found by
-  running expert 0 on random rows; the list becomes :class:`~ep_fuse.models.expert_loops.StackedExperts` (per-expert
+  running expert 0 on random rows; the list becomes :class:`~ep_fuse.surgery.expert_loops.StackedExperts` (per-expert
   state-dict keys kept).
 * **stacked parameters**: 2 or 3 three-dimensional parameters with the same leading dim E (``w1/w2/w3``,
   ``gate_up``/``down``, in ``[E, out, in]`` or ``[E, in, out]`` layout). Their roles, layouts, the halves' order of a

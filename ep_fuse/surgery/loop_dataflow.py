@@ -1,6 +1,6 @@
-"""Per-expert loop blocks recognised by what they compute (used by :mod:`ep_fuse.models.expert_loops`).
+"""Per-expert loop blocks recognised by what they compute (used by :mod:`ep_fuse.surgery.expert_loops`).
 
-A block whose layout :mod:`ep_fuse.models.expert_loops` does not know (routing in a method of its own, a
+A block whose layout :mod:`ep_fuse.surgery.expert_loops` does not know (routing in a method of its own, a
 raw ``weight`` parameter instead of an ``nn.Linear`` gate, an inline loop in ``forward``) is run once on a
 few random tokens under a recorder: a ``TorchFunctionMode`` that tags every tensor with the sources it
 derives from (the block input, the output of each call of a submodule or method of the block, the outputs

@@ -1,4 +1,4 @@
-"""Router hypotheses for MoE blocks recognised by what they compute (used by :mod:`ep_fuse.models.moe_semantics`).
+"""Router hypotheses for MoE blocks recognised by what they compute (used by :mod:`ep_fuse.surgery.moe_semantics`).
 
 A router maps token rows ``[T, H]`` to top-k expert ids and weights. Whatever the spelling of a block, its router is
 described by the arguments of the canonical ``ep_fuse::moe_gating`` op (:mod:`ep_fuse.ops.moe_gating`): the logits

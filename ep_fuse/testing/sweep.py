@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 import ep_fuse
-from ep_fuse.models.expert_loops import unfused_experts
-from ep_fuse.models.prepare import prepare
+from ep_fuse.surgery.expert_loops import unfused_experts
+from ep_fuse.surgery.prepare import prepare
 
 log = logging.getLogger("ep_fuse")
 

@@ -13,6 +13,7 @@ from ep_fuse.fx_utils import module_class, module_path, target_name, val
 from ep_fuse.matching import Match, Mismatch, Pattern, try_match
 from ep_fuse.matching.spec import apply_replacement, fake_value
 from ep_fuse.passes.base import GraphPass, PassContext
+from ep_fuse.passes.moe_probe import unbound_experts
 from ep_fuse.report import Attempt, MatchRecord, NearMiss
 
 log = logging.getLogger("ep_fuse.passes")
@@ -58,6 +59,7 @@ class Canonicalize(GraphPass):
         ctx.current = None
         ctx.report.matches.reverse()  # report in graph order
         self._near_misses(graph, misses, ctx)
+        ctx.report.near_misses.extend(unbound_experts(graph, ctx.report.graph))
         return changes
 
     def _choose(self, node: fx.Node, misses: list[tuple[Pattern, Mismatch]], ctx: PassContext

@@ -199,3 +199,42 @@ def test_each_block_is_a_weighted_combine_of_its_top_k_experts(name):
         assert rel > 0.05, "the input-scaled block computes a weighted combine after all"
     else:
         assert rel <= (2e-2 if name == "argsort_grouped_mm" else 1e-5), rel
+
+
+# --------------------------------------------------------------------------- without prepare: the backend explains
+UNBOUND_WITHOUT_PREPARE = {"gathered_einsum": 2, "argsort_grouped_mm": 2, "logits3d_sort_disabled": 1}
+"""Forms whose router ids, in one graph, select experts that no pattern binds from the graph alone (two MoE layers;
+the 3-D-logits form breaks its graph inside the block, one router reaches its experts' sort in the same graph).
+The other forms break the graph before the ids reach their experts, or use the ids only to mask router scores."""
+
+
+@pytest.mark.parametrize("name", list(Z.FORMS))
+def test_unprepared_routed_experts_are_named_by_semantic_part(name):
+    """``torch.compile(backend="ep_fuse")`` without ``prepare``: one near miss per router whose experts are not
+    fused, naming the router, the ops that select the experts, their stacked weights, and ``prepare``; none once
+    the model is prepared (every routed block fuses)."""
+    import ep_fuse
+
+    def misses(prepared):
+        torch._dynamo.reset()
+        ep_fuse.reset_reports()
+        model = Z.build(name)
+        if prepared:
+            ep_fuse.prepare(model)
+        with torch.no_grad():
+            torch.compile(model, backend="ep_fuse", options={"executor": "eager"})(Z.tokens(name, 0, "cpu"))
+        found = [m for r in ep_fuse.reports() for m in r.near_misses if m.anchor_op == "routed experts"]
+        torch._dynamo.reset()
+        return found
+
+    raw = misses(False)
+    assert len(raw) == UNBOUND_WITHOUT_PREPARE.get(name, 0), [m.explain() for m in raw]
+    for m in raw:
+        text = m.explain()
+        assert "router: " in text and "experts: 8 experts selected by the ids through" in text, text
+        assert "ep_fuse.prepare(model)" in text and "combine: not reached" in text, text
+    if name == "gathered_einsum":
+        assert "aten.index.Tensor from the stacked weights [8, 32, 64], [8, 64, 32]" in raw[0].explain()
+    if name == "argsort_grouped_mm":
+        assert "aten._grouped_mm.default" in raw[0].explain() and "router: fused: moe_gating" in raw[0].explain()
+    assert misses(True) == []

@@ -30,7 +30,7 @@ import torch
 from common import (bench_graph_us, bench_parser, bench_us, copy_bandwidth_gbs, dense_gemm_tflops, env_info,
                     markdown_table, out_dir, start, write_json)
 from hf_models import build  # noqa: E402
-from roofline import KernelStages, forward_costs, profile_forward, stage_split, total
+from roofline import KernelStages, forward_costs, profile_forward, stage_split, top_kernels, total
 
 import ep_fuse
 
@@ -122,8 +122,8 @@ def main() -> None:
             row["bound"] = whole.bound(ceil["gemm_tflops"], ceil["copy_gbs"])
             row["floor_tflop"], row["floor_gb"] = whole.flops / 1e12, whole.bytes / 1e9
             if stages is not None:
-                row["stages"] = {k: {"floor_us": c.floor_us(ceil["gemm_tflops"], ceil["copy_gbs"]) or None}
-                                 for k, c in costs.items()}
+                floors = {k: c.floor_us(ceil["gemm_tflops"], ceil["copy_gbs"]) for k, c in costs.items()}
+                row["stages"] = {k: {"floor_us": round(f, 1) if f >= 0.5 else None} for k, f in floors.items()}
             ids = torch.randint(0, model.config.vocab_size, (b, s), device="cuda",
                                 generator=torch.Generator(device="cuda").manual_seed(b * s))
             try:
@@ -144,9 +144,10 @@ def main() -> None:
                         except Exception as exc:  # not capturable: say so, keep the row
                             row[f"{label}_graph_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                         if stages is not None:
-                            split = stage_split(profile_forward(call), stages)
-                            for k, v in split.items():
+                            kernels = profile_forward(call)
+                            for k, v in stage_split(kernels, stages).items():
                                 row["stages"][k][f"{label}_us"] = round(v, 1)
+                            row[f"{label}_top_kernels"] = top_kernels(kernels, stages)
                         if label == "ep_fuse":
                             row["providers"] = providers(ep_fuse.last_report())
                         log(f"{name} {shape} {label}: {row[f'{label}_us']:.1f} us ({time.time() - t0:.0f} s)")

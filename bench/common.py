@@ -104,12 +104,17 @@ def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
-def dense_gemm_tflops(n: int = 8192) -> float:
-    """Dense bf16 GEMM throughput (``n x n @ n x n``, cuBLAS) in TF/s: the compute ceiling of a run."""
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    us = bench_us(lambda: a @ b)
-    return 2 * n**3 / (us * 1e-6) / 1e12
+def dense_gemm_tflops(shapes: tuple[tuple[int, int, int], ...] = ((8192, 8192, 8192), (16384, 16384, 8192),
+                                                                   (4096, 16384, 16384))) -> float:
+    """Dense bf16 GEMM throughput (cuBLAS), the best of ``(m, n, k)`` shapes, in TF/s: the compute ceiling of a run."""
+    best = 0.0
+    for m, n, k in shapes:
+        a = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(k, n, dtype=torch.bfloat16, device="cuda")
+        us = bench_us(lambda a=a, b=b: a @ b)
+        best = max(best, 2 * m * n * k / (us * 1e-6) / 1e12)
+        del a, b
+    return best
 
 
 NO_CUDA_EXIT = 77

@@ -16,7 +16,8 @@
 The floor of a stage is ``max(FLOPs / peak, bytes / bandwidth)`` with the peak and bandwidth measured in the
 same run (``bench/common.py``: a device copy and a large dense GEMM). ``classify(kernel)`` puts a profiled
 CUDA kernel into one of those stages: ep_fuse's Triton kernels by the module that defines them, Inductor's
-by the ops in their fused names, library kernels by name; the last GEMM of a forward is the LM head.
+by the ops in their fused names, library kernels by name (``torch._grouped_mm``'s CUTLASS kernels are experts);
+the last dense GEMM of a forward is the LM head, and expert kernels before its first router kernel are dense.
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def _triton_kernel_stages() -> dict[str, str]:
 
 
 _GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|cublas|triton_tem_fused_(addmm|mm|bmm)", re.I)
+_GROUPED = re.compile(r"grouped|GroupProblemShape|PtrArray", re.I)  # torch._grouped_mm's CUTLASS kernels
 _ATTENTION = re.compile(r"flash|fmha|attention|attn|sdpa", re.I)
 _ROUTER = re.compile(r"topk|sort|gating|softmax|sigmoid", re.I)
 
@@ -162,7 +164,7 @@ class KernelStages:
             return self.triton[base]
         if _ATTENTION.search(name):
             return "attention"
-        if "grouped" in name.lower() and _GEMM.search(name) or "grouped_mm" in name:
+        if _GROUPED.search(name) and _GEMM.search(name):
             return "experts"
         if _GEMM.search(name):
             return "dense"
@@ -178,14 +180,35 @@ class KernelStages:
         return "other"
 
 
-def stage_split(kernels: list[tuple[str, float]], stages: KernelStages) -> dict[str, float]:
-    """µs per stage of one forward's ``(kernel name, µs)`` list in launch order (the last dense GEMM = LM head)."""
-    split = {s: 0.0 for s in STAGES}
+def stage_labels(kernels: list[tuple[str, float]], stages: KernelStages) -> list[str]:
+    """The stage of each kernel of one forward (launch order). Two rules by position: the last dense GEMM is the
+    LM head, and an expert-stage kernel launched before the forward's first router kernel is a dense layer's (no
+    routed expert runs before a router: DeepSeek-V3's dense MLP runs the TMA kernel the grouped GEMMs use)."""
     labels = [stages.classify(n) for n, _ in kernels]
+    first_router = next((i for i, s in enumerate(labels) if s == "router"), len(labels))
+    labels = ["dense" if s == "experts" and i < first_router else s for i, s in enumerate(labels)]
     last = max((i for i, s in enumerate(labels) if s == "dense"), default=None)
-    for i, ((_, us), stage) in enumerate(zip(kernels, labels)):
-        split["lm_head" if i == last else stage] += us
+    if last is not None:
+        labels[last] = "lm_head"
+    return labels
+
+
+def stage_split(kernels: list[tuple[str, float]], stages: KernelStages) -> dict[str, float]:
+    """µs per stage of one forward's ``(kernel name, µs)`` list in launch order (:func:`stage_labels`)."""
+    split = {s: 0.0 for s in STAGES}
+    labels = stage_labels(kernels, stages)
+    for (_, us), stage in zip(kernels, labels):
+        split[stage] += us
     return split
+
+
+def top_kernels(kernels: list[tuple[str, float]], stages: KernelStages, n: int = 12) -> list[list[Any]]:
+    """The ``n`` longest kernels of one forward, ``[stage, µs, name]`` (summed over launches of one name)."""
+    total_us: dict[tuple[str, str], float] = {}
+    for (name, us), stage in zip(kernels, stage_labels(kernels, stages)):
+        key = (stage, name[:160])
+        total_us[key] = total_us.get(key, 0.0) + us
+    return [[st, round(us, 1), name] for (st, name), us in sorted(total_us.items(), key=lambda kv: -kv[1])[:n]]
 
 
 def profile_forward(fn: Callable[[], Any], calls: int = 5) -> list[tuple[str, float]]:

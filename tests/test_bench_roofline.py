@@ -89,6 +89,9 @@ def test_floor_takes_the_binding_ceiling(roofline):
     ("triton_per_fused__softmax_topk_2", "router"),
     ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "router"),
     ("triton_poi_fused_add_1", "other"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::tuple"
+     "<int, int, int>>, cutlass::gemm::collective::CollectiveMma<cutlass::gemm::MainloopSm90ArrayTmaGmmaWarpSpecialized",
+     "experts"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other"),
 ])
 def test_kernels_fall_into_their_stage(roofline, name, stage):
@@ -102,3 +105,15 @@ def test_the_last_dense_gemm_of_a_forward_is_the_lm_head(roofline):
     assert split["lm_head"] == 30.0 and split["dense"] == 12.0
     assert split["norms/RoPE"] == 1.0 and split["other"] == 5.0
     assert sum(split.values()) == sum(us for _, us in kernels)
+
+
+def test_expert_kernels_before_the_first_router_are_a_dense_layers(roofline):
+    """DeepSeek-V3's dense layer 0 runs the TMA kernel of the grouped GEMMs: before any router, it is dense."""
+    kernels = [("_row_kernel", 1.0), ("_grouped_gemm_tma_kernel", 40.0), ("_gating_kernel", 2.0),
+               ("_grouped_gemm_tma_kernel", 50.0), ("nvjet_head", 9.0)]
+    stages = roofline.KernelStages()
+    assert roofline.stage_labels(kernels, stages) == ["norms/RoPE", "dense", "router", "experts", "lm_head"]
+    split = roofline.stage_split(kernels, stages)
+    assert split["dense"] == 40.0 and split["experts"] == 50.0 and split["lm_head"] == 9.0
+    top = roofline.top_kernels(kernels, stages, n=2)
+    assert top == [["experts", 50.0, "_grouped_gemm_tma_kernel"], ["dense", 40.0, "_grouped_gemm_tma_kernel"]]

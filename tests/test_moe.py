@@ -257,8 +257,11 @@ def test_gpt_oss_glu_experts_are_not_swiglu():
     rep = ep_fuse.last_report()
     assert "moe_experts" not in rep.counts()
     assert rep.ops_after.get("aten._grouped_mm.default") == 4
-    # the experts' sorts (the routers fuse: their bf16 softmax with score_dtype=bf16)
-    assert [m.explain().split(" ")[0] for m in rep.near_misses] == ["sort", "sort_1"]
+    # the experts' sorts (the routers fuse: their bf16 softmax with score_dtype=bf16), and each layer's routed
+    # experts named by the backend: the fused router, the ids selecting experts through a sort and grouped GEMMs
+    assert [m.explain().split(" ")[0] for m in rep.near_misses if m.anchor_op != "routed experts"] == ["sort", "sort_1"]
+    routed = [m.explain() for m in rep.near_misses if m.anchor_op == "routed experts"]
+    assert len(routed) == 2 and all("router: fused: moe_gating" in r and "_grouped_mm" in r for r in routed), routed
     assert rep.count("moe_gating") == 2
 
 

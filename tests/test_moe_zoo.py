@@ -232,7 +232,7 @@ def test_unprepared_routed_experts_are_named_by_semantic_part(name):
     for m in raw:
         text = m.explain()
         assert "router: " in text and "experts: 8 experts selected by the ids through" in text, text
-        assert "ep_fuse.prepare(model)" in text and "combine: not reached" in text, text
+        assert "ep_fuse.prepare(model), called before torch.compile" in text and "combine: not reached" in text, text
     if name == "gathered_einsum":
         assert "aten.index.Tensor from the stacked weights [8, 32, 64], [8, 64, 32]" in raw[0].explain()
     if name == "argsort_grouped_mm":

@@ -45,7 +45,8 @@ dense all-experts ``bmm`` are not this block (``NOT_MOE_BLOCKS``). The RoPE form
 without RoPE."""
 
 NOT_MOE_BLOCKS = {"gpt_oss": 2}
-"""Models whose expert blocks are candidates (a ``sort`` of routed ids) that must not match: near misses."""
+"""Models whose expert blocks are candidates (a ``sort`` of routed ids) that must not match: near misses, at the
+``sort`` and as ``routed experts`` (``ep_fuse/passes/moe_probe.py``), one of each per MoE layer."""
 
 DECLINED_ROUTERS = {"llama4": 2}
 """Models whose routers are candidates declined on purpose (near misses at their ``topk``): Llama-4's dense [T, E]

@@ -202,10 +202,10 @@ def test_each_block_is_a_weighted_combine_of_its_top_k_experts(name):
 
 
 # --------------------------------------------------------------------------- without prepare: the backend explains
-UNBOUND_WITHOUT_PREPARE = {"gathered_einsum": 2, "argsort_grouped_mm": 2, "logits3d_sort_disabled": 1}
-"""Forms whose router ids, in one graph, select experts that no pattern binds from the graph alone (two MoE layers;
-the 3-D-logits form breaks its graph inside the block, one router reaches its experts' sort in the same graph).
-The other forms break the graph before the ids reach their experts, or use the ids only to mask router scores."""
+UNBOUND_WITHOUT_PREPARE = {"gathered_einsum": 2, "argsort_grouped_mm": 2}
+"""Forms whose router ids, in one graph, select experts that no pattern binds from the graph alone and feed their
+GEMMs there (two MoE layers each). The others break the graph before the ids reach their experts' GEMMs (loops
+with ``nonzero``, a ``dynamo.disable``'d grouped GEMM), or use the ids only to mask router scores."""
 
 
 @pytest.mark.parametrize("name", list(Z.FORMS))

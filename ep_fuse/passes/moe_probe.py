@@ -39,7 +39,8 @@ _INDEXING = {aten.sort.default, aten.sort.stable, aten.argsort.default, aten.arg
 _GEMMS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.linear.default,
           aten.matmul.default, aten._grouped_mm.default}
 REACH = 12
-"""How many ops below the ids the probe follows (the deepest dispatch seen: views, a sort, a divide, a gather)."""
+"""How many ops below the ids the probe follows (the deepest seen to the experts' first GEMM: views, a sort, a divide,
+a gather, the grouped GEMM)."""
 
 
 def router_ids(graph: fx.Graph) -> list[tuple[fx.Node, str, int | None]]:

@@ -153,6 +153,21 @@ def test_only_the_catalog_loads_families_providers_engines_and_patterns():
             assert loaded == [], f"{module} imports {loaded}: provider, engine and pattern modules load through ep_fuse.catalog"
 
 
+def test_model_surgery_hf_integrations_and_testing_sit_above_the_compiler():
+    """``surgery`` (what ``prepare`` does to a model), ``hf`` (transformers integrations) and ``testing`` (tiny models,
+    the sweep) work on models: the compiler below them (ops, matching, passes, pipeline, backend, providers, engines)
+    imports none of them, and only the CLI's targets (and the old ``models`` names) reach ``testing``."""
+    model_level = ("ep_fuse.surgery", "ep_fuse.hf", "ep_fuse.testing", "ep_fuse.models")
+    for module, targets in GRAPH.items():
+        if not module.startswith((*model_level, "ep_fuse.serve", "ep_fuse.debug", "ep_fuse.cli", "ep_fuse.__init__")) \
+                and module != "ep_fuse":
+            up = [t for t in targets if t.startswith(model_level)]
+            assert up == [], f"{module} imports {up}"
+    users = sorted(m for m, t in GRAPH.items() if any(x.startswith("ep_fuse.testing") for x in t)
+                   and not m.startswith(("ep_fuse.testing", "ep_fuse.models")))
+    assert users == ["ep_fuse.debug.targets"], users
+
+
 def test_no_private_name_crosses_modules():
     crossing = []
     for module in MODULES:

@@ -181,7 +181,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     names = pattern_names()
     if args.pattern not in names and args.pattern not in PATTERN_FAMILIES:
         raise CliError(f"unknown pattern {args.pattern!r}; patterns: {', '.join(names)}", EXIT_USAGE)
-    wanted = {p.name for p in all_patterns() if args.pattern in (p.name, p.__module__.rsplit(".", 1)[-1])}
+    # a pattern name, else the patterns of a family (``moe``: moe_experts)
+    wanted = {args.pattern} if args.pattern in names else {p.name for p in all_patterns() if p.family == args.pattern}
     options = {"executor": args.executor, **_parse_options(args.option)}
     _target, reports = _compile(args, options, _Progress(args.quiet))
     fused = [m for r in reports for m in r.matches if m.pattern in wanted]
@@ -195,7 +196,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for r in reports:
         for nm in r.near_misses:
             attempts = [a for a in nm.attempts if a.pattern.split("[")[0] in wanted]
-            if nm.attempts and not attempts:
+            if nm.attempts and not attempts or nm.anchor_op == "routed experts" and "moe_experts" not in wanted:
                 continue
             if args.node and args.node != nm.anchor and all(args.node != a.failed_at for a in attempts):
                 continue

@@ -142,9 +142,15 @@ def test_explain_with_prepare_shows_what_it_rebuilt_and_why_not():
     assert code == 0, stderr
     assert "WARNING GeneratedMoE" not in stdout and "WARNING InputScaledMoE (InputScaledMoE) holds 8 experts but is " \
         "not rebuilt as a MoE block: combine: no binding reproduces" in stdout, stdout
-    code, stdout, _ = run("explain", f"{target}:semantic_moe", "--pattern", "moe_experts", "--executor", "eager",
+    for pattern in ("moe_experts", "moe"):  # a pattern or its family
+        code, stdout, _ = run("explain", f"{target}:semantic_moe", "--pattern", pattern, "--executor", "eager",
+                              "--quiet")
+        assert ": 0 site(s) fused, 1 candidate site(s) not fused" in stdout and "prepare:" not in stdout, \
+            "without --prepare the block stays as written"
+        assert "getitem_3 (routed experts): not fused" in stdout and "ep_fuse.prepare(model)" in stdout, stdout
+    code, stdout, _ = run("explain", f"{target}:semantic_moe", "--pattern", "rms_norm", "--executor", "eager",
                           "--quiet")
-    assert ": 0 site(s) fused" in stdout and "prepare:" not in stdout, "without --prepare the block stays as written"
+    assert "routed experts" not in stdout, "the experts' note belongs to moe_experts"
 
 
 def test_explain_a_fused_node():

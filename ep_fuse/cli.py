@@ -196,7 +196,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     for r in reports:
         for nm in r.near_misses:
             attempts = [a for a in nm.attempts if a.pattern.split("[")[0] in wanted]
-            if nm.attempts and not attempts or nm.anchor_op == "routed experts" and "moe_experts" not in wanted:
+            if nm.attempts and not attempts or nm.patterns and not wanted.intersection(nm.patterns):
                 continue
             if args.node and args.node != nm.anchor and all(args.node != a.failed_at for a in attempts):
                 continue

@@ -134,6 +134,8 @@ class NearMiss:
     attempts: list[Attempt] = dataclasses.field(default_factory=list)
     """Deepest first; empty when no pattern root reaches the anchor (see ``note``)."""
     note: str = ""
+    patterns: list[str] = dataclasses.field(default_factory=list)
+    """The patterns whose candidate site this is (``ep-fuse explain --pattern`` shows it under them)."""
 
     @property
     def best(self) -> Attempt | None:

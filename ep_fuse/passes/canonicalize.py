@@ -148,7 +148,8 @@ class Canonicalize(GraphPass):
                                   for u in list(node.users)[:3]) or "none"
                 note = f"no pattern of {'/'.join(sorted(names))} is rooted above it; its users: {users}"
             ctx.report.near_misses.append(
-                NearMiss(ctx.report.graph, node.name, target_name(node.target), module_path(node), attempts, note)
+                NearMiss(ctx.report.graph, node.name, target_name(node.target), module_path(node), attempts, note,
+                         sorted(names))
             )
 
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from ep_fuse.ops.registry import canonical_for
 from ep_fuse.passes.base import GraphPass, PassContext
-from ep_fuse.passes.graph_edit import inline_reference
+from ep_fuse.passes.graph_edit import fake_mode, inline_reference
 
 
 class Expand(GraphPass):
@@ -28,7 +28,7 @@ class Expand(GraphPass):
             for record in records:
                 record.block = True
             before = set(gm.graph.nodes)
-            inline_reference(gm, node, canon.reference, ctx.fake_mode)
+            inline_reference(gm, node, canon.reference, fake_mode(ctx))
             for new in gm.graph.nodes:
                 if new not in before and new.op == "call_function" and canonical_for(new.target) is not None:
                     ctx.match_by_node.setdefault(new.name, []).extend(records)

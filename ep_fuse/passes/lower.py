@@ -19,7 +19,7 @@ import torch.fx as fx
 from ep_fuse.fx_utils import val
 from ep_fuse.ops.registry import REFERENCE, canonical_for, choose, inlinable
 from ep_fuse.passes.base import GraphPass, PassContext
-from ep_fuse.passes.graph_edit import inline_reference
+from ep_fuse.passes.graph_edit import fake_mode, inline_reference
 
 log = logging.getLogger("ep_fuse.passes")
 
@@ -51,6 +51,6 @@ class Lower(GraphPass):
                 ctx.report.contracts.update(canon.providers[choice.provider].contracts)
                 changes += 1
             elif ctx.executor == "inductor" and inlinable(canon, fake_args):
-                inline_reference(gm, node, canon.reference, ctx.fake_mode)
+                inline_reference(gm, node, canon.reference, fake_mode(ctx))
                 changes += 1
         return changes

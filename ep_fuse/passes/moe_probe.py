@@ -133,5 +133,6 @@ def unbound_experts(graph: fx.Graph, graph_id: str) -> list[NearMiss]:
                 "recognises such blocks by what they compute, proves the binding on random inputs and stacks the "
                 "weights once; where the model was prepared, prepare's log says which part (router / experts / "
                 "combine) it could not bind")
-        misses.append(NearMiss(graph_id, ids.name, "routed experts", module_path(indexing[0]), [], note))
+        misses.append(NearMiss(graph_id, ids.name, "routed experts", module_path(indexing[0]), [], note,
+                               ["moe_experts"]))
     return misses

@@ -10,15 +10,15 @@ from typing import Any
 
 import torch
 
-from ep_fuse.surgery.expert_loops import convert_expert_loops, report_refusal
-from ep_fuse.surgery.moe_semantics import convert_semantic_blocks
-from ep_fuse.surgery.fp8_experts import convert_fp8_experts
 from ep_fuse.hf.expert_parallel import prepare_loaded as prepare_hf_expert_parallel
-from ep_fuse.surgery.hookless_experts import convert_hookless_experts
 from ep_fuse.hf.hub_kernels import restore_plain_forwards
-from ep_fuse.surgery.inference_mode import unwrap_inference_mode
 from ep_fuse.hf.paged_attention import install as install_paged_cache_update
 from ep_fuse.hf.varlen_attention import enable as enable_varlen_attention
+from ep_fuse.surgery.expert_loops import convert_expert_loops, report_refusal
+from ep_fuse.surgery.fp8_experts import convert_fp8_experts
+from ep_fuse.surgery.hookless_experts import convert_hookless_experts
+from ep_fuse.surgery.inference_mode import unwrap_inference_mode
+from ep_fuse.surgery.moe_semantics import convert_semantic_blocks
 
 log = logging.getLogger("ep_fuse")
 

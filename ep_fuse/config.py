@@ -82,6 +82,9 @@ class EpFuseConfig(Switches):
         ep_fp8_dispatch: under ``quant="fp8_block"`` behind an ``all_to_all`` / ``deepep`` dispatch, the tokens
             are quantized before the dispatch (FP8 codes + scales on the wire); ``False`` sends them in their dtype
             and quantizes after (same result bit for bit; :mod:`ep_fuse.passes.ep_fp8_dispatch`).
+        fold_attention_masks: an SDPA mask computed from sizes alone and proved causal (or true everywhere) becomes
+            SDPA's own ``is_causal`` flag (or no mask), as in the model's eager path; see
+            :mod:`ep_fuse.passes.attention_mask`.
         ep_overlap_rules: extra measured rules (:class:`ep_fuse.passes.ep_overlap.OverlapRule`) that
             ``ep_overlap="auto"`` tries before the built-in :data:`ep_fuse.passes.ep_overlap.MEASURED_RULES`.
     """
@@ -102,6 +105,7 @@ class EpFuseConfig(Switches):
     ep_overlap: str = "none"
     quant: str | None = None
     ep_fp8_dispatch: bool = True
+    fold_attention_masks: bool = True
     ep_overlap_rules: tuple[Any, ...] = ()
 
     # ------------------------------------------------------------------ construction
@@ -135,7 +139,7 @@ class EpFuseConfig(Switches):
             raise ConfigError(
                 f"ep_fuse: mode={self.mode!r} is not one of {', '.join(repr(m) for m in MODES)}."
             )
-        for flag in ("perf_guard", "ep_fp8_dispatch", *(name for name in SWITCHES if name != "npu_gmm_weight")):
+        for flag in ("perf_guard", "ep_fp8_dispatch", "fold_attention_masks", *(name for name in SWITCHES if name != "npu_gmm_weight")):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"ep_fuse: {flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.npu_gmm_weight not in NPU_GMM_WEIGHTS:

@@ -195,6 +195,9 @@ class GraphReport:
     kernel_analyses: dict[str, float] = dataclasses.field(default_factory=dict)
     """Inductor's Triton access analyses of ep_fuse's inlined launches during ``inductor``: ``computed``,
     ``served`` (from ep_fuse's memo, :mod:`ep_fuse.kernel_analysis`) and ``seconds`` spent computing."""
+    attention_masks: dict[str, str] = dataclasses.field(default_factory=dict)
+    """SDPA node -> what the ``attention_mask`` pass did with its mask: ``is_causal`` (proved causal, now the op's
+    flag), ``no mask`` (proved all true, dropped) or ``kept: <why>`` (:mod:`ep_fuse.passes.attention_mask`)."""
     contracts: dict[str, str] = dataclasses.field(default_factory=dict)
     """External ops the lowered graph calls (the chosen providers' ``torch_npu.npu_*`` ops, EP included) ->
     the release whose op contract they were checked against, e.g. ``{"npu_rms_norm": "torch_npu 2.14.0"}``
@@ -256,6 +259,9 @@ class GraphReport:
             text += f"; Inductor behind ep_fuse's AOT wrapper ({self.inductor.reason})"
         if self.skipped:
             text += f"; not rewritten: {self.skipped}"
+        folded = [r for r in self.attention_masks.values() if not r.startswith("kept")]
+        if folded:
+            text += "; attention masks folded: " + ", ".join(f"{r} x{folded.count(r)}" for r in sorted(set(folded)))
         if self.near_misses:
             text += f"; {len(self.near_misses)} near miss(es)"
         if self.shape_guards:

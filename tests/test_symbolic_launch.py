@@ -262,8 +262,8 @@ def test_size_branches_trace_every_branch_without_a_guard(case: str) -> None:
 
 
 def test_size_branches_follow_the_run_time_rules() -> None:
-    """The bounds are the rules the opaque op applies per call: decode tiles up to 16 rows per expert, the
-    64-row config up to 64, then the TMA kernel from 128 rows per expert (where it takes the shape) or
+    """The bounds are the rules the opaque op applies per call: decode tiles up to 16 rows per expert (32-row
+    tiles above 4), the 64-row config up to 64, then the TMA kernel from 128 rows per expert (where it takes the shape) or
     ``torch._grouped_mm`` above 128 (bf16), the kernel at every size where ``_grouped_mm`` does not run."""
     from ep_fuse.providers.triton import size_branches as sb
     from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
@@ -273,13 +273,14 @@ def test_size_branches_follow_the_run_time_rules() -> None:
     x, w, _ = _grouped_args(BF16, True)
     e = w.shape[0]
     names = {rows: sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name
-             for rows in (1, 16 * e, 16 * e + 1, 64 * e, 64 * e + 1, 128 * e - 1, 128 * e, 2**31)}
-    assert names == {1: "kernel (decode tiles)", 16 * e: "kernel (decode tiles)", 16 * e + 1: "kernel (64-row tiles)",
+             for rows in (1, 4 * e, 4 * e + 1, 16 * e, 16 * e + 1, 64 * e, 64 * e + 1, 128 * e - 1, 128 * e, 2**31)}
+    assert names == {1: "kernel (decode tiles)", 4 * e: "kernel (decode tiles)", 4 * e + 1: "kernel (32-row decode tiles)",
+                     16 * e: "kernel (32-row decode tiles)", 16 * e + 1: "kernel (64-row tiles)",
                      64 * e: "kernel (64-row tiles)", 64 * e + 1: "kernel (128-row tiles)",
                      128 * e - 1: "kernel (128-row tiles)", 128 * e: "tma",
                      2**31: "torch._grouped_mm"}  # TMA takes any width under the interpreter
-    for rows in (1, 16 * e, 16 * e + 1, 300):
-        assert (sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name == "kernel (decode tiles)") == \
+    for rows in (1, 4 * e + 1, 16 * e, 16 * e + 1, 300):
+        assert ("decode tiles" in sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name) == \
             is_decode(rows, e)
     xh, wh, _ = _grouped_args(torch.float16, False)
     assert sb.branch_for(triton_moe.grouped_branches(xh, wh, False), 2**31).name == "kernel (128-row tiles)"

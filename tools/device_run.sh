@@ -11,7 +11,7 @@
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
 # (bench_gemm_swiglu.py --part prefill with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
-# host_overhead (experiments/2026-12/host_overhead.py with $HOST_ARGS), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
+# host_overhead (experiments/2026-12/host_overhead.py with $HOST_ARGS), attention_mask (experiments/2026-12/attention_mask_cost.py), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
 # result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS, extra pytest
 # arguments in $GPU_TESTS_ARGS), deepgemm (build DeepGEMM from a
@@ -129,6 +129,8 @@ for s in "$@"; do
       step moe timeout ${MOE_TIMEOUT:-300} python3 "$repo/bench/bench_moe.py" ${MOE_ARGS:-} ;;
     moe_experts)
       step moe_experts timeout ${MOE_EXP_TIMEOUT:-330} python3 "$repo/bench/bench_moe_experts.py" ${MOE_EXP_ARGS:-} ;;
+    attention_mask)  # experiments/2026-12/attention_mask_cost.py: SDPA with HF's materialised mask vs without
+      step attention_mask timeout 120 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/attention_mask_cost.py" ;;
     host_overhead)
       step host_overhead timeout 120 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/host_overhead.py" ${HOST_ARGS:-} ;;
     ep_fp8)

@@ -47,6 +47,12 @@ MAX_EXPERTS = 8192
 """Experts whose offsets one program scans in registers; more are declined on the host."""
 DECODE_ROWS_PER_EXPERT = 16
 """At most this many rows per expert on average: the weight-bandwidth-bound decode regime."""
+WIDE_DECODE_ROWS_PER_EXPERT = 4
+"""Above this many rows per expert on average (still decode), the swapped tiles take 32 rows: one expert's weights
+are then read by one tile wherever it holds up to 32 rows. With 16-row tiles an expert holding 17 to 32 rows read
+its weights twice; Mixtral-8x7B-sized decode at T = 64 (16 rows per expert on average, 21 at most) ran its
+experts in 849 us with 16-row tiles and 677 us with 32-row tiles (H200, CUDA-graph replays,
+``bench/bench_moe_experts.py``); at 2 and 4 rows per expert the two tile heights measured within 2 %."""
 MID_ROWS_PER_EXPERT = 64
 """Above the decode regime and up to this many rows per expert: 64-row tiles; 128-row tiles above."""
 
@@ -131,14 +137,16 @@ def is_decode(m: int, e: int) -> bool:
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> GemmConfig:
     """Tile config from static shapes (``n``: output columns; ``swiglu``: two accumulators per tile).
 
-    Not yet tuned on a GPU (``bench/bench_moe_experts.py`` sweeps the alternatives). The interpreter
-    gets small tiles of the same two regimes.
+    Decode (few rows per expert): swapped tiles of 16 rows, or 32 above :data:`WIDE_DECODE_ROWS_PER_EXPERT`, chosen
+    from a sweep on an H200 (``bench/bench_moe_experts.py``: no other tile shape, stage count or warp count was
+    more than 2 % faster at 2, 4 and 16 rows per expert). The larger regimes are not yet tuned. The interpreter gets
+    small tiles of the same regimes.
     """
     decode = is_decode(m, e)
     if interpret:
         return GemmConfig(16, 16, 32, 4, 1, 1, swap_ab=True) if decode else GemmConfig(32, 32, 16, 4, 1, 2)
     if decode:
-        return GemmConfig(16, 64, 128, 4, 4, 1, swap_ab=True)
+        return GemmConfig(32 if m > WIDE_DECODE_ROWS_PER_EXPERT * e else 16, 64, 128, 4, 4, 1, swap_ab=True)
     if m <= MID_ROWS_PER_EXPERT * e:
         return GemmConfig(64, 128, 64, 4, 4, 8)
     if swiglu:

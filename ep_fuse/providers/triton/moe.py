@@ -137,7 +137,11 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
     :func:`grouped_gemm_at_run_time` and of the kernel's
     ``config_for`` / :func:`~ep_fuse.providers.triton.grouped_gemm.kernel_variant`, as row bounds."""
     # kernel modules import triton: asked when a compile traces the branches
-    from ep_fuse.providers.triton.grouped_gemm_kernel import DECODE_ROWS_PER_EXPERT, MID_ROWS_PER_EXPERT
+    from ep_fuse.providers.triton.grouped_gemm_kernel import (
+        DECODE_ROWS_PER_EXPERT,
+        MID_ROWS_PER_EXPERT,
+        WIDE_DECODE_ROWS_PER_EXPERT,
+    )
     from ep_fuse.providers.triton.grouped_gemm_kernel import config_for as default  # imports triton
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for as tma  # imports triton
 
@@ -150,7 +154,8 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
 
     if act_variant(act) is not None:  # one launch: cond's operands are tensors, the activation's are not
         return [Branch("kernel (64-row tiles, gated activation)", None, kernel(mid))]
-    branches = [Branch("kernel (decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, kernel(1)),
+    branches = [Branch("kernel (decode tiles)", WIDE_DECODE_ROWS_PER_EXPERT * e + 1, kernel(1)),
+                Branch("kernel (32-row decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, kernel(DECODE_ROWS_PER_EXPERT * e)),
                 Branch("kernel (64-row tiles)", mid + 1, kernel(mid))]
     large = kernel(mid + 1)
     reference = Branch("torch._grouped_mm", None, _grouped_reference(swiglu))

@@ -212,6 +212,14 @@ class GraphReport:
             and (provider is None or m.provider == provider)
         )
 
+    def ops_after_pass(self, name: str) -> dict[str, int]:
+        """The graph's op histogram right after the (first) run of the pass ``name``, e.g. ``"canonicalize"``; ``KeyError`` if it did
+        not run."""
+        for p in self.passes:
+            if p.name == name:
+                return p.ops
+        raise KeyError(f"pass {name!r} did not run on graph {self.graph} (ran: {[p.name for p in self.passes]})")
+
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for m in self.matches:

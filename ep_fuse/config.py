@@ -139,7 +139,8 @@ class EpFuseConfig(Switches):
             raise ConfigError(
                 f"ep_fuse: mode={self.mode!r} is not one of {', '.join(repr(m) for m in MODES)}."
             )
-        for flag in ("perf_guard", "ep_fp8_dispatch", "fold_attention_masks", *(name for name in SWITCHES if name != "npu_gmm_weight")):
+        flags = ("perf_guard", "ep_fp8_dispatch", "fold_attention_masks")
+        for flag in (*flags, *(name for name in SWITCHES if name != "npu_gmm_weight")):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"ep_fuse: {flag} must be True or False, got {getattr(self, flag)!r}.")
         if self.npu_gmm_weight not in NPU_GMM_WEIGHTS:

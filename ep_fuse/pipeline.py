@@ -38,7 +38,8 @@ def build_passes(config: EpFuseConfig, executor: str) -> list[GraphPass]:
     """The passes, in order, for ``config`` and the executor that runs the result (``eager`` / ``inductor``)."""
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
-    return [*([FoldAttentionMasks()] if config.fold_attention_masks else []), Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
+    return [*([FoldAttentionMasks()] if config.fold_attention_masks else []),
+            Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
             *([QuantizeExperts()] if config.quant else []), *([EpOverlap()] if config.ep_overlap != "none" else []),
             DropZeroWeightSlots(), Expand(), Lower(), Cleanup(),
             *([ViewsAsReshapes()] if executor == "inductor" else [])]

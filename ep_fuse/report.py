@@ -213,8 +213,8 @@ class GraphReport:
         )
 
     def ops_after_pass(self, name: str) -> dict[str, int]:
-        """The graph's op histogram right after the (first) run of the pass ``name``, e.g. ``"canonicalize"``; ``KeyError`` if it did
-        not run."""
+        """The graph's op histogram right after the (first) run of the pass ``name``, e.g. ``"canonicalize"``
+        (``KeyError`` if it did not run)."""
         for p in self.passes:
             if p.name == name:
                 return p.ops

@@ -22,6 +22,7 @@ from ep_fuse.config import EpFuseConfig
 from ep_fuse.fx_utils import op_args
 from ep_fuse.passes.attention_mask import CAUSAL, NO_MASK, FoldAttentionMasks, read_mask
 from ep_fuse.passes.base import PassContext
+from ep_fuse.passes.graph_edit import set_fake_vals
 from ep_fuse.report import GraphReport
 from ep_fuse.testing import tiny as tiny_models
 
@@ -76,33 +77,28 @@ def test_other_masks_are_kept(b, length, data):
 
 
 def _sdpa_graph(target, fake: FakeTensorMode, mask_value: torch.Tensor, positional: bool) -> fx.GraphModule:
-    """q, k, v placeholders (fake CUDA bf16), the mask a constant, one fused SDPA op reading its output."""
+    """q, k, v placeholders (fake CUDA bf16, [B, H, S, D] views of [B, S, H, D] as traced), the mask a constant
+    buffer (fake CUDA in the metadata), one fused SDPA op whose attention output is the graph's output."""
     gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
     gm.register_buffer("mask", mask_value)
     g = gm.graph
     with fake:
-        shapes = {"q": (2, 4, 16, 64), "k": (2, 4, 16, 64), "v": (2, 4, 16, 64)}
-        vals = {n: torch.empty(s[0], s[2], s[1], s[3], device="cuda", dtype=torch.bfloat16).transpose(1, 2)
-                for n, s in shapes.items()}
+        qkv = [torch.empty(2, 16, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
         fake_mask = torch.empty(mask_value.shape, device="cuda", dtype=torch.bfloat16)
-    nodes = {}
-    for n in ("q", "k", "v"):
-        nodes[n] = g.placeholder(n)
-        nodes[n].meta["val"] = vals[n]
+    inputs = [g.placeholder(n) for n in ("q", "k", "v")]
+    for node, v in zip(inputs, qkv):
+        node.meta["val"] = v
     m = g.get_attr("mask")
     m.meta["val"] = fake_mask
-    if target is aten._scaled_dot_product_cudnn_attention.default:
-        args = (nodes["q"], nodes["k"], nodes["v"], m, False, 0.0, False, False)
+    rest = (False, 0.0, False, False) if target is aten._scaled_dot_product_cudnn_attention.default else \
+        (False, 0.0, False)
+    if positional:
+        args, kwargs = (*inputs, m, *rest), {"scale": 0.125}
     else:
-        args = (nodes["q"], nodes["k"], nodes["v"], m, False, 0.0, False)
-    kwargs = {"scale": 0.125}
-    if not positional:
-        args, kwargs = args[:3], {"attn_bias": m, "compute_log_sumexp": False, "scale": 0.125}
+        args, kwargs = tuple(inputs), {"attn_bias": m, "compute_log_sumexp": False, "scale": 0.125}
     sdpa = g.call_function(target, args, kwargs)
-    with fake:
-        sdpa.meta["val"] = target(*(vals["q"], vals["k"], vals["v"], fake_mask, *args[4:]),
-                                  **{k: v for k, v in kwargs.items() if k != "attn_bias"}) if positional else \
-            target(vals["q"], vals["k"], vals["v"], attn_bias=fake_mask, compute_log_sumexp=False, scale=0.125)
+    set_fake_vals(PassContext(config=EpFuseConfig(), device="cuda", executor="eager",
+                              report=GraphReport("g", "cuda", "eager"), fake_mode=fake), sdpa)
     out = g.call_function(operator.getitem, (sdpa, 0))
     out.meta["val"] = sdpa.meta["val"][0]
     g.output(out)
@@ -173,7 +169,8 @@ def test_hf_masks_fold_on_every_layer(name, shape):
 @pytest.mark.hf
 def test_the_option_turns_the_pass_off():
     model = tiny_models.build("qwen3_moe", dtype=torch.float32)
-    inputs = {"input_ids": torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)), "use_cache": False}
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "use_cache": False}
     with torch.no_grad():
         ref = model(**inputs).logits
     off, report = _compile(model, inputs, fold_attention_masks=False)

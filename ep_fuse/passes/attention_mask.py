@@ -13,7 +13,8 @@ the mask once at compile time and reads it:
   ``is_causal=True`` and no mask;
 * true everywhere (one-token forwards, bidirectional layers): the same op without the mask.
 
-Boolean masks and additive float masks (``0`` where allowed, :data:`BLOCKED` or below elsewhere) are read; anything else keeps its mask, and the reason is in :attr:`~ep_fuse.report.GraphReport.attention_masks`.
+Boolean masks and additive float masks (``0`` where allowed, :data:`BLOCKED` or below elsewhere) are read; anything
+else keeps its mask, and the reason is in :attr:`~ep_fuse.report.GraphReport.attention_masks`.
 The proof is exact (the evaluated mask equals the flag's mask element for element), the op and its output
 layout stay the same (checked on the fake values), so only the kernel's reduction order changes.
 """
@@ -137,7 +138,7 @@ class FoldAttentionMasks(GraphPass):
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         changed = 0
-        readings: dict[fx.Node, str] = {}
+        readings: dict[tuple[fx.Node, int, int], str] = {}  # (mask, query length, key length) -> its reading
         sites = [n for target in MASK_ARG for n in gm.graph.find_nodes(op="call_function", target=target)]
         for node in sites:
             arg = MASK_ARG[node.target]
@@ -145,7 +146,6 @@ class FoldAttentionMasks(GraphPass):
             mask = args.get(arg)
             if not isinstance(mask, fx.Node):
                 continue
-            ctx.current = None
             if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users) and \
                     node.target is not aten.scaled_dot_product_attention.default:
                 ctx.report.attention_masks[node.name] = "kept: more than the attention output is read"
@@ -157,17 +157,18 @@ class FoldAttentionMasks(GraphPass):
             if q is None or k is None or not isinstance(q.shape[-2], int) or not isinstance(k.shape[-2], int):
                 ctx.report.attention_masks[node.name] = "kept: symbolic sequence lengths"
                 continue
-            if mask not in readings:
+            key = (mask, q.shape[-2], k.shape[-2])
+            if key not in readings:
                 try:
                     value = evaluate(gm, mask)
-                    readings[mask] = value if isinstance(value, str) else read_mask(value, q.shape[-2], k.shape[-2])
+                    readings[key] = value if isinstance(value, str) else read_mask(value, *key[1:])
                 except Exception as exc:  # a mask that cannot be evaluated here stays: never a broken compile
-                    readings[mask] = f"its evaluation failed ({type(exc).__name__}: {str(exc)[:80]})"
-            reading = readings[mask]
+                    readings[key] = f"its evaluation failed ({type(exc).__name__}: {str(exc)[:80]})"
+            reading = readings[key]
             if reading not in (CAUSAL, NO_MASK):
                 ctx.report.attention_masks[node.name] = f"kept: {reading}"
                 continue
-            if self._rewrite(gm, ctx, node, arg, reading == CAUSAL):
+            if _drop_mask(ctx, node, arg, reading == CAUSAL):
                 ctx.report.attention_masks[node.name] = reading
                 changed += 1
             else:
@@ -176,23 +177,23 @@ class FoldAttentionMasks(GraphPass):
             log.info("ep_fuse: graph %s: %d attention mask(s) folded into SDPA's flags", ctx.report.graph, changed)
         return changed
 
-    @staticmethod
-    def _rewrite(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, arg: str, causal: bool) -> bool:
-        """Drop ``node``'s mask (and set ``is_causal``) when its output keeps dtype, shape and strides."""
-        names = [a.name for a in node.target._schema.arguments]
-        old_args, old_kwargs, old_val = node.args, dict(node.kwargs), node.meta.get("val")
-        for name, value in ((arg, None), ("is_causal", True)) if causal else ((arg, None),):
-            i = names.index(name)
-            if i < len(node.args):
-                node.update_arg(i, value)
-            else:
-                node.update_kwarg(name, value)
-        set_fake_vals(ctx, node)
-        if _layout(_output(old_val)) != _layout(_output(node.meta["val"])):
-            node.args, node.kwargs = old_args, old_kwargs
-            node.meta["val"] = old_val
-            return False
-        return True
+
+def _drop_mask(ctx: PassContext, node: fx.Node, arg: str, causal: bool) -> bool:
+    """Drop ``node``'s mask (and set ``is_causal``) where its output keeps dtype, shape and strides; else leave it."""
+    names = [a.name for a in node.target._schema.arguments]
+    old_args, old_kwargs, old_val = node.args, dict(node.kwargs), node.meta.get("val")
+    for name, value in ((arg, None), ("is_causal", True)) if causal else ((arg, None),):
+        i = names.index(name)
+        if i < len(node.args):
+            node.update_arg(i, value)
+        else:
+            node.update_kwarg(name, value)
+    set_fake_vals(ctx, node)
+    if _layout(_output(old_val)) != _layout(_output(node.meta["val"])):
+        node.args, node.kwargs = old_args, old_kwargs
+        node.meta["val"] = old_val
+        return False
+    return True
 
 
 def _output(v: Any) -> Any:

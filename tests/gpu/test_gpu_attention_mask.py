@@ -33,7 +33,8 @@ def test_masks_fold_on_cuda(name, shape):
         for fold in (True, False):
             torch._dynamo.reset()
             ep_fuse.reset_reports()
-            outs[fold] = torch.compile(model, backend="ep_fuse", options={"fold_attention_masks": fold})(**inputs).logits
+            compiled = torch.compile(model, backend="ep_fuse", options={"fold_attention_masks": fold})
+            outs[fold] = compiled(**inputs).logits
             reports[fold] = ep_fuse.last_report()
     layers = model.config.num_hidden_layers
     want = "is_causal" if shape[1] > 1 else "no mask"

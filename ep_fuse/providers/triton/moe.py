@@ -154,8 +154,9 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
 
     if act_variant(act) is not None:  # one launch: cond's operands are tensors, the activation's are not
         return [Branch("kernel (64-row tiles, gated activation)", None, kernel(mid))]
+    decode = DECODE_ROWS_PER_EXPERT * e
     branches = [Branch("kernel (decode tiles)", WIDE_DECODE_ROWS_PER_EXPERT * e + 1, kernel(1)),
-                Branch("kernel (32-row decode tiles)", DECODE_ROWS_PER_EXPERT * e + 1, kernel(DECODE_ROWS_PER_EXPERT * e)),
+                Branch("kernel (32-row decode tiles)", decode + 1, kernel(decode)),
                 Branch("kernel (64-row tiles)", mid + 1, kernel(mid))]
     large = kernel(mid + 1)
     reference = Branch("torch._grouped_mm", None, _grouped_reference(swiglu))

@@ -1,7 +1,7 @@
 """The serving loop on one GPU: HF ``generate()`` with a static cache, greedy, three ways in one run.
 
     python bench/bench_generate.py [--models qwen3_30b_a3b,mixtral_8x7b,deepseek_v3] [--batches 1,8,64]
-                                   [--prompt 64] [--new 48] [--repeats 2] [--profile-first]
+                                   [--prompt 64] [--new 48] [--repeats 2] [--profile-first] [--ep-off OPTION,...]
 
 For each real-sized model (``hf_models.py``, random weights) and batch size:
 
@@ -102,10 +102,16 @@ def compile_config(kind: str, device: str) -> Any:
 
     if kind == "inductor":
         cc = tf.CompileConfig()  # HF's default: Inductor, mode="reduce-overhead"
-    else:
+    elif kind == "ep_fuse":
         cc = tf.CompileConfig(backend="ep_fuse", mode="reduce-overhead")
+    else:  # "ep_fuse, OPTION off" (--ep-off): torch.compile takes a mode or options, so the mode is an option here
+        off = kind.split(", ")[1].removesuffix(" off")
+        cc = tf.CompileConfig(backend="ep_fuse", mode=None, options={"mode": "reduce-overhead", off: False})
     if device != "cuda":  # smoke runs on a CPU: HF compiles the decode step on CUDA only unless told
-        cc.mode = "default"
+        if cc.options:
+            cc.options["mode"] = "default"
+        else:
+            cc.mode = "default"
         cc._compile_all_devices = True
     return cc
 
@@ -156,7 +162,7 @@ def profile_first_call(model: Any, ids: torch.Tensor, cc: Any, path: Path, **kw:
 
 
 def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: int,
-             profile: bool = False) -> list[dict[str, Any]]:
+             profile: bool = False, extra: list[str] | None = None) -> list[dict[str, Any]]:
     from torch._dynamo.utils import counters
     from transformers import LogitsProcessorList
 
@@ -175,7 +181,7 @@ def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: 
     rows.append(dict(model=name, batch=batch, mode="eager", generate_s=t_eager, tokens_s=batch * new / t_eager,
                      first_call_s=None, host_us_per_step=None, cudagraph_skips=None, rel_l2_max=0.0,
                      rel_l2_mean=0.0, note=""))
-    for kind in ("inductor", "ep_fuse"):
+    for kind in ("inductor", "ep_fuse", *(extra or ())):
         reset_compiled(model)
         counters.clear()
         timer = HostTimer(model)
@@ -203,7 +209,7 @@ def run_case(model: Any, name: str, batch: int, prompt: int, new: int, repeats: 
         errs = [rel_l2(a, b) for a, b in zip(out.logits, ref_logits)]
         skips = sum(counters["inductor"].get(k, 0) for k in counters["inductor"] if "cudagraph_skips" in k)
         note = ""
-        if kind == "ep_fuse":
+        if kind.startswith("ep_fuse"):
             reps = ep_fuse.reports()
             note = " | ".join(r.summary() for r in reps)
             phases, analyses = compile_totals(reps)
@@ -231,6 +237,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="smoke run: ep_fuse's tiny models (CPU works)")
+    ap.add_argument("--ep-off", default="", help="comma-separated boolean ep_fuse options: one more mode each, "
+                    "ep_fuse with that option off (e.g. pack_gqa), to measure what it is worth in the loop")
     ap.add_argument("--profile-first", action="store_true",
                     help="also profile each mode's first call (an extra compile per mode; files in $OUT)")
     args = ap.parse_args()
@@ -248,7 +256,8 @@ def main() -> None:
         else:
             model = hf_models.build(name, device=device)
         for batch in (int(b) for b in args.batches.split(",")):
-            rows += run_case(model, name, batch, args.prompt, args.new, args.repeats, args.profile_first)
+            rows += run_case(model, name, batch, args.prompt, args.new, args.repeats, args.profile_first,
+                             [f"ep_fuse, {o} off" for o in args.ep_off.split(",") if o])
             write_json("generate.json", dict(env=info, args=vars(args), rows=rows))
         del model
         gc.collect()

@@ -85,6 +85,9 @@ class EpFuseConfig(Switches):
         fold_attention_masks: an SDPA mask computed from sizes alone and proved causal (or true everywhere) becomes
             SDPA's own ``is_causal`` flag (or no mask), as in the model's eager path; see
             :mod:`ep_fuse.passes.attention_mask`.
+        pack_gqa: one-query-row SDPA (decode) over K/V heads repeated for grouped-query attention runs on the
+            un-repeated K/V, each K/V head's query heads as its query rows (same rows, no repeat copy); see
+            :mod:`ep_fuse.passes.attention_gqa`.
         ep_overlap_rules: extra measured rules (:class:`ep_fuse.passes.ep_overlap.OverlapRule`) that
             ``ep_overlap="auto"`` tries before the built-in :data:`ep_fuse.passes.ep_overlap.MEASURED_RULES`.
     """
@@ -106,6 +109,7 @@ class EpFuseConfig(Switches):
     quant: str | None = None
     ep_fp8_dispatch: bool = True
     fold_attention_masks: bool = True
+    pack_gqa: bool = True
     ep_overlap_rules: tuple[Any, ...] = ()
 
     # ------------------------------------------------------------------ construction
@@ -139,7 +143,7 @@ class EpFuseConfig(Switches):
             raise ConfigError(
                 f"ep_fuse: mode={self.mode!r} is not one of {', '.join(repr(m) for m in MODES)}."
             )
-        flags = ("perf_guard", "ep_fp8_dispatch", "fold_attention_masks")
+        flags = ("perf_guard", "ep_fp8_dispatch", "fold_attention_masks", "pack_gqa")
         for flag in (*flags, *(name for name in SWITCHES if name != "npu_gmm_weight")):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"ep_fuse: {flag} must be True or False, got {getattr(self, flag)!r}.")

@@ -1,5 +1,5 @@
-"""The rewrite pipeline on one ATen graph: attention masks -> canonicalize -> lower -> cleanup (-> views_as_reshapes
-under Inductor), with timing, report and dumps."""
+"""The rewrite pipeline on one ATen graph: attention masks -> GQA heads -> canonicalize -> lower -> cleanup
+(-> views_as_reshapes under Inductor), with timing, report and dumps."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ep_fuse.dump import Dumper
 from ep_fuse.fx_utils import copy_graph, fake_mode_of, op_histogram
 from ep_fuse.ops.ep import EpError
 from ep_fuse.ops.registry import canonical_ops
+from ep_fuse.passes.attention_gqa import PackGqaHeads
 from ep_fuse.passes.attention_mask import FoldAttentionMasks
 from ep_fuse.passes.base import GraphPass, PassContext
 from ep_fuse.passes.canonicalize import Canonicalize
@@ -39,6 +40,7 @@ def build_passes(config: EpFuseConfig, executor: str) -> list[GraphPass]:
     patterns = [p for p in all_patterns() if config.pattern_enabled(p.name)]
     pairs = all_pairs({p.name for p in patterns})
     return [*([FoldAttentionMasks()] if config.fold_attention_masks else []),
+            *([PackGqaHeads()] if config.pack_gqa else []),
             Canonicalize(patterns), Pair(pairs), Cleanup(), ExpertParallel(),
             *([QuantizeExperts()] if config.quant else []), *([EpOverlap()] if config.ep_overlap != "none" else []),
             DropZeroWeightSlots(), Expand(), Lower(), Cleanup(),
@@ -117,6 +119,7 @@ def _restore(gm: fx.GraphModule, backup: fx.Graph, report: GraphReport, where: s
     report.matches.clear()
     report.near_misses.clear()
     report.attention_masks.clear()
+    report.attention_gqa.clear()
     report.ep.clear()
     report.passes.clear()
     first = str(exc).splitlines()[0] if str(exc) else ""

@@ -198,6 +198,10 @@ class GraphReport:
     attention_masks: dict[str, str] = dataclasses.field(default_factory=dict)
     """SDPA node -> what the ``attention_mask`` pass did with its mask: ``is_causal`` (proved causal, now the op's
     flag), ``no mask`` (proved all true, dropped) or ``kept: <why>`` (:mod:`ep_fuse.passes.attention_mask`)."""
+    attention_gqa: dict[str, str] = dataclasses.field(default_factory=dict)
+    """SDPA node over repeated K/V heads -> what the ``attention_gqa`` pass did: ``packed G=<n>`` (runs on the
+    un-repeated K/V, ``n`` query heads per K/V head as its query rows) or ``kept: <why>``
+    (:mod:`ep_fuse.passes.attention_gqa`)."""
     contracts: dict[str, str] = dataclasses.field(default_factory=dict)
     """External ops the lowered graph calls (the chosen providers' ``torch_npu.npu_*`` ops, EP included) ->
     the release whose op contract they were checked against, e.g. ``{"npu_rms_norm": "torch_npu 2.14.0"}``
@@ -270,6 +274,9 @@ class GraphReport:
         folded = [r for r in self.attention_masks.values() if not r.startswith("kept")]
         if folded:
             text += "; attention masks folded: " + ", ".join(f"{r} x{folded.count(r)}" for r in sorted(set(folded)))
+        packed = [r for r in self.attention_gqa.values() if not r.startswith("kept")]
+        if packed:
+            text += f"; one-row attention on un-repeated K/V heads x{len(packed)}"
         if self.near_misses:
             text += f"; {len(self.near_misses)} near miss(es)"
         if self.shape_guards:

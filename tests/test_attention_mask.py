@@ -25,6 +25,7 @@ from ep_fuse.passes.base import PassContext
 from ep_fuse.passes.graph_edit import set_fake_vals
 from ep_fuse.report import GraphReport
 from ep_fuse.testing import tiny as tiny_models
+from support.compiling import compile_logits
 
 aten = torch.ops.aten
 SDPA_CPU = "aten._scaled_dot_product_flash_attention_for_cpu.default"
@@ -136,14 +137,6 @@ def test_cuda_sdpa_ops_take_the_flag(target, positional, mask):
     assert (after.shape, after.stride(), after.dtype) == (before.shape, before.stride(), before.dtype)
 
 
-def _compile(model, inputs, **options):
-    torch._dynamo.reset()
-    ep_fuse.reset_reports()
-    with torch.no_grad():
-        out = torch.compile(model, backend="ep_fuse", options=options)(**inputs).logits
-    return out, ep_fuse.last_report()
-
-
 SDPA_MODELS = ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "granitemoe"]
 """Tiny models whose attention traces as CPU SDPA (DeepSeek's q/k and v head dims differ: its CPU SDPA
 decomposes; GPT-OSS runs eager attention)."""
@@ -158,7 +151,7 @@ def test_hf_masks_fold_on_every_layer(name, shape):
     inputs = {"input_ids": ids, "use_cache": False}
     with torch.no_grad():
         ref = model(**inputs).logits
-    out, report = _compile(model, inputs)
+    out, report = compile_logits(model, inputs)
     want = CAUSAL if shape[1] > 1 else NO_MASK
     assert list(report.attention_masks.values()) == [want] * model.config.num_hidden_layers, report.attention_masks
     assert f"attention masks folded: {want} x{model.config.num_hidden_layers}" in report.summary()
@@ -173,7 +166,7 @@ def test_the_option_turns_the_pass_off():
     inputs = {"input_ids": ids, "use_cache": False}
     with torch.no_grad():
         ref = model(**inputs).logits
-    off, report = _compile(model, inputs, fold_attention_masks=False)
+    off, report = compile_logits(model, inputs, fold_attention_masks=False)
     assert report.attention_masks == {} and "attention_mask" not in [p.name for p in report.passes]
     assert report.ops_after.get(SDPA_CPU, 0) == 2 and report.ops_after.get("aten.bitwise_and.Tensor", 0) > 0
     torch.testing.assert_close(off, ref, rtol=1e-5, atol=1e-5)
@@ -190,7 +183,7 @@ def test_masks_that_read_inputs_are_kept():
         inputs = {"input_ids": ids, "attention_mask": attention_mask, "use_cache": False}
         with torch.no_grad():
             ref = model(**inputs).logits
-        out, report = _compile(model, inputs)
+        out, report = compile_logits(model, inputs)
         readings = list(report.attention_masks.values())
         assert len(readings) == 2 and all(r.startswith("kept: it reads the graph input") for r in readings), readings
         keep = attention_mask.bool()[:, None, :, None]  # padded query rows are garbage in both

@@ -193,11 +193,12 @@ def test_dump_dir_writes_graphs_and_report(tmp_path):
     compile_and_run(mod, *_inputs(), executor="eager", dump_dir=str(tmp_path))
     (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     names = sorted(p.name for p in graph_dir.iterdir())
-    assert names == ["00_dynamo.py", "01_aten.py", "02_attention_mask.py", "03_canonicalize.py", "04_pair.py",
-                     "05_cleanup.py", "06_ep.py", "07_drop_zero_slots.py", "08_expand.py", "09_lower.py", "10_cleanup.py",
+    assert names == ["00_dynamo.py", "01_aten.py", "02_attention_mask.py", "03_attention_gqa.py",
+                     "04_canonicalize.py", "05_pair.py", "06_cleanup.py", "07_ep.py", "08_drop_zero_slots.py",
+                     "09_expand.py", "10_lower.py", "11_cleanup.py",
                      "graph_after.json", "graph_before.json", "report.json", "summary.txt", "unlowered.txt"]
-    assert "ep_fuse.add_rms_norm" in (graph_dir / "03_canonicalize.py").read_text()
-    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "09_lower.py").read_text()
+    assert "ep_fuse.add_rms_norm" in (graph_dir / "04_canonicalize.py").read_text()
+    assert "ep_fuse_triton.add_rms_norm" in (graph_dir / "10_lower.py").read_text()
     assert "rsqrt" in (graph_dir / "01_aten.py").read_text()
     assert (tmp_path / "report.html").is_file()
 

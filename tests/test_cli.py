@@ -51,12 +51,13 @@ def test_dump_writes_every_stage_and_prints_the_table(mixtral_dump):
     assert "compiling with backend='ep_fuse'" in stderr and "canonicalize: 13 change(s)" in stderr
     assert "pair: 2 change(s)" in stderr
     g = out / "graph_0_0"
-    for name in ("00_dynamo.py", "01_aten.py", "02_attention_mask.py", "03_canonicalize.py", "04_pair.py",
-                 "05_cleanup.py", "06_ep.py", "07_drop_zero_slots.py", "08_expand.py", "09_lower.py", "10_cleanup.py",
+    for name in ("00_dynamo.py", "01_aten.py", "02_attention_mask.py", "03_attention_gqa.py",
+                 "04_canonicalize.py", "05_pair.py", "06_cleanup.py", "07_ep.py", "08_drop_zero_slots.py",
+                 "09_expand.py", "10_lower.py", "11_cleanup.py",
                  "graph_before.json", "graph_after.json", "report.json", "summary.txt", "unlowered.txt"):
         assert (g / name).is_file(), name
     assert "aten.rsqrt.default" in (g / "01_aten.py").read_text()
-    assert "ep_fuse.add_rms_norm.default" in (g / "03_canonicalize.py").read_text()
+    assert "ep_fuse.add_rms_norm.default" in (g / "04_canonicalize.py").read_text()
     assert "bf16[2, 16, 64]" in (g / "01_aten.py").read_text(), "shapes and dtypes are shown"
     rep = json.loads((g / "report.json").read_text())
     assert [m["pattern"] for m in rep["matches"]].count("add_rms_norm") == 4

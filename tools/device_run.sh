@@ -11,7 +11,7 @@
 # then bench_fp8.py with $FP8_ARGS), fp8_dispatch (tests/gpu/test_gpu_fp8_dispatch.py, 2 GPUs), dense
 # (bench_gemm_swiglu.py --part prefill with $DENSE_ARGS), moe (bench_moe.py), forward (bench_forward.py with
 # $FWD_ARGS), moe_experts (bench_moe_experts.py with $MOE_EXP_ARGS, e.g. --shape NAME=T,H,I,E,K --no-sweep),
-# host_overhead (experiments/2026-12/host_overhead.py with $HOST_ARGS), attention_mask (experiments/2026-12/attention_mask_cost.py), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
+# host_overhead (experiments/2026-12/host_overhead.py with $HOST_ARGS), host_per_call (experiments/2026-12/host_per_call.py with $HPC_ARGS), attention_mask (experiments/2026-12/attention_mask_cost.py), attention_gqa (experiments/2026-12/attention_gqa_cost.py), ep_fp8 (bench_ep.py --fp8-wire on DeepSeek-V3 decode
 # and prefill, DeepEP normal and all_to_all; needs the deepep step first), pack (tar every log and
 # result into $OUT), gpu_tests (python -m pytest on the tests/gpu files named in $GPU_TESTS, extra pytest
 # arguments in $GPU_TESTS_ARGS), deepgemm (build DeepGEMM from a
@@ -133,6 +133,10 @@ for s in "$@"; do
       step attention_mask timeout 120 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/attention_mask_cost.py" ;;
     host_overhead)
       step host_overhead timeout 120 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/host_overhead.py" ${HOST_ARGS:-} ;;
+    attention_gqa)  # experiments/2026-12/attention_gqa_cost.py: decode attention, repeated K/V against packed query heads
+      step attention_gqa timeout 120 env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/attention_gqa_cost.py" ;;
+    host_per_call)  # experiments/2026-12/host_per_call.py: host time of a compiled forward, ep_fuse vs Inductor
+      step host_per_call timeout ${HPC_TIMEOUT:-300} env PYTHONPATH="$repo/bench${PYTHONPATH:+:$PYTHONPATH}" python3 "$repo/experiments/2026-12/host_per_call.py" ${HPC_ARGS:-} ;;
     ep_fp8)
       step ep_fp8 timeout 330 torchrun --nproc-per-node "$ngpu" "$repo/bench/bench_ep.py" \
         --shapes "DeepSeek-V3 decode,DeepSeek-V3 prefill" --backends deepep,all_to_all --fp8-wire ;;

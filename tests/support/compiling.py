@@ -1,5 +1,6 @@
 """Compiling in tests: capture the ATen graphs ep_fuse sees (:func:`capture_aten`), count calls of an op
-(:func:`count`), compile with ep_fuse and run (:func:`compile_and_run`)."""
+(:func:`count`), compile with ep_fuse and run (:func:`compile_and_run`; an HF model's logits and report from a
+fresh compile: :func:`compile_logits`)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def compile_and_run(fn: Callable[..., Any], *args: Any, dynamic: bool | None = F
     """``torch.compile(fn, backend="ep_fuse", options=options)(*args)`` under ``torch.no_grad()``."""
     with torch.no_grad():
         return torch.compile(fn, backend="ep_fuse", options=options or None, dynamic=dynamic)(*args)
+
+
+def compile_logits(model: Any, inputs: dict[str, Any], **options: Any) -> tuple[torch.Tensor, Any]:
+    """An HF causal LM's logits from a fresh ep_fuse compile (Dynamo and the reports reset), and its last report."""
+    import ep_fuse
+
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    with torch.no_grad():
+        out = torch.compile(model, backend="ep_fuse", options=options or None)(**inputs).logits
+    return out, ep_fuse.last_report()

@@ -85,8 +85,9 @@ class EpFuseConfig(Switches):
         fold_attention_masks: an SDPA mask computed from sizes alone and proved causal (or true everywhere) becomes
             SDPA's own ``is_causal`` flag (or no mask), as in the model's eager path; see
             :mod:`ep_fuse.passes.attention_mask`.
-        pack_gqa: one-query-row SDPA (decode) over K/V heads repeated for grouped-query attention runs on the
-            un-repeated K/V, each K/V head's query heads as its query rows (same rows, no repeat copy); see
+        pack_gqa: one-query-row SDPA (decode) over K/V heads repeated for grouped-query attention (HF's
+            ``repeat_kv`` or a reference implementation's repeat on ``[B, N, H, D]``) runs on the un-repeated K/V,
+            each K/V head's query heads as its query rows (same rows, no repeat copy); see
             :mod:`ep_fuse.passes.attention_gqa`.
         ep_overlap_rules: extra measured rules (:class:`ep_fuse.passes.ep_overlap.OverlapRule`) that
             ``ep_overlap="auto"`` tries before the built-in :data:`ep_fuse.passes.ep_overlap.MEASURED_RULES`.

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import ep_fuse
 from ep_fuse.config import EpFuseConfig
 from ep_fuse.fx_utils import fake_mode_of, op_args
 from ep_fuse.passes.attention_gqa import PackGqaHeads, head_repeat
@@ -35,6 +36,11 @@ def _repeat_kv(x: torch.Tensor, g: int, spelling: str) -> torch.Tensor:
     b, h, n, d = x.shape
     if spelling == "repeat_interleave":
         return x.repeat_interleave(g, dim=1)
+    if spelling == "seq-major expand":  # Llama's reference: repeat on [B, N, H, D], then put the heads second
+        y = x.transpose(1, 2)
+        return y[:, :, :, None, :].expand(b, n, h, g, d).reshape(b, n, h * g, d).transpose(1, 2)
+    if spelling == "seq-major repeat_interleave":  # Mistral's reference
+        return x.transpose(1, 2).repeat_interleave(g, dim=2).transpose(1, 2)
     return x[:, :, None, :, :].expand(b, h, g, n, d).reshape(b, h * g, n, d)
 
 
@@ -56,7 +62,7 @@ def _layout(t: torch.Tensor) -> tuple:
 
 @settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), hkv=st.integers(1, 3), g=st.integers(2, 4), n=st.integers(1, 9), d=st.sampled_from([8, 16]),
-       spelling=st.sampled_from(["repeat_kv", "repeat_interleave"]),
+       spelling=st.sampled_from(["repeat_kv", "repeat_interleave", "seq-major expand", "seq-major repeat_interleave"]),
        mask=st.sampled_from(["none", "bool row", "float row", "row expanded to heads", "per head"]),
        q_len=st.sampled_from([1, 1, 2]), causal=st.sampled_from([False, False, True]))
 def test_packed_equals_repeated(b, hkv, g, n, d, spelling, mask, q_len, causal):
@@ -107,11 +113,18 @@ def test_head_repeat_reads_only_a_repeat_of_whole_heads():
     def heads(x):
         return _repeat_kv(x, 2, "repeat_kv")
 
-    for fn, want in ((other_axis, None), (heads, 2)):
+    def seq_major_heads(x):
+        return _repeat_kv(x, 3, "seq-major expand")
+
+    def seq_major_other_axis(x):  # [B, N, H, D] repeated along N, then transposed: no head repeat
+        y = x.transpose(1, 2)
+        return y[:, :, None].expand(2, 5, 2, 3, 8).reshape(2, 10, 3, 8).transpose(1, 2)
+
+    for fn, want in ((other_axis, None), (heads, 2), (seq_major_heads, 3), (seq_major_other_axis, None)):
         gm = make_fx(fn, tracing_mode="fake")(x)
         (out,) = [n for n in gm.graph.nodes if n.op == "output"]
         found = head_repeat(out.args[0][0] if isinstance(out.args[0], (list, tuple)) else out.args[0])
-        assert (found[1] if found else None) == want
+        assert (found.g if found else None) == want, fn.__name__
 
 
 def _efficient_graph(fake: FakeTensorMode, b: int = 3, hkv: int = 2, g: int = 4, n: int = 32, d: int = 64,
@@ -249,8 +262,6 @@ def test_the_option_turns_the_pass_off():
 def test_a_symbolic_batch_packs_without_guards():
     """``dynamic=True``: the batch is symbolic; the pass decides on the static head counts only (no guard on the
     batch), one graph serves every batch size, logits equal to eager."""
-    import ep_fuse
-
     model = tiny_models.build("mixtral", dtype=torch.float32)
     torch._dynamo.reset()
     ep_fuse.reset_reports()
@@ -262,3 +273,46 @@ def test_a_symbolic_batch_packs_without_guards():
                                        model(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
     (report,) = ep_fuse.reports()
     assert list(report.attention_gqa.values()) == ["packed G=2"] * 2 and report.shape_guards == []
+
+
+class ReferenceDecodeAttention(torch.nn.Module):
+    """Decode attention written the way reference implementations (Llama's, Mistral's) write it: a ``[B, N, H, D]``
+    cache, the K/V heads repeated on that layout, then the heads put second for SDPA, a key mask per sequence."""
+
+    def __init__(self, dim: int = 64, heads: int = 8, kv_heads: int = 2, spelling: str = "seq-major expand"):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.spelling = heads, kv_heads, dim // heads, spelling
+        self.wq = torch.nn.Linear(dim, dim, bias=False)
+        self.wk = torch.nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = torch.nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cache_k, cache_v, keep):
+        b = x.shape[0]
+        q = self.wq(x).view(b, 1, self.heads, self.head_dim)
+        k = torch.cat([cache_k, self.wk(x).view(b, 1, self.kv_heads, self.head_dim)], 1)
+        v = torch.cat([cache_v, self.wv(x).view(b, 1, self.kv_heads, self.head_dim)], 1)
+        g = self.heads // self.kv_heads
+        k = _repeat_kv(k.transpose(1, 2), g, self.spelling)
+        v = _repeat_kv(v.transpose(1, 2), g, self.spelling)
+        mask = torch.zeros(keep.shape, dtype=x.dtype).masked_fill(~keep, float("-inf"))[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(b, 1, -1))
+
+
+@pytest.mark.parametrize("spelling", ["seq-major expand", "seq-major repeat_interleave", "repeat_kv"])
+def test_reference_decode_attention_packs(spelling):
+    torch.manual_seed(0)
+    mod = ReferenceDecodeAttention(spelling=spelling).eval()
+    b, n = 3, 7
+    x = torch.randn(b, 1, 64)
+    cache_k, cache_v = torch.randn(b, n, 2, 8), torch.randn(b, n, 2, 8)
+    keep = torch.rand(b, n + 1) < 0.8
+    keep[:, -1] = True
+    torch._dynamo.reset()
+    ep_fuse.reset_reports()
+    with torch.no_grad():
+        ref = mod(x, cache_k, cache_v, keep)
+        out = torch.compile(mod, backend="ep_fuse")(x, cache_k, cache_v, keep)
+    assert list(ep_fuse.last_report().attention_gqa.values()) == ["packed G=4"]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -11,8 +11,9 @@ a one-token forward and 14-29x at 64 rows over a 1024-token cache, bit for bit t
 
 For each SDPA call this pass rewrites it when all of these hold (else it records why not):
 
-* key and value are head repeats of ``[B, Hkv, N, D]`` tensors with the same ``G`` (the ``repeat_kv`` ops above,
-  or ``repeat_interleave`` over the head dimension);
+* key and value are head repeats of ``[B, Hkv, N, D]`` tensors with the same ``G``: the ``repeat_kv`` ops above or
+  ``repeat_interleave`` over the heads, on that layout (HF) or on ``[B, N, Hkv, D]`` before the ``transpose(1, 2)``
+  (the reference implementations of Llama and Mistral);
 * one query row, no dropout, not ``is_causal``, only the attention output read;
 * the mask, if any, is the same for every head (size 1, or stride 0, in the head dimension).
 
@@ -23,6 +24,7 @@ output's strides (checked on the fake values).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 from typing import Any
@@ -50,18 +52,43 @@ MASK_ARG: dict[Any, str | None] = {
 VIEWS = (aten._unsafe_view.default, aten.view.default, aten.reshape.default)
 
 
-def head_repeat(node: Any) -> tuple[fx.Node, int] | None:
-    """``(source, G)`` where ``node`` is ``source [B, Hkv, N, D]`` with each head repeated ``G`` times in a row
-    (``[B, Hkv * G, N, D]``), else ``None``."""
+@dataclasses.dataclass(frozen=True)
+class HeadRepeat:
+    """A key or value that is ``source`` with each head repeated ``g`` times in a row."""
+
+    source: fx.Node
+    """The un-repeated tensor: ``[B, Hkv, N, D]``, or ``[B, N, Hkv, D]`` when ``seq_major``."""
+    g: int
+    seq_major: bool = False
+    """The repeat ran before the ``transpose(1, 2)`` that puts the heads second (reference implementations repeat
+    on ``[B, N, H, D]``); the packed call reads ``source.transpose(1, 2)``."""
+
+
+def head_repeat(node: Any) -> HeadRepeat | None:
+    """How ``node`` (a ``[B, Hkv * G, N, D]`` SDPA key or value) repeats the heads of a ``[B, Hkv, N, D]`` tensor:
+    ``unsqueeze -> expand -> clone -> view`` or ``repeat_interleave`` over the head dimension, either on that layout
+    or on ``[B, N, Hkv, D]`` followed by ``transpose(1, 2)``; else ``None``."""
     out = tensor_val(node)
     if out is None or out.dim() != 4 or not isinstance(node, fx.Node):
+        return None
+    seq_major = node.target is aten.transpose.int and sorted(d % 4 for d in node.args[1:3]) == [1, 2]
+    rep = node.args[0] if seq_major else node
+    axis = 2 if seq_major else 1  # the head axis of the repeated tensor
+    found = _repeat_of(rep, axis)
+    return HeadRepeat(found[0], found[1], seq_major) if found else None
+
+
+def _repeat_of(node: Any, axis: int) -> tuple[fx.Node, int] | None:
+    """``(source, G)`` where the 4-d ``node`` is ``source`` with each entry along ``axis`` repeated ``G`` times."""
+    out = tensor_val(node)
+    if not isinstance(node, fx.Node) or out is None or out.dim() != 4:
         return None
     if node.target is aten.repeat_interleave.self_int:
         args = op_args(node)
         src, reps, dim = args["self"], args["repeats"], args["dim"]
         sv = tensor_val(src)
-        if sv is None or sv.dim() != 4 or dim not in (1, -3) or not isinstance(reps, int) or reps < 2 or \
-                concrete_int(sv.shape[1]) is None:
+        if sv is None or sv.dim() != 4 or not isinstance(dim, int) or dim % 4 != axis or not isinstance(reps, int) \
+                or reps < 2 or concrete_int(sv.shape[axis]) is None:
             return None
         return src, reps
     if node.target not in VIEWS:
@@ -72,28 +99,30 @@ def head_repeat(node: Any) -> tuple[fx.Node, int] | None:
     if not isinstance(n, fx.Node) or n.target is not aten.expand.default:
         return None
     unsq = n.args[0]
-    if not isinstance(unsq, fx.Node) or unsq.target is not aten.unsqueeze.default or unsq.args[1] not in (2, -3):
+    if not isinstance(unsq, fx.Node) or unsq.target is not aten.unsqueeze.default or unsq.args[1] % 5 != axis + 1:
         return None
     src = unsq.args[0]
     sv, ev = tensor_val(src), tensor_val(n)
     if sv is None or ev is None or sv.dim() != 4 or ev.dim() != 5:
         return None
-    b, hkv, s, d = sv.shape
-    g = concrete_int(ev.shape[2])
-    if g is None or g < 2 or concrete_int(hkv) is None:
+    shape = list(sv.shape)
+    g, heads = concrete_int(ev.shape[axis + 1]), concrete_int(shape[axis])
+    if g is None or g < 2 or heads is None:
         return None
-    if not same_shape(tuple(ev.shape), (b, hkv, g, s, d)) or not same_shape(tuple(out.shape), (b, hkv * g, s, d)):
+    merged = shape[:axis] + [heads * g] + shape[axis + 1:]
+    if not same_shape(tuple(ev.shape), tuple(shape[:axis + 1] + [g] + shape[axis + 1:])) or \
+            not same_shape(tuple(out.shape), tuple(merged)):
         return None
     return src, g
 
 
-def _candidate(node: fx.Node) -> tuple[fx.Node, fx.Node, int] | str | None:
-    """``(key source, value source, G)`` for a packable call, the reason it is not, or ``None`` (no head repeat)."""
+def _candidate(node: fx.Node) -> tuple[HeadRepeat, HeadRepeat, int] | str | None:
+    """``(key repeat, value repeat, G)`` for a packable call, the reason it is not, or ``None`` (no head repeat)."""
     args = op_args(node)
     k, v = head_repeat(args["key"]), head_repeat(args["value"])
     if k is None or v is None:
         return None
-    if k[1] != v[1]:
+    if k.g != v.g:
         return "key and value repeat their heads differently"
     if node.target is not aten.scaled_dot_product_attention.default and \
             any(u.target is not operator.getitem or (u.args[1] != 0 and u.users) for u in node.users):
@@ -117,7 +146,7 @@ def _candidate(node: fx.Node) -> tuple[fx.Node, fx.Node, int] | str | None:
             return "the mask is not one row shared by every head"
         if concrete_int(m.shape[0]) == 1 and concrete_int(q.shape[0]) is None:
             return "a mask broadcast over a symbolic batch"
-    return k[0], v[0], k[1]
+    return k, v, k.g
 
 
 class PackGqaHeads(GraphPass):
@@ -135,8 +164,8 @@ class PackGqaHeads(GraphPass):
             if isinstance(found, str):
                 ctx.report.attention_gqa[node.name] = f"kept: {found}"
                 continue
-            k_src, v_src, g = found
-            if _pack(gm, ctx, node, k_src, v_src, g):
+            k_rep, v_rep, g = found
+            if _pack(gm, ctx, node, k_rep, v_rep, g):
                 ctx.report.attention_gqa[node.name] = f"packed G={g}"
                 changed += 1
             else:
@@ -147,7 +176,8 @@ class PackGqaHeads(GraphPass):
         return changed
 
 
-def _pack(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, k_src: fx.Node, v_src: fx.Node, g: int) -> bool:
+def _pack(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, k_rep: HeadRepeat, v_rep: HeadRepeat, g: int
+          ) -> bool:
     """Insert the packed call before ``node`` and route ``node``'s output users to it; ``False`` (graph unchanged)
     where the result would not have the replaced output's dtype, shape and strides."""
     graph = gm.graph
@@ -175,8 +205,10 @@ def _pack(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, k_src: fx.Node, v
     with graph.inserting_before(node):
         added.append(graph.call_function(aten.view.default, (q, [-1, hkv, g, d])))
         put("query", added[-1])
-        put("key", k_src)
-        put("value", v_src)
+        for name, rep in (("key", k_rep), ("value", v_rep)):
+            if rep.seq_major:
+                added.append(graph.call_function(aten.transpose.int, (rep.source, 1, 2)))
+            put(name, added[-1] if rep.seq_major else rep.source)
         mask_name = MASK_ARG[node.target]
         mask = args.get(mask_name) if mask_name else None
         if mask is not None:

@@ -213,7 +213,7 @@ def _pack(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, k_rep: HeadRepeat
         mask = args.get(mask_name) if mask_name else None
         if mask is not None:
             m = mask
-            if tensor_val(mask).shape[1] != 1:
+            if concrete_int(tensor_val(mask).shape[1]) != 1:  # shared by the heads (stride 0): one of them
                 added.append(graph.call_function(aten.slice.Tensor, (m, 1, 0, 1)))
                 m = added[-1]
             mb = concrete_int(tensor_val(mask).shape[0])

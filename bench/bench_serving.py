@@ -90,22 +90,25 @@ def workload(n: int, vocab: int, prompt: tuple[int, int], new: tuple[int, int],
     return [([rng.randrange(1, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*new)) for _ in range(n)]
 
 
-def cb_config(mode: str, base: dict[str, Any], options: dict[str, Any]) -> Any:
+def cb_config(mode: str, base: dict[str, Any], options: dict[str, Any], model: Any = None) -> Any:
     import transformers as tf
 
-    mode, _, graphs = mode.partition("+")
+    mode, *suffixes = mode.split("+")
     cfg = tf.ContinuousBatchingConfig(return_logprobs=True, **base)
-    if graphs:
-        if graphs != "graphs":
-            raise ValueError(f"mode {mode}+{graphs}: the only suffix is +graphs")
-        cfg.use_cuda_graph = True
+    for suffix in suffixes:
+        if suffix == "graphs":
+            cfg.use_cuda_graph = True
+        elif suffix in ("async", "sync"):
+            cfg.use_async_batching = suffix == "async"
+        else:
+            raise ValueError(f"mode {mode}+{suffix}: the suffixes are +graphs, +async and +sync")
     if mode == "hf":
         cfg.default_compile_level = 1
     elif mode == "inductor":
         cfg.varlen_compile_config = tf.CompileConfig(fullgraph=False, mode="default")
         cfg.decode_compile_config = tf.CompileConfig(fullgraph=False, mode="default")
     elif mode == "ep_fuse":
-        cfg = with_ep_fuse_compile(cfg, options)
+        cfg = with_ep_fuse_compile(cfg, options, model=model)
     return cfg
 
 
@@ -195,11 +198,79 @@ def forced_accuracy(outs: dict[int, Any], ref: dict[int, Any]) -> dict[str, Any]
                 forced_logprob_diff_mean=sum(diffs) / max(len(diffs), 1))
 
 
+class StepPhases:
+    """Host time of CB's generation loop per step, by phase (a context manager around timed rounds).
+
+    Wraps the methods of the manager's ``ContinuousBatchProcessor`` that one loop iteration calls, on the instance:
+    ``schedule`` (the scheduler's ``schedule_batch``), ``tensors`` (``prepare_batch_tensors``: the host-side input
+    tensors of the batch), ``prepare`` (the rest of ``prepare_next_batch``: padding, offloading), ``h2d``
+    (``get_model_kwargs``: the copy of those tensors to the device), ``launch`` (``compute_batch``: a CUDA-graph
+    replay, or the compiled forward), ``wait`` (``retrieve_device_outputs`` and the outputs' read-back in
+    ``prepare_batch_update``: where the host waits for the GPU), ``update`` (the rest of ``update_batch``: request
+    bookkeeping and delivery). ``other`` is wall time outside these (the loop, idle waits for requests)."""
+
+    PHASES = ("schedule", "tensors", "prepare", "h2d", "launch", "wait", "update")
+
+    def __init__(self, manager: Any):
+        self.bp = manager.batch_processor
+        self.t = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, obj: Any, name: str, phase: str, minus: tuple[str, ...] = ()) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            inner0 = sum(self.t[m] for m in minus)
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t0 - (sum(self.t[m] for m in minus) - inner0)
+                self.t[phase] += dt
+                if name == "compute_batch":
+                    self.steps += 1
+
+        self._undo.append((obj, name, obj.__dict__.get(name)))
+        setattr(obj, name, timed)
+
+    def __enter__(self) -> StepPhases:
+        io, runner = self.bp.inputs_and_outputs, self.bp.model_runner
+        self._wrap(self.bp.scheduler, "schedule_batch", "schedule")
+        self._wrap(io, "prepare_batch_tensors", "tensors")
+        self._wrap(self.bp, "prepare_next_batch", "prepare", minus=("schedule", "tensors"))
+        self._wrap(io, "get_model_kwargs", "h2d")
+        self._wrap(runner, "compute_batch", "launch")
+        self._wrap(io, "retrieve_device_outputs", "wait")
+        self._wrap(io, "prepare_batch_update", "wait")
+        self._wrap(self.bp, "update_batch", "update", minus=("wait",))
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.wall = time.perf_counter() - self.t0
+        for obj, name, own in reversed(self._undo):
+            if own is None:
+                delattr(obj, name)  # back to the class's method
+            else:
+                setattr(obj, name, own)
+
+    def per_step_us(self) -> dict[str, float]:
+        """Microseconds per step of each phase, ``other`` and the step's wall time."""
+        n = max(self.steps, 1)
+        out = {k: round(v / n * 1e6, 1) for k, v in self.t.items()}
+        out["other"] = round((self.wall - sum(self.t.values())) / n * 1e6, 1)
+        out["step"] = round(self.wall / n * 1e6, 1)
+        out["steps"] = self.steps
+        return out
+
+
 def profile_round(manager: Any, reqs: list[tuple[list[int], int]], concurrency: int, path: Path) -> float:
     """Serve ``reqs`` under ``torch.profiler``; writes the top kernels to ``path``, returns GPU busy / wall."""
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    # CUDA activity alone on a GPU: CPU op events would add host time to every op of the loop being measured
+    acts = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         wall, _ = serve_requests(manager, reqs, concurrency)
     events = prof.key_averages()
@@ -212,7 +283,8 @@ def profile_round(manager: Any, reqs: list[tuple[list[int], int]], concurrency: 
 
 def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]], concurrency: list[int],
              base: dict[str, Any], options: dict[str, Any], ref: dict[Any, dict[int, Any]],
-             counts: list[int] | None = None, profile: bool = False) -> list[dict[str, Any]]:
+             counts: list[int] | None = None, profile: bool = False,
+             reference: str = "eager") -> list[dict[str, Any]]:
     import transformers as tf
 
     from ep_fuse.hf import paged_attention
@@ -239,7 +311,7 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
                               pad_token_id=0)
     cls = type(model)  # the class method: ep_fuse.serve.prepare_for_serving may have wrapped the instance's
     manager = cls.init_continuous_batching(model, generation_config=gen,
-                                           continuous_batching_config=cb_config(mode, base, options))
+                                           continuous_batching_config=cb_config(mode, base, options, model))
     rows = []
     manager.start()
     try:
@@ -247,12 +319,15 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
         t_first, _ = serve_requests(manager, warm, max(concurrency))
         graphs = manager.continuous_batching_config.cuda_graph_booleans
         for c, n in zip(concurrency, counts):
-            wall, outs = serve_requests(manager, reqs[:n], c)
+            with StepPhases(manager) as phases:
+                wall, outs = serve_requests(manager, reqs[:n], c)
             row = dict(model=name, mode=mode, concurrency=c, first_s=t_first,
+                       async_batching=manager.continuous_batching_config.use_async_batching,
+                       host_us_per_step=phases.per_step_us(),
                        dynamo_graphs=counters["stats"]["unique_graphs"] - graphs0,
                        compile_times={k: round(sum(v), 2) for k, v in compilation_time_metrics.items()},
                        cuda_graphs=f"varlen={graphs[0]} decode={graphs[1]}", **metrics(wall, outs))
-            if mode == "eager":
+            if mode == reference:
                 ref[c] = outs
             if c in ref:
                 row.update(accuracy(outs, ref[c]))
@@ -278,7 +353,7 @@ def run_mode(model: Any, name: str, mode: str, reqs: list[tuple[list[int], int]]
         if c in ref:  # teacher-forced logprobs: every mode on the same prefixes (eager's tokens)
             forced = forced_requests(reqs, ref[c])
             _, fouts = serve_requests(manager, forced, c)
-            if mode == "eager":
+            if mode == reference:
                 ref["forced"] = fouts
             else:
                 acc = forced_accuracy(fouts, ref["forced"])
@@ -311,6 +386,13 @@ def forced_cell(r: dict[str, Any], rows: list[dict[str, Any]]) -> str | None:
             f"{r['forced_logprob_diff_mean']:.2e}{ratio}")
 
 
+def host_cell(r: dict[str, Any]) -> str | None:
+    h = r.get("host_us_per_step")
+    if not h:
+        return None
+    return " / ".join(f"{h[k]:.0f}" for k in (*StepPhases.PHASES, "other")) + f" = {h['step']:.0f}"
+
+
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--models", default="qwen3_30b_a3b,mixtral_8x7b")
@@ -324,6 +406,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one profiled round per mode (GPU busy, top kernels)")
     ap.add_argument("--ep-fuse-option", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--tiny", action="store_true", help="CPU check: tiny models, a few short requests")
+    ap.add_argument("--reference", default="eager", help="the mode the others' tokens and logprobs are compared "
+                    "with (one of --modes; run first)")
     args = ap.parse_args()
     start(args, needs_cuda=not args.tiny)
     options = parse_options(args.ep_fuse_option)
@@ -359,8 +443,9 @@ def main() -> None:
         reqs = workload(max(counts + concurrency), model.config.vocab_size, span(args.prompt), span(args.new))
         ref: dict[Any, dict[int, Any]] = {}
         modes = args.modes.split(",")
-        for mode in sorted(modes, key=lambda m: m != "eager"):  # eager first: the reference
-            rows += run_mode(model, name, mode, reqs, concurrency, base, options, ref, counts, args.profile)
+        for mode in sorted(modes, key=lambda m: m != args.reference):  # the reference first
+            rows += run_mode(model, name, mode, reqs, concurrency, base, options, ref, counts, args.profile,
+                             args.reference)
             write_json("serving.json", dict(env=info, args=vars(args), rows=rows))
         del model
         gc.collect()
@@ -373,12 +458,14 @@ def main() -> None:
         vs = r["tokens_s"] / hf["tokens_s"] if hf and r.get("tokens_s") else None
         table.append([r["model"], r.get("concurrency"), r["mode"], r.get("tokens_s"), vs and f"{vs:.2f}x",
                       r.get("ttft_ms_p50"), r.get("itl_ms_p50"), r.get("itl_ms_p99"), r.get("first_s"),
-                      r.get("cuda_graphs"), r.get("gpu_busy"), r.get("tokens_equal"),
+                      r.get("cuda_graphs"), r.get("async_batching"), host_cell(r), r.get("gpu_busy"),
+                      r.get("tokens_equal"),
                       r.get("logprob_diff_max") is not None and f"{r['logprob_diff_max']:.2e}" or None,
                       forced_cell(r, rows),
                       r.get("note", "")[:80]])
     md = markdown_table(["model", "concurrent", "mode", "tokens/s", "vs hf", "TTFT p50 ms", "ITL p50 ms",
-                         "ITL p99 ms", "first s", "CUDA graphs", "GPU busy", "tokens = eager", "logprob diff max",
+                         "ITL p99 ms", "first s", "CUDA graphs", "async",
+                         "host µs/step: schedule / tensors / prepare / h2d / launch / wait / update / other = step", "GPU busy", "tokens = reference", "logprob diff max",
                          "forced: flips, diff max / mean (vs hf)", "note"],
                         table)
     (out_dir() / "serving.md").write_text(f"{info}\n\n{md}\n")

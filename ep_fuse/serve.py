@@ -9,7 +9,8 @@ The model is loaded by HF's own model manager, then :func:`prepare_for_serving` 
 ``backend="ep_fuse"`` (:func:`cb_compile_configs`). Every other option (``--cb-*``, ``--attn-implementation``,
 ``--host``, ``--port``, ``--device``, ``--dtype``, ...) is HF's and is passed through unchanged;
 ``--continuous-batching`` is implied. On CUDA, HF's own CUDA graphs are on unless ``--cb-use-cuda-graph``
-says otherwise. Needs the ``serving`` extra (``pip install ep-fuse[serving]``).
+says otherwise, and with them asynchronous batching where the model's attention needs no mask
+(:func:`with_ep_fuse_compile`). Needs the ``serving`` extra (``pip install ep-fuse[serving]``).
 
 Two server assemblies of transformers are supported (:data:`SUPPORTED_TRANSFORMERS`): 5.24's, which runs the model
 in the server's process (:func:`start` returns HF's ``Serve``, running in a thread), and 5.25's, which runs each
@@ -69,10 +70,15 @@ def cb_compile_configs(options: dict[str, Any] | None = None) -> tuple[Any, Any]
 
 
 def with_ep_fuse_compile(cb_config: Any, options: dict[str, Any] | None = None,
-                         use_cuda_graph: bool | None = None) -> Any:
+                         use_cuda_graph: bool | None = None, model: Any = None) -> Any:
     """A copy of ``cb_config`` (a ``ContinuousBatchingConfig`` or ``None``) whose unset varlen / decode compile
     configs are :func:`cb_compile_configs`; compile configs the caller set are kept. ``use_cuda_graph`` is the
-    value for HF's own CUDA graphs where the caller left ``cb_config.use_cuda_graph`` unset (``None``: HF decides)."""
+    value for HF's own CUDA graphs where the caller left ``cb_config.use_cuda_graph`` unset (``None``: HF decides).
+
+    With ``model``: where the caller left ``use_async_batching`` unset, CUDA graphs are on and ``model``'s
+    continuous batching builds no attention mask (``ep_fuse::varlen_attention``), asynchronous batching is turned on
+    -- HF's own rule (graphs on and no mask), which HF applies only to flash-attention models because it decides
+    "no mask" from ``attn_implementation``. The host then prepares batch N+1 while the GPU runs batch N."""
     import copy
 
     from transformers import ContinuousBatchingConfig
@@ -85,7 +91,29 @@ def with_ep_fuse_compile(cb_config: Any, options: dict[str, Any] | None = None,
         out.decode_compile_config = decode
     if out.use_cuda_graph is None and use_cuda_graph is not None:
         out.use_cuda_graph = use_cuda_graph
+    if model is not None and getattr(out, "use_async_batching", False) is None:
+        reason = async_batching_reason(out, model)
+        if reason is None:
+            out.use_async_batching = True
+            log.info("ep_fuse.serve: asynchronous batching on (CUDA graphs, no attention mask)")
+        else:
+            log.info("ep_fuse.serve: asynchronous batching left to HF (%s)", reason)
     return out
+
+
+def async_batching_reason(cb_config: Any, model: Any) -> str | None:
+    """Why ``model``'s continuous batching under ``cb_config`` does not take asynchronous batching by default
+    (``None``: it does): it needs HF's CUDA graphs set on (a ``bool`` or a per-path pair) and no attention mask."""
+    from ep_fuse.hf import varlen_attention
+
+    graphs = cb_config.use_cuda_graph
+    if not (graphs is True or (isinstance(graphs, (tuple, list)) and any(graphs))):
+        return "CUDA graphs not set on"
+    if not _on_cuda(model):
+        return "not on CUDA"
+    if not varlen_attention.builds_no_mask(model):
+        return "the attention needs HF's mask"
+    return None
 
 
 def _on_cuda(model: Any) -> bool:
@@ -115,7 +143,7 @@ def prepare_for_serving(model: Any, options: dict[str, Any] | None = None, http:
             # HF's CUDA graphs of the padded sizes: HF turns them off for attention that needs a mask (paged|sdpa);
             # around ep_fuse's one graph per forward they were faster at every measured point (docs/serving.md)
             cfg = with_ep_fuse_compile(continuous_batching_config, opts,
-                                       use_cuda_graph=True if _on_cuda(model) else None)
+                                       use_cuda_graph=True if _on_cuda(model) else None, model=model)
             manager = init_cb(generation_config=generation_config, continuous_batching_config=cfg,
                               workload_hints=workload_hints, **kwargs)
             return guard_cache_capacity(manager, http)

@@ -209,6 +209,33 @@ def test_hf_cuda_graph_decision_reads_our_compile_configs(monkeypatch):
     assert serve.with_ep_fuse_compile(off, use_cuda_graph=True).use_cuda_graph is False  # the caller's choice wins
 
 
+def test_async_batching_follows_hf_rule_with_our_mask_decision(monkeypatch):
+    """Asynchronous batching is turned on exactly where HF's own rule holds once the mask decision is ep_fuse's:
+    CUDA graphs set on, the model on CUDA, its CB attention mask-free (``ep_fuse::varlen_attention``); a caller's
+    explicit choice is kept and without ``model`` nothing changes (here "on CUDA" is forced)."""
+    from ep_fuse.hf import varlen_attention
+
+    model = tiny_models.build("qwen3_moe", dtype=torch.float32, num_hidden_layers=1)
+    graphs = transformers.ContinuousBatchingConfig(use_cuda_graph=True)
+    per_path = transformers.ContinuousBatchingConfig(use_cuda_graph=(True, False))
+    assert serve.async_batching_reason(graphs, model) == "not on CUDA"
+    monkeypatch.setattr(serve, "_on_cuda", lambda m: True)
+    varlen_attention.disable(model)
+    assert serve.async_batching_reason(graphs, model) == "the attention needs HF's mask"
+    assert serve.with_ep_fuse_compile(graphs, model=model).use_async_batching is None  # HF decides (off for sdpa)
+    try:
+        assert varlen_attention.enable(model, force=True)
+        assert serve.async_batching_reason(transformers.ContinuousBatchingConfig(), model) == "CUDA graphs not set on"
+        assert serve.with_ep_fuse_compile(graphs, model=model).use_async_batching is True
+        assert serve.with_ep_fuse_compile(per_path, model=model).use_async_batching is True
+        assert serve.with_ep_fuse_compile(None, use_cuda_graph=True, model=model).use_async_batching is True
+        assert serve.with_ep_fuse_compile(graphs).use_async_batching is None  # no model: nothing decided
+        off = transformers.ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=False)
+        assert serve.with_ep_fuse_compile(off, model=model).use_async_batching is False  # the caller's choice wins
+    finally:
+        varlen_attention.disable(model)
+
+
 def test_prepare_for_serving_rejects_a_model_without_continuous_batching():
     with pytest.raises(serve.ServeError, match="no continuous batching"):
         serve.prepare_for_serving(torch.nn.Linear(2, 2))

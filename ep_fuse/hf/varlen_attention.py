@@ -105,6 +105,15 @@ def _mask_is_needed(original: Any, config: Any) -> bool:
     return original(config)
 
 
+def builds_no_mask(model: Any) -> bool:
+    """Whether ``model``'s continuous batching, started where the model is now, builds no attention mask (the
+    model is cleared by :func:`enable` and a fused provider runs the op on its device and dtype, or it was forced)."""
+    config = getattr(model, "config", None)
+    if config is None or _ENABLED.get(id(config)) is not model:
+        return False
+    return model in _FORCED or runs_fused(model) is None
+
+
 def install() -> bool:
     """Route continuous batching's SDPA calls through :data:`varlen_attention` (process-wide, idempotent).
 

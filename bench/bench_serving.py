@@ -3,6 +3,7 @@
     python bench/bench_serving.py [--models qwen3_30b_a3b,mixtral_8x7b] [--requests 256] [--concurrency 1,16,64]
                                   [--prompt 32-512] [--new 64-256] [--modes eager,hf,inductor,ep_fuse]
                                   [--cuda-graph auto|on|off] [--profile] [--ep-fuse-option KEY=VALUE ...] [--tiny]
+                                  [--reference MODE]
 
 For each real-sized model (``hf_models.py``: Qwen3-30B-A3B with 4 layers, Mixtral-8x7B with 2, random
 weights, bf16) and mode, one ``ContinuousBatchingManager`` (``model.init_continuous_batching``) serves
@@ -21,7 +22,11 @@ one seed for every mode) at each concurrency: at most C requests in flight, a ne
 
 CUDA graphs are HF's own capture: ``--cuda-graph auto`` leaves ``use_cuda_graph`` to HF (off for attention that
 needs a mask, such as ``paged|sdpa``), ``on`` / ``off`` set it for every mode, and a mode named ``MODE+graphs``
-(``ep_fuse+graphs``, ``hf+graphs``) turns it on for that mode alone; reported as kept per path.
+(``ep_fuse+graphs``, ``hf+graphs``) turns it on for that mode alone; reported as kept per path. ``+async`` /
+``+sync`` set HF's asynchronous batching on / off (``ep_fuse+graphs+sync``); unset, HF decides, and the ``ep_fuse``
+mode takes ``with_ep_fuse_compile``'s default (on with CUDA graphs and no mask). Every row gets the host time per
+step of HF's loop by phase (:class:`StepPhases`). ``--reference MODE`` compares the others with that mode instead
+of eager (``--reference ep_fuse+graphs+sync``: the same kernels, another loop).
 ``--profile``: one more round per mode at the largest concurrency under ``torch.profiler``; the rows get the GPU
 busy fraction of that round and ``$OUT/serving_profile_<model>_<mode>.txt`` the top kernels. Reported per
 (model, mode, concurrency), after one warm-up round (its time is the ``first_s`` column: compile included):

@@ -106,12 +106,13 @@ def _mask_is_needed(original: Any, config: Any) -> bool:
 
 
 def builds_no_mask(model: Any) -> bool:
-    """Whether ``model``'s continuous batching, started where the model is now, builds no attention mask (the
-    model is cleared by :func:`enable` and a fused provider runs the op on its device and dtype, or it was forced)."""
+    """Whether ``model``'s continuous batching, started where the model is now, builds no attention mask: the
+    answer HF's ``attn_mask_is_needed`` gets from the wrapper :func:`install` puts in front of it (the model cleared
+    by :func:`enable` and a fused provider running the op on its device and dtype, or forced)."""
     config = getattr(model, "config", None)
-    if config is None or _ENABLED.get(id(config)) is not model:
+    if config is None or not _ORIGINALS:
         return False
-    return model in _FORCED or runs_fused(model) is None
+    return not _mask_is_needed(lambda _config: True, config)
 
 
 def install() -> bool:

@@ -1,14 +1,17 @@
 """GPU benchmark of a whole routed-expert MoE layer: eager vs Inductor vs ep_fuse, one run.
 
-    python bench/bench_moe.py [--quick] [--fp8] [--only NAME,...] [--no-checks] [--tma-before]
-        [--tma-variant FIELD=VALUE,...] [--repeat N]
+    python bench/bench_moe.py [--quick] [--fp8] [--only NAME,...] [--shape NAME=T,H,I,E,K ...] [--no-checks]
+        [--tma-before] [--tma-variant FIELD=VALUE,...] [--repeat N]
 
 The layer is the Hugging Face transformers 5.x ``grouped_mm`` experts code (sort, histc, cumsum,
 ``_grouped_mm`` x2, SwiGLU, weights in sorted order, index_put inverse permutation, top-k sum), with
 fp32 routing weights from a softmax top-k router (Mixtral/DeepSeek style). ep_fuse compiles it with
 the Inductor executor; the report says which provider ran each stage. Shapes: DeepSeek-V3 routed
 experts (H7168 I2048 E256 k8) at decode (T128) and prefill (T4096) sizes, and a Qwen3-30B-A3B-sized
-layer (H2048 I768 E128 k8, T4096). Writes ``$OUT/moe.json`` / ``moe.md``.
+layer (H2048 I768 E128 k8, T4096); ``--shape`` adds a layer (``--only`` still filters by name). Each row also
+has the layer's floor (``roofline.moe_layer_cost``: ``max(FLOPs / peak, bytes / bandwidth)`` with the dense bf16
+GEMM peak and the copy bandwidth measured in the same run; the router is not part of the layer). Writes
+``$OUT/moe.json`` / ``moe.md``.
 ``--fp8``: also ep_fuse with ``options={"quant": "fp8_block"}`` (its rel-L2 is against the bf16 eager layer, so
 it includes the FP8 quantization error). ``--only``: layers whose name contains one of the strings.
 ``--no-checks``: skip the tiny-model checks and the router table (``bench_moe_gating.py``'s). ``--tma-before``: also ep_fuse with the Hopper TMA
@@ -35,6 +38,7 @@ from common import (
     bench_graph_us,
     check_hf_models,
     copy_bandwidth_gbs,
+    dense_gemm_tflops,
     env_info,
     markdown_table,
     out_dir,
@@ -43,6 +47,8 @@ from common import (
     start,
     write_json,
 )
+
+from roofline import moe_layer_cost
 
 import ep_fuse  # noqa: E402
 
@@ -160,7 +166,7 @@ def check_tiny_models() -> list[str]:
 
 
 def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, checks: bool = True,
-         variant: str = "", repeat: int = 1) -> None:
+         variant: str = "", repeat: int = 1, extra: list[tuple[str, int, int, int, int, int]] | None = None) -> None:
     torch.manual_seed(0)
     tiny: list[str] = []
     routers: list[list[Any]] = []
@@ -176,9 +182,11 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
             log(line)
         routers = bench_routers()  # bench_moe_gating.py's table, here too
     copy = copy_bandwidth_gbs()
-    log(f"copy bandwidth {copy:.0f} GB/s")
+    peak = dense_gemm_tflops()
+    log(f"copy bandwidth {copy:.0f} GB/s, dense bf16 GEMM {peak:.0f} TF/s")
     rows, table = [], []
-    shapes = [s for s in (SHAPES[:1] if quick else SHAPES) if not only or any(o in s[0] for o in only)]
+    pool = (SHAPES[:1] if quick else SHAPES) + list(extra or [])
+    shapes = [s for s in pool if not only or any(o in s[0] for o in only)]
     for name, t, h, i, e, k in shapes:
         torch._dynamo.reset()
         ep_fuse.reset_reports()
@@ -231,10 +239,14 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
                     f"{[round(v, 1) for v in shipped_us]}, "
                     f"{us['ep_fuse_tma_variant'] / statistics.median(shipped_us):.3f}x)")
         wbytes = 3 * e * i * h * 2
+        cost = moe_layer_cost(t, h, i, e, k)
+        floor, bound = cost.floor_us(peak, copy), cost.bound(peak, copy)
         row = {"shape": name, "T": t, "H": h, "I": i, "E": e, "K": k, "us": us, "rel_l2_inductor": err_ind,
                "rel_l2_ep_fuse": err_ep, "stages": blocks[0].stages, "declined": blocks[0].declined, "fp8": fp8_info,
                "tflops": {kk: flops(t, h, i, k) / v / 1e6 for kk, v in us.items()},
-               "weight_bw_pct": {kk: 100 * wbytes / (v * 1e-6) / 1e9 / copy for kk, v in us.items()}}
+               "weight_bw_pct": {kk: 100 * wbytes / (v * 1e-6) / 1e9 / copy for kk, v in us.items()},
+               "floor_us": floor, "bound": bound, "of_floor_pct": {kk: 100 * floor / v for kk, v in us.items()},
+               "of_peak_pct": {kk: 100 * flops(t, h, i, k) / v / 1e6 / peak for kk, v in us.items()}}
         rows.append(row)
         log(f"{name}: eager {us['eager']:.1f} us, inductor {us['inductor']:.1f} us, ep_fuse {us['ep_fuse']:.1f} us "
             f"({us['inductor'] / us['ep_fuse']:.2f}x Inductor); stages {blocks[0].stages}; err {err_ep:.2e}")
@@ -242,26 +254,29 @@ def main(quick: bool = False, fp8: bool = False, only: list[str] | None = None, 
             log(f"   declined {p}: {r}")
         table.append([name, f"T{t} H{h} I{i} E{e} k{k}", us["eager"], us["inductor"], us["ep_fuse"],
                       f"{us['inductor'] / us['ep_fuse']:.2f}x", f"{row['tflops']['ep_fuse']:.0f}",
-                      ", ".join(f"{s}={p}" for s, p in blocks[0].stages.items())])
+                      f"{floor:.0f} ({bound})", f"{row['of_floor_pct']['ep_fuse']:.0f} %",
+                      f"{row['of_floor_pct']['inductor']:.0f} %", ", ".join(f"{s}={p}" for s, p in blocks[0].stages.items())])
         if fp8:
             log(f"{name}: ep_fuse fp8_block {us['ep_fuse_fp8']:.1f} us ({us['inductor'] / us['ep_fuse_fp8']:.2f}x "
                 f"Inductor bf16, {us['ep_fuse'] / us['ep_fuse_fp8']:.2f}x ep_fuse bf16)")
             table.append([f"{name}, quant=fp8_block", f"T{t} H{h} I{i} E{e} k{k}", None, us["inductor"],
                           us["ep_fuse_fp8"], f"{us['inductor'] / us['ep_fuse_fp8']:.2f}x",
-                          f"{row['tflops']['ep_fuse_fp8']:.0f}",
+                          f"{row['tflops']['ep_fuse_fp8']:.0f}", None, None, None,
                           ", ".join(f"{s}={p}" for s, p in fp8_info["stages"].items())])
         if variant:
             table.append([f"{name}, TMA configs with {variant}", f"T{t} H{h} I{i} E{e} k{k}", None, us["inductor"],
                           us["ep_fuse_tma_variant"], f"{us['inductor'] / us['ep_fuse_tma_variant']:.2f}x",
-                          f"{row['tflops']['ep_fuse_tma_variant']:.0f}", ""])
+                          f"{row['tflops']['ep_fuse_tma_variant']:.0f}", None,
+                          f"{row['of_floor_pct']['ep_fuse_tma_variant']:.0f} %", None, ""])
         mod = inductor = fused = fused8 = before = None  # free the layer before the next shape
         torch.cuda.empty_cache()
     md = markdown_table(["layer", "shape", "eager µs", "Inductor µs", "ep_fuse µs", "vs Inductor", "ep_fuse TF/s",
-                         "stage providers"], table)
+                         "floor µs (bound)", "ep_fuse of floor", "Inductor of floor", "stage providers"], table)
+    md += f"\n\nCeilings measured in this run: copy {copy:.0f} GB/s, dense bf16 GEMM {peak:.0f} TF/s."
     if routers:
         md += "\n\n" + markdown_table(ROUTER_HEAD, routers)
     (out_dir() / "moe.md").write_text(md + "\n")
-    write_json("moe.json", {"env": env_info(), "copy_gbs": copy, "rows": rows, "tiny_models": tiny,
+    write_json("moe.json", {"env": env_info(), "copy_gbs": copy, "gemm_tflops": peak, "rows": rows, "tiny_models": tiny,
                             "routers": routers})
     log(md)
 
@@ -271,6 +286,7 @@ if __name__ == "__main__":
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--only", default="")
+    ap.add_argument("--shape", action="append", default=[], help="NAME=T,H,I,E,K: an extra layer (repeatable)")
     ap.add_argument("--no-checks", action="store_true")
     ap.add_argument("--tma-before", action="store_true", help=f"--tma-variant {TMA_BEFORE}")
     ap.add_argument("--tma-variant", default="", help="FIELD=VALUE,...: TmaGemmConfig fields set on every config")
@@ -278,4 +294,5 @@ if __name__ == "__main__":
     a = ap.parse_args()
     start(a)
     main(quick=a.quick, fp8=a.fp8, only=[o for o in a.only.split(",") if o], checks=not a.no_checks,
-         variant=a.tma_variant or (TMA_BEFORE if a.tma_before else ""), repeat=a.repeat)
+         variant=a.tma_variant or (TMA_BEFORE if a.tma_before else ""), repeat=a.repeat,
+         extra=[(n, *(int(v) for v in dims.split(","))) for n, dims in (spec.split("=") for spec in a.shape)])

@@ -54,6 +54,15 @@ def expected_experts_hit(experts: int, top_k: int, tokens: int) -> float:
     return experts * (1.0 - (1.0 - top_k / experts) ** tokens)
 
 
+def moe_layer_cost(tokens: int, hidden: int, inter: int, experts: int, top_k: int, elem: int = 2) -> Cost:
+    """The least work of one routed-expert layer (router not included) on ``tokens`` uniformly routed tokens:
+    ``2 T k * 3 H I`` FLOPs (gate, up, down); bytes: the weights of the expected number of distinct experts hit,
+    the layer's input and output rows, and the ``T k`` permuted rows and activations written and read once."""
+    weights = expected_experts_hit(experts, top_k, tokens) * 3 * hidden * inter * elem
+    rows = (2 * tokens * hidden + 2 * tokens * top_k * (hidden + inter)) * elem
+    return Cost(flops=2.0 * tokens * top_k * 3 * hidden * inter, bytes=weights + rows)
+
+
 def _routed_experts(model: torch.nn.Module) -> list[tuple[str, int, int, int]]:
     """``(name, experts, per_expert_numel, itemsize)`` of each routed-expert container of ``model``.
 

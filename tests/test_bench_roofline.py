@@ -73,6 +73,17 @@ def test_floor_takes_the_binding_ceiling(roofline):
     assert roofline.Cost(flops=790e12 * 3e-3).bound(790, 4275) == "compute"
 
 
+def test_moe_layer_floor_turns_compute_bound_past_the_ridge(roofline):
+    # Qwen3-30B-A3B-sized: 128 rows per expert at T2048 is under the ridge (790 / 4.275 ~ 185 FLOPs per byte, i.e.
+    # rows per expert for bf16 weights), 512 at T8192 above it
+    small, large = roofline.moe_layer_cost(2048, 2048, 768, 128, 8), roofline.moe_layer_cost(8192, 2048, 768, 128, 8)
+    assert small.flops == 2 * 2048 * 8 * 3 * 2048 * 768
+    weights = 3 * 2048 * 768 * 2 * roofline.expected_experts_hit(128, 8, 2048)
+    assert small.bytes == pytest.approx(weights + 2 * (2 * 2048 * 2048 + 2 * 2048 * 8 * (2048 + 768)))
+    assert small.bound(790, 4275) == "memory" and large.bound(790, 4275) == "compute"
+    assert large.floor_us(790, 4275) == pytest.approx(large.flops / 790e12 * 1e6)
+
+
 @pytest.mark.parametrize("name,stage", [
     ("_row_kernel", "norms/RoPE"),
     ("_grouped_gemm_tma_kernel_0", "experts"),

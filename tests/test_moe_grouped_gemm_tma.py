@@ -148,8 +148,8 @@ def test_cleared_on_cuda_and_taken_by_size(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     x = SimpleNamespace(shape=(4096, 64), device=torch.device("cuda"))
     assert gpu_unverified(host.TMA_VARIANT, x) is None
-    w = SimpleNamespace(shape=(64, 32, 64))  # 64 rows per expert
-    assert "rows per expert < 128" in host.tma_declined(x, w)
+    w = SimpleNamespace(shape=(128, 32, 64))  # 32 rows per expert
+    assert "rows per expert < 64" in host.tma_declined(x, w)
 
 
 @pytest.mark.parametrize("columns, swiglu, takes", [
@@ -159,7 +159,7 @@ def test_cleared_on_cuda_and_taken_by_size(monkeypatch):
     ((1408, 2880), True, False), ((2880, 1408), False, False),   # E60 H2880 I1408: measured 0.92-0.96x
 ])
 def test_tma_rule_takes_only_shapes_whose_columns_fill_its_tiles(columns, swiglu, takes):
-    """On CUDA from 128 rows per expert the TMA kernel takes a GEMM only where its output columns are a
+    """On CUDA from 64 rows per expert the TMA kernel takes a GEMM only where its output columns are a
     multiple of the config's column tile: where they are not (1408 and 2880 on 256-wide tiles) H200 measured
     it slower than ``torch._grouped_mm`` at every swept config, and the default kernel slower above 128 rows
     per expert, so such calls keep Inductor's code there."""
@@ -189,6 +189,24 @@ def test_expert_groups_where_an_experts_weights_outgrow_l2(i, h, e, walk):
     assert (up.expert_groups, up.small_bm) == ((True, 32) if walk else (False, 0))
     assert not down.expert_groups and not down.small_bm
     assert not up.flatten and down.flatten == (e > 16)
+
+
+def test_few_large_experts_take_many_expert_tiles_at_few_rows():
+    """Few large experts (Mixtral-8x7B-sized): below 256 rows per expert gate|up + SwiGLU runs the many-experts
+    64 x 256 tiles (with expert groups: 235 MB of gate|up weights per expert), from there 128 x 128; a symbolic row
+    count, columns the 256-wide tiles do not fill, the down GEMM and the dense GEMM + SwiGLU keep their configs."""
+    few = tk.TmaGemmConfig(128, 128, 64, 8, 3, 8)
+    many = tk.config_for(128 * 8, 14336, 4096, 8, swiglu=True, interpret=False)
+    assert (many.bm, many.bn, many.expert_groups, many.small_bm) == (64, 256, True, 32)
+    assert tk.config_for(256 * 8, 14336, 4096, 8, swiglu=True, interpret=False) == few
+    assert tk.config_for(128 * 8, 1408, 4096, 8, swiglu=True, interpret=False) == few  # 1408 % 256 != 0
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    rows = ShapeEnv().create_unbacked_symint()
+    assert tk.config_for(rows, 14336, 4096, 8, swiglu=True, interpret=False) == few
+    down = tk.config_for(128 * 8, 4096, 14336, 8, interpret=False)
+    assert down == tk.config_for(4096 * 8, 4096, 14336, 8, interpret=False) and down.group_m == 16
+    assert tk.dense_config_for(64, 14336, 4096, interpret=False) == few
 
 
 @pytest.mark.parametrize("small_bm", [8, 24, 64, 128])

@@ -263,8 +263,9 @@ def test_size_branches_trace_every_branch_without_a_guard(case: str) -> None:
 
 def test_size_branches_follow_the_run_time_rules() -> None:
     """The bounds are the rules the opaque op applies per call: decode tiles up to 16 rows per expert (32-row
-    tiles above 4), the 64-row config up to 64, then the TMA kernel from 128 rows per expert (where it takes the shape) or
-    ``torch._grouped_mm`` above 128 (bf16), the kernel at every size where ``_grouped_mm`` does not run."""
+    tiles above 4), the 64-row config below 64, then the TMA kernel from 64 rows per expert (where it takes the shape),
+    ``torch._grouped_mm`` at sizes too large for it (bf16), the kernel at every size where ``_grouped_mm`` does not
+    run."""
     from ep_fuse.providers.triton import size_branches as sb
     from ep_fuse.providers.triton import gemm_swiglu as triton_gemm_swiglu
     from ep_fuse.providers.triton import moe as triton_moe
@@ -273,11 +274,10 @@ def test_size_branches_follow_the_run_time_rules() -> None:
     x, w, _ = _grouped_args(BF16, True)
     e = w.shape[0]
     names = {rows: sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name
-             for rows in (1, 4 * e, 4 * e + 1, 16 * e, 16 * e + 1, 64 * e, 64 * e + 1, 128 * e - 1, 128 * e, 2**31)}
+             for rows in (1, 4 * e, 4 * e + 1, 16 * e, 16 * e + 1, 64 * e - 1, 64 * e, 128 * e, 2**31)}
     assert names == {1: "kernel (decode tiles)", 4 * e: "kernel (decode tiles)", 4 * e + 1: "kernel (32-row decode tiles)",
                      16 * e: "kernel (32-row decode tiles)", 16 * e + 1: "kernel (64-row tiles)",
-                     64 * e: "kernel (64-row tiles)", 64 * e + 1: "kernel (128-row tiles)",
-                     128 * e - 1: "kernel (128-row tiles)", 128 * e: "tma",
+                     64 * e - 1: "kernel (64-row tiles)", 64 * e: "tma", 128 * e: "tma",
                      2**31: "torch._grouped_mm"}  # TMA takes any width under the interpreter
     for rows in (1, 4 * e + 1, 16 * e, 16 * e + 1, 300):
         assert ("decode tiles" in sb.branch_for(triton_moe.grouped_branches(x, w, True), rows).name) == \
@@ -287,6 +287,30 @@ def test_size_branches_follow_the_run_time_rules() -> None:
     dense = triton_gemm_swiglu.gemm_swiglu_branches(*BY_SIZE_CASES["gemm_swiglu"]()[1])  # CPU: no TMA branch
     assert [(b.name, b.below) for b in dense] == [("kernel (16-row tiles)", 17), ("kernel (32-row tiles)", 33),
                                                    ("reference", None)]
+
+
+def test_few_expert_gate_up_takes_two_tma_branches(monkeypatch) -> None:
+    """With the GPU's configs (not the interpreter's), few large experts' gate|up + SwiGLU runs the many-experts
+    tiles from 64 to 256 rows per expert and its own 128 x 128 tiles from there: two TMA branches split where
+    ``config_for`` changes; the down GEMM (one config) and many experts keep one."""
+    import functools
+
+    from ep_fuse.providers.triton import grouped_gemm_tma_kernel as tk
+    from ep_fuse.providers.triton import moe as triton_moe
+    from ep_fuse.providers.triton import size_branches as sb
+
+    monkeypatch.setattr(tk, "config_for", functools.partial(tk.config_for, interpret=False))
+    monkeypatch.setattr(triton_moe, "_grouped_tma_static", lambda *a, **kw: True)
+    e = 8
+    x, w13, w2 = torch.empty(4, 512, dtype=BF16), torch.empty(e, 2 * 1024, 512, dtype=BF16), torch.empty(e, 512, 1024)
+    up = triton_moe.grouped_branches(x, w13, True)
+    assert [b.name for b in up][-3:] == ["tma", "tma (few-expert tiles)", "torch._grouped_mm"]
+    assert [sb.branch_for(up, r).name for r in (64 * e - 1, 64 * e, 256 * e - 1, 256 * e)] == [
+        "kernel (64-row tiles)", "tma", "tma", "tma (few-expert tiles)"]
+    assert [b.name for b in triton_moe.grouped_branches(torch.empty(4, 1024, dtype=BF16), w2.to(BF16), False)][-2:] \
+        == ["tma", "torch._grouped_mm"]
+    many = triton_moe.grouped_branches(x, torch.empty(64, 2 * 1024, 512, dtype=BF16), True)
+    assert [b.name for b in many][-2:] == ["tma", "torch._grouped_mm"]
 
 
 @pytest.mark.parametrize("swiglu", [False, True])

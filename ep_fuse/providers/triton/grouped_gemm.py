@@ -8,7 +8,7 @@ Two kernels behind each op, chosen per call from static sizes (:func:`kernel_var
 * :mod:`~ep_fuse.providers.triton.grouped_gemm_kernel`: one (tile, n-tile) per program, pointer loads;
   decode (swapped 16-row tiles) and every shape the other kernel does not take.
 * :mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel` (Hopper grouped GEMM): persistent programs over
-  a device-built tile table, TMA descriptors, 64x256 / 128x256-class tiles; from 128 rows per expert
+  a device-built tile table, TMA descriptors, 64x256 / 128x256-class tiles; from 64 rows per expert
   (:func:`grouped_gemm_tma_rule`) on bf16/fp16 operands TMA can address, at
   any larger size (measured faster than ``torch._grouped_mm`` up to 2048 rows per expert).
 """
@@ -177,11 +177,13 @@ def grouped_gemm_swiglu_kernel(x, w13, seg_indptr, act="silu", limit=None, gate_
 
 
 GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT = Threshold(
-    128, command="python bench/bench_moe_grouped_gemm_tma.py",
-    evidence="CUDA-graph replays at 128 to 2048 rows per expert on five prefill shapes with the configs of config_for: "
-             "gate|up + SwiGLU 1.10-1.36x torch._grouped_mm followed by the SwiGLU (0.97-1.30x the GEMM alone), down "
-             "1.00-1.29x torch._grouped_mm, faster than the one-tile-per-program kernel everywhere (1.12x / 1.27x at "
-             "128 rows per expert, DeepSeek-V3 T4096); unmeasured below 128")
+    64, command="python bench/bench_moe_grouped_gemm_tma.py --shape NAME=T,H,I,E,K",
+    evidence="CUDA-graph replays, both GEMMs of a layer against the one-tile-per-program kernel at its configs: 1.06x "
+             "(Qwen3-30B-A3B), 1.15x (DeepSeek-V3), 1.06x (Mixtral-8x7B; 1.10x with the many-experts gate|up config) "
+             "at 64 rows per expert, 1.13-1.14x at 96 (where that kernel's 128-row tiles ran 0.93-0.97x "
+             "torch._grouped_mm); at 32 the kernel was 0.99-1.02x the TMA kernel's best config, at 16 1.01-1.08x; "
+             "from 128 to 2048 rows per expert gate|up + SwiGLU 1.10-1.36x torch._grouped_mm followed by the SwiGLU, "
+             "down 1.00-1.29x torch._grouped_mm")
 """From this many rows per expert on average the grouped GEMMs take the Hopper TMA persistent kernel
 (:mod:`~ep_fuse.providers.triton.grouped_gemm_tma_kernel`), at every larger size, where the GEMM's output
 columns fill its column tiles (:func:`grouped_gemm_tma_rule`); below it the other kernel keeps those sizes."""

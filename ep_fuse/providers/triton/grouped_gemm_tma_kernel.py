@@ -358,6 +358,28 @@ Measured (``docs/benchmarks.md``): DeepSeek-V3's 58.7 MB per expert, T4096 gate|
 layer 1.02-1.04x; Qwen3-30B-A3B's 6.3 MB: the GEMM even, the layer 0.96x, so it keeps the plain walk."""
 
 
+FEW_EXPERTS = 16
+"""At most this many experts: the few-large-experts configs of :func:`config_for` (Mixtral's 8)."""
+FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT = 256
+"""Below this many rows per expert on average (a concrete row count), few large experts take the many-experts
+gate|up + SwiGLU config too. Mixtral-8x7B-sized (``bench/bench_moe_grouped_gemm_tma.py``, 2026-12-04): at 64 /
+128 rows per expert 64 x 256 tiles with expert groups and swapped 32-row last tiles ran 528 / 624 µs against
+556 / 728 µs on 128 x 128 tiles (1.05x / 1.17x); at 512 and 2048 rows per expert 128 x 128 is the measured best
+(config_for). The down GEMM keeps its config (no consistent winner at 64 / 128 rows per expert)."""
+
+
+def _few_experts_config(swiglu: bool) -> TmaGemmConfig:
+    return TmaGemmConfig(128, 128, 64, 8, 3, 8) if swiglu else TmaGemmConfig(128, 256, 64, 8, 3, 16)
+
+
+def _many_experts_config(n: int, k: int, swiglu: bool) -> TmaGemmConfig:
+    if swiglu:
+        if 2 * n * k * 2 >= EXPERT_GROUPS_MIN_WEIGHT_BYTES:  # gate|up rows x K x 2 bytes (bf16 / fp16)
+            return TmaGemmConfig(64, 256, 64, 8, 3, 8, expert_groups=True, small_bm=32)
+        return TmaGemmConfig(64, 256, 64, 8, 3, 8)
+    return TmaGemmConfig(128, 256, 64, 8, 4, 8, flatten=True)
+
+
 def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpret: bool = INTERPRET) -> TmaGemmConfig:
     """Tile config, from ``bench/bench_moe_grouped_gemm_tma.py``'s runs (``docs/benchmarks.md``).
 
@@ -367,20 +389,22 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
     128 x 256 with 4 stages (expert groups there: -7 % to +5 %, not taken) and the K loop flattened into the
     walk (:attr:`TmaGemmConfig.flatten`; against the nested walk: Qwen3-30B-A3B T4096 1.02-1.15x,
     DeepSeek-V3 T4096 0.95-1.05x and T16384 1.01-1.05x, the layers within noise; gate|up + SwiGLU, two
-    accumulators, ran 0.78-0.92x flattened). Few large experts (Mixtral E8,
-    ``e <= 16``): gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x), down on
-    128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8; flattened 0.97-1.01x, not taken). The
-    interpreter gets small tiles of the same structure."""
+    accumulators, ran 0.78-0.92x flattened). Few large experts (Mixtral E8, at most :data:`FEW_EXPERTS`):
+    gate|up on 128 x 128 with 3 stages (1.03x at T2048 where 64 x 256 ran 0.97x) from
+    :data:`FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT` rows per expert (below it the many-experts config, where its
+    256-column tiles fill the output), down on 128 x 256 with GROUP_M 16 (1.02x at T2048, 0.98x with GROUP_M 8;
+    flattened 0.97-1.01x, not taken). ``m`` counts only as a concrete ``int``: a symbolic row count takes the
+    large-row configs (the size branches ask for each regime with a concrete bound). The interpreter gets small
+    tiles of the same structure."""
     if interpret:
         return TmaGemmConfig(32, 16, 16, 4, 2, 2) if swiglu else TmaGemmConfig(32, 32, 16, 4, 2, 2)
-    few = e <= 16
-    if swiglu:
-        if few:
-            return TmaGemmConfig(128, 128, 64, 8, 3, 8)
-        if 2 * n * k * 2 >= EXPERT_GROUPS_MIN_WEIGHT_BYTES:  # gate|up rows x K x 2 bytes (bf16 / fp16)
-            return TmaGemmConfig(64, 256, 64, 8, 3, 8, expert_groups=True, small_bm=32)
-        return TmaGemmConfig(64, 256, 64, 8, 3, 8)
-    return TmaGemmConfig(128, 256, 64, 8, 3, 16) if few else TmaGemmConfig(128, 256, 64, 8, 4, 8, flatten=True)
+    if e > FEW_EXPERTS:
+        return _many_experts_config(n, k, swiglu)
+    many = _many_experts_config(n, k, swiglu)
+    few_rows = isinstance(m, int) and m < FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT * e
+    if swiglu and few_rows and n % many.bn == 0:
+        return many
+    return _few_experts_config(swiglu)
 
 
 def _null_allocator() -> bool:
@@ -509,8 +533,8 @@ def launch_grouped_gemm_swiglu_tma(x: torch.Tensor, w13: torch.Tensor, seg: torc
 
 
 def dense_config_for(m: int, n: int, k: int, interpret: bool = INTERPRET) -> TmaGemmConfig:
-    """Tile config of the dense GEMM + SwiGLU (one expert): the few-large-experts gate|up config."""
-    return config_for(m, n, k, 1, swiglu=True, interpret=interpret)
+    """Tile config of the dense GEMM + SwiGLU (one expert, any row count): the few-large-experts gate|up config."""
+    return config_for(FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT, n, k, 1, swiglu=True, interpret=interpret)
 
 
 def launch_gemm_swiglu_tma(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, y: torch.Tensor,

@@ -143,6 +143,7 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
         WIDE_DECODE_ROWS_PER_EXPERT,
     )
     from ep_fuse.providers.triton.grouped_gemm_kernel import config_for as default  # imports triton
+    from ep_fuse.providers.triton.grouped_gemm_tma_kernel import FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT
     from ep_fuse.providers.triton.grouped_gemm_tma_kernel import config_for as tma  # imports triton
 
     e, k = max(int(w.shape[0]), 1), int(w.shape[2])
@@ -156,15 +157,25 @@ def grouped_branches(x: torch.Tensor, w: torch.Tensor, swiglu: bool, act: tuple 
         return [Branch("kernel (64-row tiles, gated activation)", None, kernel(mid))]
     decode = DECODE_ROWS_PER_EXPERT * e
     branches = [Branch("kernel (decode tiles)", WIDE_DECODE_ROWS_PER_EXPERT * e + 1, kernel(1)),
-                Branch("kernel (32-row decode tiles)", decode + 1, kernel(decode)),
-                Branch("kernel (64-row tiles)", mid + 1, kernel(mid))]
+                Branch("kernel (32-row decode tiles)", decode + 1, kernel(decode))]
     large = kernel(mid + 1)
     reference = Branch("torch._grouped_mm", None, _grouped_reference(swiglu))
     if _grouped_tma_static(x, w, swiglu, act):
-        branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * e, large),
-                     Branch("tma", ROWS_LIMIT, _grouped(swiglu, "tma", tma(0, n, k, e, swiglu=swiglu)))]
+        tma_from = int(GROUPED_GEMM_TMA_MIN_ROWS_PER_EXPERT * e)
+        branches.append(Branch("kernel (64-row tiles)", min(mid + 1, tma_from), kernel(mid)))
+        if tma_from > mid + 1:
+            branches.append(Branch("kernel (128-row tiles)", tma_from, large))
+        few_from = FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT * e  # config_for's regimes change only at this bound
+        below, above = tma(tma_from, n, k, e, swiglu=swiglu), tma(few_from, n, k, e, swiglu=swiglu)
+        if below != above:
+            branches.append(Branch("tma", few_from, _grouped(swiglu, "tma", below)))
+            branches.append(Branch("tma (few-expert tiles)", ROWS_LIMIT, _grouped(swiglu, "tma", above)))
+        else:
+            branches.append(Branch("tma", ROWS_LIMIT, _grouped(swiglu, "tma", below)))
         branches.append(reference if grouped_mm_supported(x, w) else Branch("kernel (128-row tiles)", None, large))
-    elif grouped_mm_supported(x, w):
+        return branches
+    branches.append(Branch("kernel (64-row tiles)", mid + 1, kernel(mid)))
+    if grouped_mm_supported(x, w):
         branches += [Branch("kernel (128-row tiles)", GROUPED_GEMM_MAX_ROWS_PER_EXPERT * e + 1, large), reference]
     else:  # the reference would loop over the experts on the host: the kernel at every size
         branches.append(Branch("kernel (128-row tiles)", None, large))

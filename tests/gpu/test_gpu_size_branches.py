@@ -1,7 +1,7 @@
 """GPU check of the ``<op>_by_size`` choice traced as branches on the row count
 (``providers/triton/size_branches.py``): each branch on CUDA with its real tile config, and a
 ``dynamic=True`` compile of a Qwen2-MoE-style model through ``backend="ep_fuse"`` whose symbolic graph runs
-token counts in every branch (decode tiles, 64-row tiles, 128-row tiles, the TMA kernel) with Inductor's
+token counts in every branch it has on Hopper (decode tiles, 64-row tiles, the TMA kernel) with Inductor's
 generated code choosing the branch (no ``_by_size`` op left) and no recompile.
 """
 
@@ -48,8 +48,8 @@ def test_dynamic_compile_takes_every_branch_in_one_graph(monkeypatch) -> None:
     import ep_fuse
     from ep_fuse.testing.tiny import qwen2_moe_sized
 
-    # 8 experts, top-2: rows = 2 * tokens; decode tiles up to 128 rows, 64-row tiles up to 512, the TMA kernel
-    # from 1024 (256 and 128 columns fill its tiles)
+    # 8 experts, top-2: rows = 2 * tokens; decode tiles up to 128 rows, 64-row tiles below 512, the TMA kernel
+    # from 512 (64 rows per expert; 256 and 128 columns fill its tiles)
     model = qwen2_moe_sized(hidden=256, head_dim=32, heads=8, kv_heads=2, experts=8, top_k=2, moe_intermediate=128,
                             shared_intermediate=256, layers=1, device="cuda")
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # the generated code is read below

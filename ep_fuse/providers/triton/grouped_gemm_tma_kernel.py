@@ -398,9 +398,9 @@ def config_for(m: int, n: int, k: int, e: int, *, swiglu: bool = False, interpre
     tiles of the same structure."""
     if interpret:
         return TmaGemmConfig(32, 16, 16, 4, 2, 2) if swiglu else TmaGemmConfig(32, 32, 16, 4, 2, 2)
-    if e > FEW_EXPERTS:
-        return _many_experts_config(n, k, swiglu)
     many = _many_experts_config(n, k, swiglu)
+    if e > FEW_EXPERTS:
+        return many
     few_rows = isinstance(m, int) and m < FEW_EXPERT_TILES_MIN_ROWS_PER_EXPERT * e
     if swiglu and few_rows and n % many.bn == 0:
         return many

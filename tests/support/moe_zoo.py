@@ -977,7 +977,12 @@ class Measured:
     eager_tokens_vs_fp32: list[float] = dataclasses.field(default_factory=list)
     """Low-precision runs: the same per token (each token's logits)."""
     compiled_tokens_vs_fp32: list[float] = dataclasses.field(default_factory=list)
-    """Each graph's near misses, explained."""
+    """Low-precision runs: ``‖compiled - fp32 eager‖ / ‖fp32 eager‖`` per token."""
+    stable_tokens_vs_fp32: list[float] = dataclasses.field(default_factory=list)
+    """Low-precision runs: eager again with every ``topk`` tie kept at the lowest index (:class:`_StableTopk`), per
+    token against fp32. ``torch.topk`` breaks an exact tie at the selection boundary in an unspecified order (its
+    CPU partial sort takes either index), the fused router at the lowest index; bf16 logits tie often (8 mantissa
+    bits), and whether a run ties depends on the machine's bf16 GEMM rounding. Both runs are the model's."""
 
     def counts(self) -> dict[str, int]:
         """``graphs`` and the site counts, in the keys of the zoo's pins."""
@@ -1000,6 +1005,20 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+class _StableTopk(torch.overrides.TorchFunctionMode):
+    """``topk`` with ties kept at the lowest index (a stable sort), otherwise what ``torch.topk`` returns."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func not in (torch.topk, torch.Tensor.topk):
+            return func(*args, **kwargs)
+        x, k = args[0], (args[1] if len(args) > 1 else kwargs["k"])
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+        values, order = x.sort(dim=dim, descending=largest, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k).contiguous(), order.narrow(dim, 0, k).contiguous()))
 
 
 def measure(name: str, dtype: torch.dtype = torch.float32, executor: str = "eager", seed: int = 0,
@@ -1037,10 +1056,13 @@ def measure(name: str, dtype: torch.dtype = torch.float32, executor: str = "eage
     if dtype != torch.float32:  # the fp32 model on the same tokens: both low-precision runs measured against it
         with torch.no_grad():
             ref32 = build(name, torch.float32, seed, device)(ids).float()
+            with _StableTopk():
+                stable = build(name, dtype, seed, device)(ids)  # a fresh model: `prepare` has changed this one
         eager32 = float((ref.float() - ref32).norm() / ref32.norm())
         compiled32 = float((out.float() - ref32).norm() / ref32.norm())
-        per_token = [((v.float() - ref32).norm(dim=-1) / ref32.norm(dim=-1)).flatten().tolist() for v in (ref, out)]
+        per_token = [((v.float() - ref32).norm(dim=-1) / ref32.norm(dim=-1)).flatten().tolist()
+                     for v in (ref, out, stable)]
     else:
-        per_token = [[], []]
+        per_token = [[], [], []]
     return Measured(name, dtype, executor, diff, len(reps), sites, handler.lines, misses, eager32, compiled32,
                     *per_token)
